@@ -1,0 +1,135 @@
+"""Wire and config types of yatt-algos: algorithm and optimizer configs, the training batch, train stats.
+
+Configs are frozen and reject unknown fields; messages tolerate them. Tensors cross process boundaries as
+`EncodedTensor` (dtype, shape, one zero-copy buffer); `yatt_algos.tensor_codec` converts to and from numpy
+and torch without importing either here.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+AdvantageEstimator = Literal["gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax"]
+LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+KLEstimator = Literal["k1", "k2", "k3"]
+
+
+class _Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Base of typed configuration: immutable, unknown fields are an error. (kw_only is not inherited:
+    every subclass states it.)"""
+
+
+class _Wire(msgspec.Struct, omit_defaults=True):
+    """Base of messages: unknown fields are ignored, defaults are not sent."""
+
+
+class EncodedTensor(_Wire, kw_only=True):
+    """A dense tensor as dtype, shape and its raw little-endian bytes (C order).
+
+    Producer: `tensor_codec.encode` on any side of a process boundary. Consumer: `tensor_codec.decode_*`,
+    which view `data` without copying. After a msgpack decode, `data` points into the received message.
+    """
+
+    dtype: str  # torch-style name without prefix: "float32", "bfloat16", "int64", "bool", ...
+    shape: list[int]
+    data: memoryview
+
+
+class AlgoConfig(_Config, kw_only=True):
+    """The RL objective. Names index the registries in `yatt_algos` (estimators, losses, KL, aggregation).
+
+    Producer: the app's config. Consumer: the controller's step (advantages) and the learner (loss).
+    Defaults follow the GRPO-with-GenRM recipe of WeChat-YATT (clip 0.2, KL loss 1e-2).
+    """
+
+    adv_estimator: AdvantageEstimator = "grpo"
+    policy_loss: str = "ppo_clip"
+    loss_agg_mode: LossAggMode = "token-mean"
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float = 3.0  # dual-clip lower bound for negative advantages
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_by_std: bool = True  # False gives Dr.GRPO
+    adv_eps: float = 1e-6
+    kl_estimator: KLEstimator = "k3"
+    kl_loss_coef: float = 0.0  # KL as a loss term (GRPO style)
+    kl_reward_coef: float = 0.0  # KL as a reward penalty (PPO style)
+    entropy_coef: float = 0.0
+    num_updates_per_batch: int = 1
+
+    def __post_init__(self) -> None:
+        if self.clip_ratio_low < 0 or self.clip_ratio_high < 0:
+            raise ValueError("AlgoConfig.clip_ratio_low and clip_ratio_high must be >= 0")
+        if self.clip_ratio_c <= 1:
+            raise ValueError(f"AlgoConfig.clip_ratio_c must be > 1, got {self.clip_ratio_c}")
+        if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
+            raise ValueError("AlgoConfig.gamma and lam must be in [0, 1]")
+        if self.num_updates_per_batch < 1:
+            raise ValueError(
+                f"AlgoConfig.num_updates_per_batch must be >= 1, got {self.num_updates_per_batch}"
+            )
+
+
+class OptimConfig(_Config, kw_only=True):
+    """AdamW with linear warmup then cosine decay to `min_lr_ratio * lr`.
+
+    Producer: the app's config. Consumer: the learner.
+    """
+
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    num_warmup_steps: int = 0
+    num_training_steps: int = 1000
+    min_lr_ratio: float = 0.0
+    clip_grad_norm: float = 1.0
+    micro_batch_size: int = 4
+    mini_batch_size: int = 0  # 0: the whole batch is one mini-batch
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"OptimConfig.lr must be > 0, got {self.lr}")
+        if self.micro_batch_size < 1:
+            raise ValueError(f"OptimConfig.micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        if self.num_training_steps < 1:
+            raise ValueError(f"OptimConfig.num_training_steps must be >= 1, got {self.num_training_steps}")
+
+
+class Experience(_Wire, kw_only=True):
+    """A training batch of B sequences of length T (prompt + response, right padded).
+
+    Producer: the controller's step (after rollout, reward, logprobs, advantages). Consumer: the learner's
+    `update`. Shapes: every tensor is [B, T] except `group_ids` [B]; `response_mask` marks the tokens
+    the loss sees (response, not padding); logprobs and advantages are aligned to `input_ids`.
+    """
+
+    input_ids: EncodedTensor  # [B, T] int64
+    attention_mask: EncodedTensor  # [B, T] bool or int
+    response_mask: EncodedTensor  # [B, T] bool
+    old_logprobs: EncodedTensor  # [B, T] float32
+    advantages: EncodedTensor  # [B, T] float32
+    ref_logprobs: EncodedTensor | None = None  # [B, T]
+    rollout_logprobs: EncodedTensor | None = None  # [B, T], for rollout/train mismatch correction
+    returns: EncodedTensor | None = None  # [B, T], critic targets
+    old_values: EncodedTensor | None = None  # [B, T], for the clipped value loss
+    group_ids: EncodedTensor | None = None  # [B] int64, prompt group of each sequence
+    policy_version: int = 0
+
+
+class TrainStats(_Wire, kw_only=True):
+    """What one `update` reports. `metrics` holds loss-specific figures (clip fraction, approx KL, ...).
+
+    Producer: the learner. Consumer: the controller (all-reduced across ranks) and the run's metrics log.
+    """
+
+    step: int
+    loss: float
+    grad_norm: float
+    lr: float
+    num_tokens: int
+    num_skipped_steps: int = 0
+    metrics: dict[str, float] = {}

@@ -1,0 +1,118 @@
+"""Wire and config types of yatt-placement: what a cluster and its roles look like, and where roles go.
+
+Configs (`ClusterSpec`, `RoleSpec`) are frozen and reject unknown fields. Wire types (`PlacementPlan`,
+`PhaseStats`, ...) tolerate unknown fields so that newer producers can talk to older consumers. Fields are only
+ever appended, with defaults.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+Role = Literal["actor", "rollout", "reference", "critic", "reward", "genrm"]
+PlacementMode = Literal["colocated", "partial", "disaggregated", "dynamic"]
+
+
+class _Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Base of typed configuration: immutable, unknown fields are an error. (kw_only is not inherited:
+    every subclass states it.)"""
+
+
+class _Wire(msgspec.Struct, omit_defaults=True):
+    """Base of messages: unknown fields are ignored, defaults are not sent."""
+
+
+class ClusterSpec(_Config, kw_only=True):
+    """The devices a job may use.
+
+    Producer: the user's config (apps) or an embedding framework. Consumer: `yatt_placement.plan`,
+    the simulator and `realize`.
+    """
+
+    num_nodes: int
+    devices_per_node: int
+    device_memory_gb: float = 80.0
+    device_kind: str = "gpu"
+
+    def __post_init__(self) -> None:
+        if self.num_nodes < 1:
+            raise ValueError(f"ClusterSpec.num_nodes must be >= 1, got {self.num_nodes}")
+        if self.devices_per_node < 1:
+            raise ValueError(f"ClusterSpec.devices_per_node must be >= 1, got {self.devices_per_node}")
+        if self.device_memory_gb <= 0:
+            raise ValueError(f"ClusterSpec.device_memory_gb must be > 0, got {self.device_memory_gb}")
+
+    @property
+    def num_devices(self) -> int:
+        return self.num_nodes * self.devices_per_node
+
+
+class RoleSpec(_Config, kw_only=True):
+    """One role of the RL job and the model it runs.
+
+    Producer: the user's config (apps). Consumer: the planner, which sizes replicas from it, and the
+    controller, which launches `num_replicas` worker groups of `tensor_parallel * pipeline_parallel` devices.
+    `num_replicas = 0` lets the planner choose.
+    """
+
+    role: Role
+    num_params: float
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    num_replicas: int = 0
+    trainable: bool = False
+    memory_gb: float | None = None  # per device; None: estimated by the planner from num_params
+    name: str = ""  # distinguishes several roles of one kind, e.g. two GenRM judges
+
+    def __post_init__(self) -> None:
+        if self.num_params <= 0:
+            raise ValueError(f"RoleSpec({self.role}).num_params must be > 0, got {self.num_params}")
+        for field in ("tensor_parallel", "pipeline_parallel"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"RoleSpec({self.role}).{field} must be >= 1, got {getattr(self, field)}")
+        if self.num_replicas < 0:
+            raise ValueError(f"RoleSpec({self.role}).num_replicas must be >= 0, got {self.num_replicas}")
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tensor_parallel * self.pipeline_parallel
+
+
+class RolePlacement(_Wire, kw_only=True):
+    """Where one role runs: a list of replicas, each a list of global device indices.
+
+    Producer: the planner. Consumer: `realize` (bundle indices) and the controller (worker groups).
+    """
+
+    role: Role
+    replicas: list[list[int]]
+    name: str = ""
+    colocated_with: list[str] = []  # roles that time-share these devices
+
+
+class PlacementPlan(_Wire, kw_only=True):
+    """A complete placement: every role's devices under one mode.
+
+    Producer: `plan` and the dynamic re-planner (which bumps `version` and sets `reason`).
+    Consumer: `realize`, the controller, the `yatt plan` command.
+    """
+
+    mode: PlacementMode
+    num_devices: int
+    roles: list[RolePlacement]
+    version: int = 0
+    reason: str = ""
+
+
+class PhaseStats(_Wire, kw_only=True):
+    """Measured busy time of each role over one RL step.
+
+    Producer: the controllers (per-phase timers). Consumer: the dynamic re-planner and the run's metrics.
+    """
+
+    step: int
+    step_time_s: float
+    busy_s: dict[str, float]  # role name -> seconds the role's devices were busy this step
+    num_devices: dict[str, int] = {}  # role name -> devices held this step

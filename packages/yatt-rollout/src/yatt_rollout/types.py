@@ -1,0 +1,138 @@
+"""Wire and config types of yatt-rollout: requests, completions, media references and weight buckets.
+
+`SamplingParams` is a frozen config that rejects unknown fields; the rest are messages that tolerate them.
+Raw pixels and bulk tensors never travel inline: media go by `MediaRef`, weights by one flat buffer in a
+`WeightBucket` that msgpack decodes zero-copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from typing import Literal, Protocol, runtime_checkable
+
+import msgspec
+
+FinishReason = Literal["stop", "length", "error"]
+
+
+class _Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Base of typed configuration: immutable, unknown fields are an error. (kw_only is not inherited:
+    every subclass states it.)"""
+
+
+class _Wire(msgspec.Struct, omit_defaults=True):
+    """Base of messages: unknown fields are ignored, defaults are not sent."""
+
+
+class SamplingParams(_Config, kw_only=True):
+    """How to sample. `top_k = 0` and `top_p = 1.0` disable those filters; `seed` makes a request reproducible.
+
+    Producer: the app's config, a judge spec. Consumer: every `Generator`.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 64
+    stop_token_ids: list[int] = []
+    seed: int | None = None
+    logprobs: bool = True
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"SamplingParams.n must be >= 1, got {self.n}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k must be >= 0, got {self.top_k}")
+
+
+class MediaRef(_Wire, kw_only=True):
+    """An image or video by reference: a file path, `file://` or `data:` URI. Pixels are loaded where used.
+
+    Producer: the dataset reader. Consumer: the VLM rollout engine and the multimodal judges.
+    """
+
+    kind: Literal["image", "video"]
+    uri: str
+    sha256: str = ""  # optional integrity check of the referenced bytes
+
+
+class Prompt(_Wire, kw_only=True):
+    """A tokenized prompt, with the media its placeholder tokens refer to.
+
+    Producer: the controller's data pipeline (chat template + tokenizer). Consumer: `Generator`.
+    """
+
+    token_ids: list[int]
+    media: list[MediaRef] = []
+    text: str = ""  # the rendered prompt, for logs and judges; engines read token_ids
+
+
+class GenerateRequest(_Wire, kw_only=True):
+    """One prompt to be completed `sampling.n` times.
+
+    Producer: a controller (or a judge). Consumer: a `Generator` replica, possibly across a process boundary.
+    """
+
+    request_id: str
+    prompt: Prompt
+    sampling: SamplingParams = SamplingParams()
+
+
+class Completion(_Wire, kw_only=True):
+    """One sampled completion. `logprobs[i]` is the sampling-time logprob of `token_ids[i]`.
+
+    Producer: a `Generator`. Consumer: the controller (reward, advantages, training) which checks
+    `policy_version` against the version it expects. `finish_reason == "error"` carries `error` and no tokens.
+    """
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    policy_version: int
+    error: str = ""
+
+
+class WeightBucket(_Wire, kw_only=True):
+    """Named tensors packed back to back in one flat buffer, for weight sync. One dtype per bucket.
+
+    Producer: the learner's `export_weights` (HF naming). Consumer: `Generator.update_weights`.
+    Tensor i occupies `data[offsets[i] : offsets[i] + nbytes(shapes[i], dtype)]`; offsets are aligned.
+    """
+
+    names: list[str]
+    shapes: list[list[int]]
+    offsets: list[int]
+    dtype: str  # torch dtype name without the "torch." prefix, e.g. "float32", "bfloat16"
+    data: memoryview
+    version: int = 0
+
+
+@runtime_checkable
+class Generator(Protocol):
+    """What every rollout engine (HF, vLLM, a remote replica) provides.
+
+    `generate` is the batch call; `stream` yields completions as they finish (async pipelines, partial
+    colocation). A request that fails returns completions with `finish_reason="error"`; others are unaffected.
+    """
+
+    def generate(self, requests: Sequence[GenerateRequest]) -> list[Completion]: ...
+
+    def stream(self, requests: Sequence[GenerateRequest]) -> AsyncIterator[Completion]: ...
+
+    def update_weights(self, buckets: Sequence[WeightBucket], version: int) -> None: ...
+
+    def sleep(self) -> None: ...
+
+    def wake_up(self) -> None: ...
+
+    @property
+    def policy_version(self) -> int: ...

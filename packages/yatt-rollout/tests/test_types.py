@@ -1,0 +1,35 @@
+"""Validation of yatt_rollout's types: sampling bounds, defaults, and the zero-copy weight bucket buffer."""
+
+import msgspec
+import pytest
+from yatt_rollout.types import GenerateRequest, Prompt, SamplingParams, WeightBucket
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("n", 0, "n must be >= 1"),
+        ("max_new_tokens", 0, "max_new_tokens must be >= 1"),
+        ("top_p", 0.0, r"top_p must be in \(0, 1\]"),
+        ("temperature", -1.0, "temperature must be >= 0"),
+        ("top_k", -1, "top_k must be >= 0"),
+    ],
+)
+def test_sampling_bounds(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**{field: value})
+
+
+def test_request_defaults_are_not_sent():
+    req = GenerateRequest(request_id="r", prompt=Prompt(token_ids=[1]))
+    assert msgspec.json.encode(req) == b'{"request_id":"r","prompt":{"token_ids":[1]}}'
+    assert msgspec.json.decode(msgspec.json.encode(req), type=GenerateRequest).sampling == SamplingParams()
+
+
+def test_weight_bucket_decodes_without_copy():
+    payload = bytes(range(64))
+    wire = msgspec.msgpack.encode(
+        WeightBucket(names=["w"], shapes=[[16]], offsets=[0], dtype="float32", data=memoryview(payload))
+    )
+    bucket = msgspec.msgpack.decode(wire, type=WeightBucket)
+    assert bucket.data.obj is wire and bytes(bucket.data) == payload

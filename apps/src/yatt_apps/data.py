@@ -1,0 +1,98 @@
+"""Datasets for the jobs: user files (jsonl or parquet with prompt and answer columns, images for VLM) and the
+embedded arithmetic task of the tiny preset.
+
+Every row is validated when the file is read: a bad row raises `ValueError` naming the file, the row (1-based
+line for jsonl, 0-based index for parquet) and the field, before any training starts.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import msgspec
+
+
+class PromptRow(msgspec.Struct, kw_only=True, frozen=True):
+    """One task: the prompt text, the expected answer (for rule rewards and judges), optional image paths."""
+
+    prompt: str
+    answer: str
+    images: list[str] = []
+
+
+def _row(raw: object, where: str, keys: dict[str, str], base: Path) -> PromptRow:
+    if not isinstance(raw, dict):
+        raise ValueError(
+            f"{where}: expected an object with fields {sorted(keys.values())}, got {type(raw).__name__}"
+        )
+    doc = {}
+    for field, key in keys.items():
+        if key in raw:
+            doc[field] = raw[key]
+        elif field != "images":
+            raise ValueError(f"{where}: missing field {key!r}")
+    try:
+        row = msgspec.convert(doc, PromptRow)
+    except msgspec.ValidationError as err:
+        field = str(err).rsplit("$.", 1)[-1].rstrip("`").split("[")[0]
+        raise ValueError(f"{where}: field {keys.get(field, field)!r}: {err}") from None
+    if not row.prompt.strip():
+        raise ValueError(f"{where}: field {keys['prompt']!r} is empty")
+    for image in row.images:
+        if not (base / image).is_file():
+            raise ValueError(f"{where}: field {keys['images']!r}: image not found: {base / image}")
+    return row
+
+
+def load_rows(
+    path: str | Path, *, prompt_key: str = "prompt", answer_key: str = "answer", image_key: str = "images"
+) -> list[PromptRow]:
+    """Read and validate a jsonl or parquet file. Image paths are relative to the file's folder."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"dataset not found: {path}")
+    keys = {"prompt": prompt_key, "answer": answer_key, "images": image_key}
+    base = path.parent
+    if path.suffix == ".jsonl":
+        rows = []
+        for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                raw = msgspec.json.decode(line)
+            except msgspec.DecodeError as err:
+                raise ValueError(f"{path}:{lineno}: not valid JSON: {err}") from None
+            rows.append(_row(raw, f"{path}:{lineno}", keys, base))
+    elif path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(path).to_pylist()
+        rows = [_row(raw, f"{path}: row {i}", keys, base) for i, raw in enumerate(table)]
+    else:
+        raise ValueError(f"{path}: unsupported dataset format {path.suffix!r} (use .jsonl or .parquet)")
+    if not rows:
+        raise ValueError(f"{path}: no rows")
+    return rows
+
+
+def check_prompt_lengths(rows: list[PromptRow], lengths: list[int], max_tokens: int, source: str) -> None:
+    """Fail on the first prompt longer than `max_tokens` tokens, naming its row."""
+    for i, (row, n) in enumerate(zip(rows, lengths, strict=True)):
+        if n > max_tokens:
+            raise ValueError(
+                f"{source}: row {i}: prompt has {n} tokens, more than max_prompt_tokens={max_tokens}: "
+                f"{row.prompt[:60]!r}"
+            )
+
+
+def arithmetic_task(num_rows: int, *, seed: int = 0, max_operand: int = 20) -> list[PromptRow]:
+    """The embedded verifiable task: 'a + b' / 'a - b' questions with integer answers, deterministic in seed."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(num_rows):
+        a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
+        op = rng.choice("+-")
+        answer = a + b if op == "+" else a - b
+        rows.append(PromptRow(prompt=f"{a} {op} {b} =", answer=str(answer)))
+    return rows

@@ -1,0 +1,80 @@
+"""Dataset reading: valid jsonl and parquet load; every kind of bad row names the file, row and field."""
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from yatt_apps.data import PromptRow, arithmetic_task, check_prompt_lengths, load_rows
+
+
+def _jsonl(tmp_path, rows, name="train.jsonl"):
+    path = tmp_path / name
+    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def test_jsonl_and_parquet(tmp_path):
+    (tmp_path / "img.png").write_bytes(b"\x89PNG")
+    path = _jsonl(tmp_path, [{"q": "1 + 1 =", "a": "2"}, {"q": "look", "a": "cat", "pics": ["img.png"]}])
+    rows = load_rows(path, prompt_key="q", answer_key="a", image_key="pics")
+    assert rows == [
+        PromptRow(prompt="1 + 1 =", answer="2"),
+        PromptRow(prompt="look", answer="cat", images=["img.png"]),
+    ]
+    table = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist([{"prompt": "2 + 2 =", "answer": "4"}]), table)
+    assert load_rows(table) == [PromptRow(prompt="2 + 2 =", answer="4")]
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        ({"prompt": "1 + 1 ="}, r"train.jsonl:2: missing field 'answer'"),
+        ({"prompt": 7, "answer": "2"}, r"train.jsonl:2: field 'prompt': Expected `str`, got `int`"),
+        (
+            {"prompt": "x", "answer": "2", "images": "a.png"},
+            r"train.jsonl:2: field 'images': Expected `array`",
+        ),
+        (
+            {"prompt": "x", "answer": "2", "images": ["gone.png"]},
+            r"train.jsonl:2: field 'images': image not found",
+        ),
+        ({"prompt": "  ", "answer": "2"}, r"train.jsonl:2: field 'prompt' is empty"),
+        ("{not json", r"train.jsonl:2: not valid JSON"),
+        ([1, 2], r"train.jsonl:2: expected an object"),
+    ],
+)
+def test_bad_rows_name_file_row_field(tmp_path, row, message):
+    path = _jsonl(tmp_path, [{"prompt": "ok", "answer": "1"}, row])
+    with pytest.raises(ValueError, match=message):
+        load_rows(path)
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ValueError, match="dataset not found"):
+        load_rows(tmp_path / "nope.jsonl")
+    (tmp_path / "d.csv").write_text("prompt,answer\n")
+    with pytest.raises(ValueError, match=r"unsupported dataset format '.csv'"):
+        load_rows(tmp_path / "d.csv")
+    table = tmp_path / "bad.parquet"
+    pq.write_table(pa.Table.from_pylist([{"prompt": "a", "answer": 1}, {"prompt": "b", "answer": 3}]), table)
+    with pytest.raises(ValueError, match=r"bad.parquet: row 0: field 'answer': Expected `str`, got `int`"):
+        load_rows(table)
+
+
+def test_overlong_prompt_names_row():
+    rows = [PromptRow(prompt="short", answer="1"), PromptRow(prompt="very long prompt", answer="2")]
+    check_prompt_lengths(rows, [3, 8], 8, "train.jsonl")
+    with pytest.raises(
+        ValueError, match=r"train.jsonl: row 1: prompt has 9 tokens, more than max_prompt_tokens=8"
+    ):
+        check_prompt_lengths(rows, [3, 9], 8, "train.jsonl")
+
+
+def test_arithmetic_task_is_deterministic_and_correct():
+    rows = arithmetic_task(50, seed=3)
+    assert rows == arithmetic_task(50, seed=3) and rows != arithmetic_task(50, seed=4)
+    for row in rows:
+        a, op, b, _ = row.prompt.split()
+        assert int(row.answer) == (int(a) + int(b) if op == "+" else int(a) - int(b))

@@ -105,3 +105,63 @@ class RewardSpec(_Config, kw_only=True):
     name: str = ""  # the component's name in `Reward.components`; defaults to `kind`
     judge: JudgeSpec | None = None
     options: dict[str, str] = {}
+
+
+class MediaLimits(_Config, kw_only=True):
+    """What a `MediaRef` may point at before it is decoded: formats, bytes, pixels, and whether remote URLs
+    are fetched at all (off by default: a dataset row must not make a trainer reach the network).
+
+    Producer: the app's config. Consumer: `yatt_multimodal.media.load_image`.
+    """
+
+    formats: tuple[str, ...] = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+    max_bytes: int = 20 * 1024 * 1024
+    max_pixels: int = 4096 * 4096
+    min_side: int = 1
+    allow_remote: bool = False
+    remote_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.max_bytes < 1:
+            raise ValueError(f"MediaLimits.max_bytes must be >= 1, got {self.max_bytes}")
+        if self.max_pixels < 1:
+            raise ValueError(f"MediaLimits.max_pixels must be >= 1, got {self.max_pixels}")
+        if not self.formats:
+            raise ValueError("MediaLimits.formats must name at least one image format")
+
+
+class StepCritique(_Wire, kw_only=True):
+    """CAPO's GenPRM output for one response: its steps, where they sit in the tokens, and K wrong-step sets.
+
+    Producer: `yatt_multimodal.genprm.GenPRM`. Consumer: yatt-algos' CAPO voting, which turns
+    `wrong_steps` (K sets of 0-based step indices, one per critique) into a per-token penalty via
+    `token_spans`. `char_spans[i]` / `token_spans[i]` are half-open `[start, end)` spans of step i in the
+    response text / `response_token_ids`. `num_parsed < len(wrong_steps)` never happens: unparsed critiques
+    are left out of `wrong_steps` and counted in `num_unparsed`.
+    """
+
+    request_id: str
+    char_spans: list[tuple[int, int]]
+    token_spans: list[tuple[int, int]]
+    wrong_steps: list[list[int]]
+    status: RewardStatus = "ok"
+    num_unparsed: int = 0
+    critiques: list[str] = []
+    error: str = ""
+
+
+class RewardMetrics(_Wire, kw_only=True):
+    """Counts of one scoring call, for the step's metrics: failures are counted, never silent.
+
+    Producer: a judge or the reward combiner. Consumer: the controller's step report.
+    `num_judged` counts judge prompts actually sent (after dedup); `num_judgements` counts sampled verdicts.
+    """
+
+    num_requests: int = 0
+    num_judged: int = 0
+    num_judgements: int = 0
+    num_unparsed_judgements: int = 0
+    num_parse_error: int = 0
+    num_timeout: int = 0
+    num_error: int = 0
+    num_dropped: int = 0

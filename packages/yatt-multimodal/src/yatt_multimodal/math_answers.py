@@ -1,0 +1,153 @@
+"""Math answer verification: boxed-answer extraction and equivalence against a reference.
+
+Two backends: `math_verify` (the `math-verify` package, Hugging Face's LaTeX/expression verifier) and `sympy`
+(this module's own check: a small LaTeX-to-sympy normaliser, a whitelist of tokens, then symbolic and numeric
+equality). `backend="auto"` uses math-verify where it is installed. Both run with their own timeouts off:
+math-verify's timeout uses `signal.alarm`, which fails outside the main thread, so the async reward runner
+(`yatt_multimodal.rewards`) bounds the time instead.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import cache
+from typing import Literal
+
+MathBackend = Literal["auto", "math_verify", "sympy"]
+
+_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+
+
+def extract_boxed(text: str) -> str | None:
+    """The content of the last `\\boxed{...}` (or `\\fbox{...}`) in `text`, braces balanced; None if absent
+    or unclosed."""
+    matches = list(_BOXED.finditer(text))
+    if not matches:
+        return None
+    start = matches[-1].end()
+    depth = 1
+    for i in range(start, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[start:i].strip()
+    return None
+
+
+def math_verify_available() -> bool:
+    try:
+        import math_verify  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def verify_math(response: str, reference: str, *, backend: MathBackend = "auto") -> bool:
+    """True when the final answer in `response` equals `reference` mathematically (`1/2`, `0.5` and
+    `\\frac{1}{2}` are one answer). A response with no extractable answer is wrong, never an error."""
+    if not reference.strip():
+        raise ValueError("verify_math: reference is empty; a math reward needs the expected answer")
+    if backend == "auto":
+        backend = "math_verify" if math_verify_available() else "sympy"
+    if backend == "math_verify":
+        return _verify_with_math_verify(response, reference)
+    if backend == "sympy":
+        return _verify_with_sympy(response, reference)
+    raise ValueError(f"verify_math: backend must be auto, math_verify or sympy, got {backend!r}")
+
+
+def _as_latex(text: str) -> str:
+    # math-verify extracts from LaTeX environments; a bare gold like `\sqrt{2}/2` parses only inside $...$.
+    return text if "$" in text or "\\boxed" in text else f"${text}$"
+
+
+def _verify_with_math_verify(response: str, reference: str) -> bool:
+    from math_verify import parse, verify
+
+    gold = parse(_as_latex(reference), parsing_timeout=None)
+    boxed = extract_boxed(response)
+    target = parse(f"${boxed}$" if boxed is not None else response, parsing_timeout=None)
+    if not gold or not target:
+        return False
+    return bool(verify(gold, target, timeout_seconds=None))
+
+
+# --- the sympy backend -------------------------------------------------------------------------------------
+
+_LATEX_REWRITES = [
+    (re.compile(r"\\left|\\right|\\!|\\,|\\;|\\ |\$"), ""),
+    (re.compile(r"\\(?:d|t)?frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}"), r"((\1)/(\2))"),
+    (re.compile(r"\\(?:d|t)?frac\s*(\d)\s*(\d)"), r"((\1)/(\2))"),
+    (re.compile(r"\\sqrt\s*\{([^{}]*)\}"), r"sqrt(\1)"),
+    (re.compile(r"\\sqrt\s*(\d)"), r"sqrt(\1)"),
+    (re.compile(r"\\(?:cdot|times)"), "*"),
+    (re.compile(r"\\pi"), "pi"),
+    (re.compile(r"\^"), "**"),
+    (re.compile(r"[{]"), "("),
+    (re.compile(r"[}]"), ")"),
+    (re.compile(r"(?<=\d),(?=\d{3}\b)"), ""),  # thousands separators: 1,000 -> 1000
+]
+# After normalisation only these identifiers may remain: parse_expr evaluates Python, so nothing else passes.
+_ALLOWED_NAMES = {"sqrt", "pi", "exp", "log", "sin", "cos", "tan"}
+_SAFE_CHARS = re.compile(r"^[0-9a-zA-Z+\-*/().\s]*$")
+_FINAL_NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+)?")
+
+
+def _final_answer_text(response: str) -> str | None:
+    boxed = extract_boxed(response)
+    if boxed is not None or _BOXED.search(response):  # an unclosed box is a malformed answer, not none
+        return boxed
+    tail = re.split(r"answer is|answer:", response, flags=re.IGNORECASE)[-1]
+    numbers = _FINAL_NUMBER.findall(tail.replace(",", ""))
+    return numbers[-1] if numbers else None
+
+
+def _normalise(latex: str) -> str | None:
+    text = latex.strip().rstrip(".")
+    for _ in range(3):  # nested \frac{\frac{..}{..}}{..} unwraps from the inside out
+        for pattern, repl in _LATEX_REWRITES:
+            text = pattern.sub(repl, text)
+    if "=" in text:  # "x = 5" answers 5
+        text = text.split("=")[-1]
+    if not text.strip() or not _SAFE_CHARS.match(text):
+        return None
+    names = set(re.findall(r"[a-zA-Z]+", text))
+    if any(len(name) > 1 and name not in _ALLOWED_NAMES for name in names):
+        return None
+    return text
+
+
+@cache
+def _to_sympy(text: str):
+    from sympy.parsing.sympy_parser import (
+        convert_xor,
+        implicit_multiplication_application,
+        parse_expr,
+        standard_transformations,
+    )
+
+    normalised = _normalise(text)
+    if normalised is None:
+        return None
+    transformations = (*standard_transformations, implicit_multiplication_application, convert_xor)
+    try:
+        return parse_expr(normalised, transformations=transformations, evaluate=True)
+    except Exception:  # sympy raises SyntaxError, TokenError, TypeError... on malformed answers
+        return None
+
+
+def _verify_with_sympy(response: str, reference: str) -> bool:
+    import sympy
+
+    answer = _final_answer_text(response)
+    if answer is None:
+        return False
+    gold, pred = _to_sympy(extract_boxed(reference) or reference), _to_sympy(answer)
+    if gold is None or pred is None:
+        return False
+    try:
+        if sympy.simplify(gold - pred) == 0:
+            return True
+        diff = complex(sympy.N(gold - pred))
+    except (TypeError, ValueError, AttributeError):  # free symbols left or non-numeric expressions
+        return False
+    return abs(diff) <= 1e-6 * max(1.0, abs(complex(sympy.N(gold))))

@@ -1,0 +1,184 @@
+"""The reward interface: a batch of `RewardRequest`s -> a `RewardBatch` of `Reward`s plus counts, async.
+
+Every reward (rule, reward model, judge) implements `RewardFunction.score`. Rules are plain functions
+`(RewardRequest) -> float` wrapped by `RuleReward`, which runs them off the event loop with a per-request
+timeout and a concurrency limit. `CombinedReward` sums weighted terms. Failures are statuses, never silent
+zeros: `resolve_failures` applies the configured policy (score zero, drop the sample, fail the step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from yatt_multimodal.types import OnFailure, Reward, RewardMetrics, RewardRequest, RewardStatus
+
+# Worst first: a combined reward takes the worst status of its terms.
+_SEVERITY: dict[str, int] = {"ok": 0, "parse_error": 1, "timeout": 2, "error": 3}
+
+
+@dataclass
+class RewardBatch:
+    """The rewards of one `score` call, in request order, and its counts."""
+
+    rewards: list[Reward]
+    metrics: RewardMetrics = field(default_factory=RewardMetrics)
+
+
+@runtime_checkable
+class RewardFunction(Protocol):
+    """What every reward provides. `score` returns one `Reward` per request, in order, and never raises for
+    a single bad request: that request gets a non-ok status. `name` is its key in `Reward.components`."""
+
+    name: str
+
+    async def score(self, requests: Sequence[RewardRequest]) -> RewardBatch: ...
+
+
+class RewardStepFailed(RuntimeError):
+    """Raised by `resolve_failures` when a failure's policy is "fail"."""
+
+
+def count_statuses(rewards: Sequence[Reward], metrics: RewardMetrics | None = None) -> RewardMetrics:
+    """Fill the per-status counts of `metrics` (a fresh one by default) from `rewards`."""
+    metrics = metrics if metrics is not None else RewardMetrics()
+    metrics.num_requests = len(rewards)
+    metrics.num_parse_error = sum(r.status == "parse_error" for r in rewards)
+    metrics.num_timeout = sum(r.status == "timeout" for r in rewards)
+    metrics.num_error = sum(r.status == "error" for r in rewards)
+    return metrics
+
+
+def failed(request: RewardRequest, status: RewardStatus, error: str) -> Reward:
+    """A non-judgement: score 0.0 is a placeholder the status marks as such."""
+    return Reward(request_id=request.request_id, score=0.0, status=status, error=error)
+
+
+class RuleReward:
+    """A rule `(RewardRequest) -> float` run in worker threads, `max_concurrency` at a time, each bounded by
+    `timeout_s`. A rule that raises gets status "error" with the message; one that overruns gets "timeout"
+    (its thread is abandoned, not killed: Python cannot stop a thread, so rules must be finite)."""
+
+    def __init__(
+        self,
+        name: str,
+        fn: Callable[[RewardRequest], float],
+        *,
+        timeout_s: float = 10.0,
+        max_concurrency: int = 8,
+    ):
+        if timeout_s <= 0:
+            raise ValueError(f"RuleReward({name!r}): timeout_s must be > 0, got {timeout_s}")
+        if max_concurrency < 1:
+            raise ValueError(f"RuleReward({name!r}): max_concurrency must be >= 1, got {max_concurrency}")
+        self.name, self.fn, self.timeout_s, self.max_concurrency = name, fn, timeout_s, max_concurrency
+
+    def score_sync(self, requests: Sequence[RewardRequest]) -> RewardBatch:
+        """The same rule in the calling thread, without timeouts: for offline scoring and benchmarks."""
+        return self._batch([self._call(r) for r in requests])
+
+    async def score(self, requests: Sequence[RewardRequest]) -> RewardBatch:
+        limit = asyncio.Semaphore(self.max_concurrency)
+
+        async def one(request: RewardRequest) -> Reward:
+            async with limit:
+                try:
+                    return await asyncio.wait_for(asyncio.to_thread(self._call, request), self.timeout_s)
+                except TimeoutError:
+                    return failed(request, "timeout", f"{self.name}: no result within {self.timeout_s}s")
+
+        return self._batch(list(await asyncio.gather(*(one(r) for r in requests))))
+
+    def _call(self, request: RewardRequest) -> Reward:
+        try:
+            value = float(self.fn(request))
+        except Exception as exc:  # a rule's bug or bad row fails this request only, with the reason
+            return failed(request, "error", f"{self.name}: {type(exc).__name__}: {exc}")
+        return Reward(request_id=request.request_id, score=value, components={self.name: value})
+
+    def _batch(self, rewards: list[Reward]) -> RewardBatch:
+        return RewardBatch(rewards, count_statuses(rewards))
+
+
+class CombinedReward:
+    """`score = sum_i weight_i * score_i` over terms scored concurrently; `components` holds each term's
+    score under its name. A term's failure makes the combined reward take the worst term status and its
+    error; the failed term contributes nothing to `score`. Per-token scores, where terms give them, are
+    combined with the same weights."""
+
+    def __init__(self, terms: Sequence[tuple[float, RewardFunction]], *, name: str = "reward"):
+        if not terms:
+            raise ValueError("CombinedReward: terms is empty")
+        names = [fn.name for _, fn in terms]
+        if len(set(names)) != len(names):
+            raise ValueError(f"CombinedReward: term names must be unique, got {names}")
+        self.terms, self.name = list(terms), name
+
+    async def score(self, requests: Sequence[RewardRequest]) -> RewardBatch:
+        batches = await asyncio.gather(*(fn.score(requests) for _, fn in self.terms))
+        rewards = [
+            self._combine(request, [b.rewards[i] for b in batches]) for i, request in enumerate(requests)
+        ]
+        metrics = count_statuses(rewards)
+        for batch in batches:  # judge counts add up across terms
+            metrics.num_judged += batch.metrics.num_judged
+            metrics.num_judgements += batch.metrics.num_judgements
+            metrics.num_unparsed_judgements += batch.metrics.num_unparsed_judgements
+        return RewardBatch(rewards, metrics)
+
+    def _combine(self, request: RewardRequest, parts: list[Reward]) -> Reward:
+        score, components, errors, status = 0.0, {}, [], "ok"
+        token_scores: list[float] | None = None
+        for (weight, fn), part in zip(self.terms, parts, strict=True):
+            assert part.request_id == request.request_id, "a term returned rewards out of order"
+            if part.status != "ok":
+                errors.append(part.error or f"{fn.name}: {part.status}")
+                status = max(status, part.status, key=_SEVERITY.__getitem__)
+                continue
+            score += weight * part.score
+            components.update(part.components)
+            if part.token_scores is not None:
+                token_scores = token_scores or [0.0] * len(part.token_scores)
+                token_scores = [a + weight * b for a, b in zip(token_scores, part.token_scores, strict=True)]
+        critique = "\n".join(p.critique for p in parts if p.critique)
+        return Reward(
+            request_id=request.request_id,
+            score=score,
+            status=status,
+            components=components,
+            token_scores=token_scores,
+            critique=critique,
+            error="; ".join(errors),
+        )
+
+
+@dataclass
+class ResolvedRewards:
+    """Scores after the failure policy: `keep[i]` False means drop sample i from the step."""
+
+    scores: list[float]
+    keep: list[bool]
+    metrics: RewardMetrics
+
+
+def resolve_failures(batch: RewardBatch, policy: Mapping[str, OnFailure] | None = None) -> ResolvedRewards:
+    """Apply the failure policy (status -> "zero" | "drop" | "fail") to a batch. The default policy scores
+    parse errors zero and drops timeouts and errors (a bad image, a failed engine request): the rest of the
+    batch is scored. Every failure is counted in `metrics`;
+    "fail" raises `RewardStepFailed` naming the requests."""
+    policy = {"parse_error": "zero", "timeout": "drop", "error": "drop", **(policy or {})}
+    fatal = [r for r in batch.rewards if r.status != "ok" and policy[r.status] == "fail"]
+    if fatal:
+        detail = "; ".join(f"{r.request_id}: {r.status} ({r.error})" for r in fatal[:5])
+        raise RewardStepFailed(f"{len(fatal)} reward(s) failed with policy 'fail': {detail}")
+    keep = [r.status == "ok" or policy[r.status] != "drop" for r in batch.rewards]
+    scores = [r.score if r.status == "ok" else 0.0 for r in batch.rewards]
+    metrics = count_statuses(batch.rewards, RewardMetrics(**_counts_of(batch.metrics)))
+    metrics.num_dropped = keep.count(False)
+    return ResolvedRewards(scores, keep, metrics)
+
+
+def _counts_of(metrics: RewardMetrics) -> dict[str, int]:
+    return {name: getattr(metrics, name) for name in metrics.__struct_fields__}

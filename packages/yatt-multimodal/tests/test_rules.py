@@ -1,0 +1,146 @@
+"""Rule rewards: math verification on both backends (cases worked by hand), boxed extraction, format, regex,
+exact match, and the async runner's timeouts, errors, weights and failure policy."""
+
+import asyncio
+import threading
+
+import pytest
+from yatt_multimodal.math_answers import extract_boxed, verify_math
+from yatt_multimodal.rewards import CombinedReward, RewardStepFailed, RuleReward, resolve_failures
+from yatt_multimodal.rules import build_rule
+from yatt_multimodal.types import RewardRequest, RewardSpec
+
+BACKENDS = ["math_verify", "sympy"]
+
+# (response, reference): the same number or expression written differently. Worked by hand:
+# 1/2 = 0.5 = \frac{1}{2}; \frac{6}{4} = 3/2 = 1.5; (x+1)^2 = x^2 + 2x + 1; \sqrt{8} = 2\sqrt{2};
+# 1,000 (thousands separator) = 1000; \dfrac{\pi}{2} = \pi/2; "x = 5" answers 5.
+EQUIVALENT = [
+    ("The answer is \\boxed{0.5}.", "\\frac{1}{2}"),
+    ("So we get \\boxed{\\frac{6}{4}}", "1.5"),
+    ("\\boxed{(x+1)^2}", "x^2 + 2x + 1"),
+    ("Simplify: \\boxed{2\\sqrt{2}}", "\\sqrt{8}"),
+    ("In total \\boxed{1,000} apples", "1000"),
+    ("\\boxed{\\dfrac{\\pi}{2}}", "\\pi/2"),
+    ("Solving, \\boxed{x = 5}", "5"),
+    ("2 + 3 = 5, so the answer is 5", "5"),
+]
+# Wrong: 0.51 != 1/2; (x+1)^2 != x^2 + 1 (missing 2x); 3 != 5.
+WRONG = [
+    ("\\boxed{0.51}", "\\frac{1}{2}"),
+    ("\\boxed{x^2 + 1}", "(x+1)^2"),
+    ("\\boxed{3}", "5"),
+]
+# Malformed: no answer at all, an unclosed box, garbage inside the box, injected Python.
+MALFORMED = [
+    ("I do not know.", "5"),
+    ("\\boxed{5", "5"),
+    ("\\boxed{)(*&}", "5"),
+    ("\\boxed{__import__('os').system('true')}", "0"),
+]
+
+
+def test_extract_boxed():
+    assert extract_boxed("a \\boxed{1} then \\boxed{\\frac{1}{2}} end") == "\\frac{1}{2}"  # the last one
+    assert extract_boxed("\\fbox{ 7 }") == "7"
+    assert extract_boxed("\\boxed{{a}{b}}") == "{a}{b}"  # nested braces balanced
+    assert extract_boxed("\\boxed{5") is None
+    assert extract_boxed("no box") is None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("response", "reference"), EQUIVALENT)
+def test_equivalent_forms_accepted(backend, response, reference):
+    assert verify_math(response, reference, backend=backend) is True
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("response", "reference"), WRONG + MALFORMED)
+def test_wrong_and_malformed_rejected(backend, response, reference):
+    assert verify_math(response, reference, backend=backend) is False
+
+
+def test_verify_math_bad_arguments():
+    with pytest.raises(ValueError, match="reference is empty"):
+        verify_math("\\boxed{1}", "  ")
+    with pytest.raises(ValueError, match="backend must be auto, math_verify or sympy, got 'maple'"):
+        verify_math("\\boxed{1}", "1", backend="maple")
+
+
+def _req(response, reference="", rid="r"):
+    return RewardRequest(request_id=rid, prompt="q", response=response, reference=reference)
+
+
+def _score(spec, response, reference=""):
+    return build_rule(spec).score_sync([_req(response, reference)]).rewards[0].score
+
+
+def test_format_regex_and_exact_match():
+    tags = RewardSpec(kind="tag_format")
+    assert _score(tags, "<think>2+3</think>\n<answer>5</answer>") == 1.0
+    assert _score(tags, "<answer>5</answer><think>2+3</think>") == 0.0  # wrong order
+    assert _score(tags, "<think>a</think><answer>5</answer> trailing") == 0.0
+    assert _score(RewardSpec(kind="boxed_format"), "so \\boxed{5}") == 1.0
+    assert _score(RewardSpec(kind="boxed_format"), "\\boxed{5} or \\boxed{6}") == 0.0  # two answers
+    assert _score(RewardSpec(kind="regex", options={"pattern": r"\d+$"}), "answer 42") == 1.0
+    assert _score(RewardSpec(kind="regex", options={"pattern": r"\d+", "mode": "fullmatch"}), "a 42") == 0.0
+    exact = RewardSpec(kind="exact_match")
+    assert _score(exact, "The answer is \\boxed{Paris.}", "paris") == 1.0  # boxed, case and period ignored
+    assert _score(exact, "Lyon", "Paris") == 0.0
+    assert _score(RewardSpec(kind="exact_match", options={"normalise": "false"}), "paris", "Paris") == 0.0
+
+
+def test_build_rule_rejects_bad_specs():
+    with pytest.raises(ValueError, match=r"RewardSpec\.kind 'bleu' is not a rule"):
+        build_rule(RewardSpec(kind="bleu"))
+    with pytest.raises(ValueError, match=r"RewardSpec\.options for 'regex'"):
+        build_rule(RewardSpec(kind="regex", options={"pattern": "(", "mode": "search"}))
+    with pytest.raises(ValueError, match=r"RewardSpec\.options for 'exact_match'.*'colour'"):
+        build_rule(RewardSpec(kind="exact_match", options={"colour": "red"}))
+
+
+def test_rule_errors_and_timeouts_fail_one_request():
+    release = threading.Event()
+
+    def rule(request):
+        if request.response == "slow":
+            release.wait(5)  # released below, so the abandoned thread ends
+        if request.response == "bad":
+            raise ValueError("row 7 has no reference")
+        return 1.0
+
+    reward = RuleReward("r", rule, timeout_s=0.2, max_concurrency=2)
+    batch = asyncio.run(reward.score([_req("ok", rid="a"), _req("slow", rid="b"), _req("bad", rid="c")]))
+    release.set()
+    assert [(r.request_id, r.status, r.score) for r in batch.rewards] == [
+        ("a", "ok", 1.0),
+        ("b", "timeout", 0.0),
+        ("c", "error", 0.0),
+    ]
+    assert batch.rewards[1].error == "r: no result within 0.2s"
+    assert batch.rewards[2].error == "r: ValueError: row 7 has no reference"
+    assert (batch.metrics.num_requests, batch.metrics.num_timeout, batch.metrics.num_error) == (3, 1, 1)
+
+
+def test_combined_weights_and_failure_policy():
+    math = build_rule(RewardSpec(kind="math_verify", options={"backend": "sympy"}))
+    fmt = build_rule(RewardSpec(kind="boxed_format", name="format"))
+    broken = RuleReward("broken", lambda r: 1 / 0 if r.request_id == "c" else 0.5)
+    combined = CombinedReward([(1.0, math), (0.1, fmt), (2.0, broken)])
+    requests = [_req("\\boxed{4}", "4", "a"), _req("4", "4", "b"), _req("\\boxed{5}", "4", "c")]
+    batch = asyncio.run(combined.score(requests))
+    # a: 1.0 * 1 + 0.1 * 1 + 2.0 * 0.5 = 2.1; b: 1 + 0.1 * 0 + 1.0 = 2.0; c: broken fails -> error.
+    assert [r.score for r in batch.rewards[:2]] == pytest.approx([2.1, 2.0])
+    assert batch.rewards[0].components == {"math_verify": 1.0, "format": 1.0, "broken": 0.5}
+    assert batch.rewards[2].status == "error"
+    assert batch.rewards[2].error == "broken: ZeroDivisionError: division by zero"
+    resolved = resolve_failures(batch)  # default: errors are dropped, counted
+    assert (resolved.keep, resolved.metrics.num_dropped, resolved.metrics.num_error) == (
+        [True, True, False],
+        1,
+        1,
+    )
+    with pytest.raises(RewardStepFailed, match=r"1 reward\(s\) failed with policy 'fail': c: error"):
+        resolve_failures(batch, {"error": "fail"})
+    zeroed = resolve_failures(batch, {"error": "zero"})
+    assert (zeroed.scores[2], zeroed.keep[2]) == (0.0, True)

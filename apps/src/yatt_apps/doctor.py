@@ -26,15 +26,10 @@ def _version(dist: str) -> str | None:
 
 
 def _tiny_tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from yatt_rollout.tiny import train_tokenizer
 
     corpus = [f"{a} + {b} = {a + b}" for a in range(30) for b in range(30)]
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=256, special_tokens=["<unk>", "<eos>"], show_progress=False)
-    tok.train_from_iterator(corpus, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
+    return train_tokenizer(corpus, vocab_size=300)
 
 
 def _round_trip() -> dict[str, float]:

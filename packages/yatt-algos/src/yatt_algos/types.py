@@ -14,6 +14,8 @@ import msgspec
 AdvantageEstimator = Literal["gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax"]
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KLEstimator = Literal["k1", "k2", "k3"]
+RolloutISLevel = Literal["none", "token", "sequence"]
+RolloutISMode = Literal["truncate", "mask"]
 
 
 class _Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -59,10 +61,45 @@ class AlgoConfig(_Config, kw_only=True):
     kl_reward_coef: float = 0.0  # KL as a reward penalty (PPO style)
     entropy_coef: float = 0.0
     num_updates_per_batch: int = 1
+    # Appended in 0.2.0. GSPO clips its length-normalized sequence ratio far tighter than PPO (arXiv 2507.18071).
+    gspo_clip_ratio_low: float = 3e-4
+    gspo_clip_ratio_high: float = 4e-4
+    # CISPO clips the detached IS weight to [1 - low, 1 + high]; low = 1 is no lower bound (arXiv 2506.13585).
+    cispo_clip_ratio_low: float = 1.0
+    cispo_clip_ratio_high: float = 0.28
+    # Rollout/train mismatch correction: weight exp(old - rollout) logprobs, truncated or masked above the threshold.
+    rollout_is_level: RolloutISLevel = "none"
+    rollout_is_mode: RolloutISMode = "truncate"
+    rollout_is_threshold: float = 2.0
+    # Adaptive KL-reward coefficient (Ziegler et al. 2019): 0 keeps kl_reward_coef fixed.
+    kl_target: float = 0.0
+    kl_horizon: int = 10000
+    # Dr.GRPO's constant normalizer for "seq-mean-token-sum-norm"; 0 means the batch's padded length T.
+    loss_agg_max_len: int = 0
+    # DAPO overlong reward shaping: a linear penalty over the last `overlong_buffer_len` tokens before the
+    # maximum response length, reaching -overlong_penalty_factor at it; 0 disables it.
+    overlong_buffer_len: int = 0
+    overlong_penalty_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if self.clip_ratio_low < 0 or self.clip_ratio_high < 0:
             raise ValueError("AlgoConfig.clip_ratio_low and clip_ratio_high must be >= 0")
+        for name in (
+            "gspo_clip_ratio_low",
+            "gspo_clip_ratio_high",
+            "cispo_clip_ratio_low",
+            "cispo_clip_ratio_high",
+        ):
+            if getattr(self, name) < 0:
+                raise ValueError(f"AlgoConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if self.rollout_is_threshold <= 1:
+            raise ValueError(f"AlgoConfig.rollout_is_threshold must be > 1, got {self.rollout_is_threshold}")
+        if self.loss_agg_max_len < 0 or self.overlong_buffer_len < 0:
+            raise ValueError("AlgoConfig.loss_agg_max_len and overlong_buffer_len must be >= 0")
+        if self.kl_target < 0 or self.kl_horizon < 1:
+            raise ValueError(
+                f"AlgoConfig.kl_target must be >= 0 and kl_horizon >= 1, got {self.kl_target}, {self.kl_horizon}"
+            )
         if self.clip_ratio_c <= 1:
             raise ValueError(f"AlgoConfig.clip_ratio_c must be > 1, got {self.clip_ratio_c}")
         if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):

@@ -90,3 +90,15 @@ def test_bad_input():
         aggregate(VALUES, torch.zeros(2, 3), "token-mean")
     with pytest.raises(ValueError, match="mask must hold only 0 and 1"):
         aggregate(VALUES, MASK * 2, "token-mean")
+
+
+def test_registries_match_the_config_literals():
+    from typing import get_args
+
+    from yatt_algos.kl import KL_ESTIMATORS
+    from yatt_algos.policy_losses import POLICY_LOSSES
+    from yatt_algos.types import KLEstimator, LossAggMode
+
+    assert sorted(AGG_MODES) == sorted(get_args(LossAggMode))
+    assert sorted(KL_ESTIMATORS) == sorted(get_args(KLEstimator))
+    assert sorted(POLICY_LOSSES) == ["cispo", "dual_clip", "gspo", "ppo_clip"]

@@ -3,7 +3,14 @@
 
 import struct
 
-from yatt_algos.types import AlgoConfig, EncodedTensor, Experience, OptimConfig, TrainStats
+from yatt_algos.types import (
+    AlgoConfig,
+    EncodedTensor,
+    Experience,
+    LearnerConfig,
+    OptimConfig,
+    TrainStats,
+)
 
 
 def _f32(*values: float, shape: list[int]) -> EncodedTensor:
@@ -31,4 +38,5 @@ EXAMPLES = [
         policy_version=2,
     ),
     TrainStats(step=3, loss=0.125, grad_norm=0.5, lr=5e-7, num_tokens=96, metrics={"clip_frac": 0.25}),
+    LearnerConfig(max_tokens_per_micro_batch=2048, lora_rank=8, lora_target_modules=("q_proj", "v_proj")),
 ]

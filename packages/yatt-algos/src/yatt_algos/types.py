@@ -170,3 +170,32 @@ class TrainStats(_Wire, kw_only=True):
     num_tokens: int
     num_skipped_steps: int = 0
     metrics: dict[str, float] = {}
+
+
+class LearnerConfig(_Config, kw_only=True):
+    """How the learner runs an update; the objective is `AlgoConfig`, the optimizer `OptimConfig`.
+
+    Producer: the app's config. Consumer: `yatt_algos.learner` (torch and Megatron-Core backends).
+    """
+
+    data_parallel: Literal["ddp", "fsdp2"] = "ddp"  # torch backend only
+    max_tokens_per_micro_batch: int = 0  # > 0: pack micro-batches by padded tokens, not micro_batch_size
+    gradient_checkpointing: bool = False
+    lora_rank: int = 0  # > 0: train LoRA adapters through peft instead of all weights
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    lora_target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    logits_chunk_size: int = 1024  # positions per chunk in logprob and entropy
+    value_clip_range: float = 0.2  # the critic's clipped value loss
+    temperature: float = 1.0  # logits are divided by the rollout's sampling temperature before log_softmax
+
+    def __post_init__(self) -> None:
+        for name in ("max_tokens_per_micro_batch", "lora_rank"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"LearnerConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if self.logits_chunk_size < 1:
+            raise ValueError(f"LearnerConfig.logits_chunk_size must be >= 1, got {self.logits_chunk_size}")
+        if self.value_clip_range < 0:
+            raise ValueError(f"LearnerConfig.value_clip_range must be >= 0, got {self.value_clip_range}")
+        if self.temperature <= 0:
+            raise ValueError(f"LearnerConfig.temperature must be > 0, got {self.temperature}")

@@ -1,0 +1,175 @@
+"""The torch backend: policy and critic learners over HF models.
+
+`TorchPolicyLearner` wraps an HF causal LM (`Qwen2ForCausalLM`, `LlamaForCausalLM`, ...): it computes
+per-token logprobs and entropy of the tokens of a batch (for the policy itself, a reference model built with
+`optim_config=None`, and the rollout/train mismatch) and runs PPO-style updates with any loss and aggregation
+mode of the registries. `TorchCriticLearner` wraps an HF token-classification model with one label (the value
+head) and trains it with the clipped value loss.
+
+Alignment: outputs are [B, T] like `input_ids`; position t holds the logprob of input_ids[t] given the tokens
+before it (from the logits at t - 1), or the value of that state. Position 0 has no predecessor and holds 0.
+Data parallel runs over the process group the caller gives (DDP or FSDP2); the learner creates none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from yatt_algos.learner.export import NamedTensors
+from yatt_algos.learner.packing import Batch
+from yatt_algos.learner.torch_engine import TorchEngine
+from yatt_algos.learner.update_loop import Normalizer, critic_objective, policy_objective
+from yatt_algos.types import AlgoConfig, Experience, LearnerConfig, OptimConfig, TrainStats
+from yatt_algos.value import entropy_from_logits, logprobs_from_logits
+
+
+def _shift_right(x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """[b, t - 1] outputs predicting tokens 1..t-1 -> [b, t] aligned to input_ids, 0 at position 0 and at
+    padding."""
+    return torch.where(attention_mask, torch.nn.functional.pad(x, (1, 0)), 0.0)
+
+
+def causal_lm_forward(
+    model: torch.nn.Module, mb: Batch, *, chunk_size: int, temperature: float = 1.0, entropy: str = "none"
+) -> dict[str, torch.Tensor]:
+    """Logprobs [b, t] (and entropy [b, t] when `entropy` is "grad" or "detached") of a causal LM."""
+    out = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"].long(), use_cache=False)
+    logits = out.logits[:, :-1]  # [b, t - 1, V]: logits[:, i] predict input_ids[:, i + 1]
+    mask = mb["attention_mask"]
+    if temperature != 1.0:
+        logits = logits / temperature
+    result = {
+        "logprobs": _shift_right(
+            logprobs_from_logits(logits, mb["input_ids"][:, 1:], chunk_size=chunk_size), mask
+        )
+    }
+    if entropy == "grad":
+        result["entropy"] = _shift_right(entropy_from_logits(logits, chunk_size=chunk_size), mask)
+    elif entropy == "detached":
+        with torch.no_grad():
+            result["entropy"] = _shift_right(
+                entropy_from_logits(logits.detach(), chunk_size=chunk_size), mask
+            )
+    return result
+
+
+def value_forward(model: torch.nn.Module, mb: Batch) -> dict[str, torch.Tensor]:
+    """Values [b, t] from a token-classification model with one label, aligned like logprobs."""
+    out = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"].long())
+    if out.logits.shape[-1] != 1:
+        raise ValueError(f"the critic model must have one output label, got {out.logits.shape[-1]}")
+    return {"values": _shift_right(out.logits[:, :-1, 0].float(), mb["attention_mask"])}
+
+
+class TorchPolicyLearner:
+    """Policy learner over an HF causal LM. `optim_config=None` builds an inference-only learner (reference).
+
+    All ranks of `group` must call `update`, `export_weights` (under FSDP2) and `state_dict` (under FSDP2)
+    together, each with its own shard of the batch.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        algo: AlgoConfig,
+        optim_config: OptimConfig | None,
+        learner: LearnerConfig | None = None,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        learner = learner or LearnerConfig()
+        self.engine = TorchEngine(model, algo=algo, optim_config=optim_config, learner=learner, group=group)
+        self.micro_batch_size = optim_config.micro_batch_size if optim_config else 4
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.engine.model
+
+    def _forward(self, entropy: str):
+        cfg = self.engine.learner
+
+        def forward(model: torch.nn.Module, mb: Batch, grad: bool) -> dict[str, torch.Tensor]:
+            return causal_lm_forward(
+                model, mb, chunk_size=cfg.logits_chunk_size, temperature=cfg.temperature, entropy=entropy
+            )
+
+        return forward
+
+    def compute_logprobs(self, batch: Experience | dict[str, Any]) -> torch.Tensor:
+        """Logprobs [B, T] of `batch["input_ids"]` (0 at position 0 and at padding), without grad."""
+        return self.engine.infer(batch, self._forward("none"), self.micro_batch_size)["logprobs"]
+
+    def compute_logprobs_and_entropy(
+        self, batch: Experience | dict[str, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logprobs [B, T], entropy [B, T]) without grad."""
+        out = self.engine.infer(batch, self._forward("detached"), self.micro_batch_size)
+        return out["logprobs"], out["entropy"]
+
+    def update(self, experience: Experience | dict[str, Any]) -> TrainStats:
+        """One PPO-style update on this rank's shard (see `update_loop.run_update`)."""
+        algo = self.engine.algo
+        forward = self._forward("grad" if algo.entropy_coef else "detached")
+
+        def objective(out: dict[str, torch.Tensor], mb: Batch, norm: Normalizer):
+            return policy_objective(out["logprobs"], out.get("entropy"), mb, algo, norm)
+
+        required = ("response_mask", "old_logprobs", "advantages")
+        return self.engine.update(experience, forward, objective, required)
+
+    def export_weights(self, bucket_bytes: int = 512 << 20) -> Iterator[NamedTensors]:
+        """Buckets of (HF name, tensor), LoRA merged, for weight sync."""
+        return self.engine.export_weights(bucket_bytes)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.engine.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.engine.load_state_dict(state)
+
+
+class TorchCriticLearner:
+    """Critic learner (PPO with GAE) over an HF token-classification model with `num_labels=1`."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        algo: AlgoConfig,
+        optim_config: OptimConfig,
+        learner: LearnerConfig | None = None,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        learner = learner or LearnerConfig()
+        self.engine = TorchEngine(model, algo=algo, optim_config=optim_config, learner=learner, group=group)
+        self.micro_batch_size = optim_config.micro_batch_size
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.engine.model
+
+    def compute_values(self, batch: Experience | dict[str, Any]) -> torch.Tensor:
+        """Values [B, T] aligned like logprobs (0 at position 0 and at padding), without grad."""
+        return self.engine.infer(batch, lambda m, mb, grad: value_forward(m, mb), self.micro_batch_size)[
+            "values"
+        ]
+
+    def update(self, experience: Experience | dict[str, Any]) -> TrainStats:
+        """Clipped value-loss update toward `returns`, clipped around `old_values`."""
+        algo, learner = self.engine.algo, self.engine.learner
+
+        def objective(out: dict[str, torch.Tensor], mb: Batch, norm: Normalizer):
+            return critic_objective(out["values"], mb, algo, learner, norm)
+
+        required = ("response_mask", "returns", "old_values")
+        return self.engine.update(experience, lambda m, mb, grad: value_forward(m, mb), objective, required)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.engine.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.engine.load_state_dict(state)

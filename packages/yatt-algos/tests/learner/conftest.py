@@ -1,0 +1,86 @@
+"""Shared setup of the learner tests: tiny HF models built from configs (hidden 64, 2 layers) and
+generated batches. Nothing is downloaded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def tiny_config(kind: str = "qwen2", **overrides):
+    from transformers import LlamaConfig, Qwen2Config
+
+    cls = {"qwen2": Qwen2Config, "llama": LlamaConfig}[kind]
+    fields = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+    )
+    return cls(**(fields | overrides))
+
+
+def tiny_lm(seed: int = 0, kind: str = "qwen2", **overrides) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(tiny_config(kind, **overrides), dtype=torch.float32)
+
+
+def tiny_critic(seed: int = 0) -> torch.nn.Module:
+    from transformers import AutoModelForTokenClassification
+
+    torch.manual_seed(seed)
+    return AutoModelForTokenClassification.from_config(tiny_config(num_labels=1), dtype=torch.float32)
+
+
+def make_batch(seed: int = 0, num_seqs: int = 8, max_len: int = 24) -> dict[str, torch.Tensor]:
+    """Right-padded sequences of uneven lengths: a prompt of 3-6 tokens then a response to the full length."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(8, max_len + 1, (num_seqs,), generator=g)
+    prompts = torch.randint(3, 7, (num_seqs,), generator=g)
+    pos = torch.arange(max_len)
+    attention = pos[None] < lengths[:, None]
+    response = attention & (pos[None] >= prompts[:, None])
+    ids = torch.randint(1, 128, (num_seqs, max_len), generator=g) * attention
+    seq_adv = torch.randn(num_seqs, generator=g)
+    return {
+        "input_ids": ids,
+        "attention_mask": attention,
+        "response_mask": response,
+        "old_logprobs": torch.where(response, -4.0 + 0.3 * torch.randn(num_seqs, max_len, generator=g), 0.0),
+        "advantages": torch.where(response, seq_adv[:, None].expand(-1, max_len), 0.0),
+        "ref_logprobs": torch.where(response, -4.0 + 0.3 * torch.randn(num_seqs, max_len, generator=g), 0.0),
+        "returns": torch.where(response, torch.randn(num_seqs, max_len, generator=g), 0.0),
+        "old_values": torch.where(response, 0.1 * torch.randn(num_seqs, max_len, generator=g), 0.0),
+    }
+
+
+def params_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    model = getattr(model, "module", model)
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@pytest.fixture(scope="module")
+def batch() -> dict[str, torch.Tensor]:
+    return make_batch()
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    """The helpers above, for tests (conftest modules are not importable under --import-mode=importlib)."""
+    import types
+
+    return types.SimpleNamespace(
+        config=tiny_config, lm=tiny_lm, critic=tiny_critic, batch=make_batch, params=params_of, diff=max_diff
+    )

@@ -3,7 +3,15 @@
 
 import struct
 
-from yatt_rollout.types import Completion, GenerateRequest, MediaRef, Prompt, SamplingParams, WeightBucket
+from yatt_rollout.types import (
+    Completion,
+    GenerateRequest,
+    MediaRef,
+    Prompt,
+    ReplicaLoad,
+    SamplingParams,
+    WeightBucket,
+)
 
 _IMAGE = MediaRef(kind="image", uri="file:///data/img/0001.png", sha256="ab" * 32)
 
@@ -27,5 +35,13 @@ EXAMPLES = [
         dtype="float32",
         data=memoryview(struct.pack("<6f", 1, 2, 3, 4, 5, 6)),
         version=3,
+    ),
+    ReplicaLoad(
+        replica=1,
+        outstanding_requests=3,
+        outstanding_tokens=384,
+        completed_requests=40,
+        generated_tokens=2560,
+        failed_requests=1,
     ),
 ]

@@ -136,3 +136,18 @@ class Generator(Protocol):
 
     @property
     def policy_version(self) -> int: ...
+
+
+class ReplicaLoad(_Wire, kw_only=True):
+    """The load of one engine replica as the load-balancing client sees it. Work is counted in tokens:
+    `n * (prompt tokens + max_new_tokens)` per request, the bound the replica may have to compute.
+
+    Producer: `ReplicaClient.load()`. Consumer: the controller's metrics and the placement re-planner.
+    """
+
+    replica: int
+    outstanding_requests: int
+    outstanding_tokens: int
+    completed_requests: int = 0
+    generated_tokens: int = 0
+    failed_requests: int = 0

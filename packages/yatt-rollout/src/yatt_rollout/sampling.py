@@ -1,0 +1,73 @@
+"""Per-row token sampling for a batch whose rows carry different temperature, top-k, top-p and seeds.
+
+Pure functions over logits `[B, V]`. The filters follow the usual definitions (top-k: keep the k largest
+logits; top-p, nucleus sampling, Holtzman et al. 2020: keep the smallest prefix of the sorted distribution
+whose mass reaches p, always at least one token). Temperature 0 is greedy (argmax of the raw logits).
+Logprobs are the *raw* model distribution (`log_softmax` of the unprocessed logits), the same quantity vLLM
+reports by default (`logprobs_mode="raw_logprobs"`) and the one a trainer recomputes from the model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def row_params(temperature: list[float], top_k: list[int], top_p: list[float]) -> dict[str, torch.Tensor]:
+    """Per-row sampling parameters as tensors: temperature [B] f32, top_k [B] i64, top_p [B] f32."""
+    return {
+        "temperature": torch.tensor(temperature, dtype=torch.float32),
+        "top_k": torch.tensor(top_k, dtype=torch.long),
+        "top_p": torch.tensor(top_p, dtype=torch.float32),
+    }
+
+
+def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Set logits outside each row's top-k / top-p set to -inf. logits [B, V]; top_k [B] (0 = off);
+    top_p [B] (1.0 = off). Ties at the k-th value are all kept."""
+    if not bool((top_k > 0).any() or (top_p < 1).any()):
+        return logits
+    vocab = logits.shape[-1]
+    sorted_logits, _ = logits.sort(dim=-1, descending=True)  # [B, V]
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+    kth = sorted_logits.gather(-1, (k - 1)[:, None])  # [B, 1]
+    probs = sorted_logits.softmax(-1)
+    mass_before = probs.cumsum(-1) - probs  # mass strictly above each sorted position
+    keep_sorted = mass_before < top_p[:, None]  # first position always kept (mass_before = 0 < p)
+    # the smallest logit kept by top-p, per row
+    cutoff = sorted_logits.masked_fill(~keep_sorted, float("inf")).min(-1, keepdim=True).values  # [B, 1]
+    threshold = torch.maximum(kth, cutoff)
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def sample(
+    logits: torch.Tensor,
+    params: dict[str, torch.Tensor],
+    generators: list[Any],
+    default: torch.Generator,
+) -> torch.Tensor:
+    """Sample one token per row. logits [B, V] float32 -> tokens [B] int64.
+
+    Rows with temperature 0 take the argmax; a row with its own `torch.Generator` (a seeded request) draws
+    from it, so its tokens depend on its seed only; the other rows share the engine's `default` generator.
+    """
+    temperature = params["temperature"]
+    greedy = temperature == 0
+    tokens = logits.argmax(-1)
+    if bool(greedy.all()):
+        return tokens
+    scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
+    probs = filter_logits(scaled, params["top_k"], params["top_p"]).softmax(-1)  # [B, V]
+    shared = [i for i, g in enumerate(generators) if g is None and not greedy[i]]
+    if shared:
+        tokens[shared] = torch.multinomial(probs[shared], 1, generator=default)[:, 0]
+    for i, g in enumerate(generators):
+        if g is not None and not greedy[i]:
+            tokens[i] = torch.multinomial(probs[i], 1, generator=g)[0]
+    return tokens
+
+
+def raw_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log p(token) under the unprocessed model distribution. logits [B, V], tokens [B] -> [B] float32."""
+    return logits.float().log_softmax(-1).gather(-1, tokens[:, None])[:, 0]

@@ -1,0 +1,64 @@
+"""Per-row sampling: top-k/top-p filters worked by hand, greedy rows, seeded rows, raw logprobs."""
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from yatt_rollout.sampling import filter_logits, raw_logprobs, row_params, sample  # noqa: E402
+
+# probabilities 0.5, 0.25, 0.15, 0.1 (log of them are the logits)
+LOGITS = torch.tensor([[math.log(0.5), math.log(0.25), math.log(0.15), math.log(0.1)]])
+NEG = float("-inf")
+
+
+@pytest.mark.parametrize(
+    ("top_k", "top_p", "kept"),
+    [
+        (0, 1.0, [True, True, True, True]),
+        (2, 1.0, [True, True, False, False]),
+        # mass above each sorted token: 0, 0.5, 0.75, 0.9; keep where it is < p
+        (0, 0.5, [True, False, False, False]),
+        (0, 0.6, [True, True, False, False]),
+        (0, 0.8, [True, True, True, False]),
+        (3, 0.6, [True, True, False, False]),  # both filters: the stricter wins
+        (1, 1.0, [True, False, False, False]),
+    ],
+)
+def test_filters_by_hand(top_k, top_p, kept):
+    out = filter_logits(LOGITS, torch.tensor([top_k]), torch.tensor([top_p]))
+    assert (out[0] > NEG).tolist() == kept
+    assert torch.equal(out[0][out[0] > NEG], LOGITS[0][torch.tensor(kept)])
+
+
+def test_rows_filter_independently():
+    logits = LOGITS.repeat(2, 1)
+    out = filter_logits(logits, torch.tensor([1, 0]), torch.tensor([1.0, 0.8]))
+    assert (out > NEG).sum(-1).tolist() == [1, 3]
+
+
+def test_greedy_and_seeded_rows():
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    params = row_params([0.0, 1.0, 1.0, 1.0], [0, 0, 0, 5], [1.0, 1.0, 1.0, 0.9])
+    g = [None, torch.Generator().manual_seed(1), None, torch.Generator().manual_seed(2)]
+    first = sample(logits, params, g, torch.Generator().manual_seed(9))
+    g2 = [None, torch.Generator().manual_seed(1), None, torch.Generator().manual_seed(2)]
+    again = sample(logits, params, g2, torch.Generator().manual_seed(123))
+    assert first[0] == logits[0].argmax()  # temperature 0: argmax
+    assert first[1] == again[1] and first[3] == again[3]  # seeded rows ignore the shared generator
+    assert first[3] in logits[3].topk(5).indices  # top-k 5 respected
+
+
+def test_sampling_matches_the_filtered_distribution():
+    # top_p 0.8 keeps tokens 0..2 with renormalized probabilities 0.5/0.9, 0.25/0.9, 0.15/0.9
+    logits = LOGITS.repeat(20000, 1)
+    params = row_params([1.0] * 20000, [0] * 20000, [0.8] * 20000)
+    tokens = sample(logits, params, [None] * 20000, torch.Generator().manual_seed(0))
+    freq = torch.bincount(tokens, minlength=4).float() / 20000
+    assert freq[3] == 0
+    torch.testing.assert_close(freq[:3], torch.tensor([0.5, 0.25, 0.15]) / 0.9, atol=0.015, rtol=0)
+
+
+def test_raw_logprobs_ignore_temperature():
+    assert raw_logprobs(LOGITS, torch.tensor([2])).item() == pytest.approx(math.log(0.15), abs=1e-6)

@@ -6,10 +6,11 @@ import asyncio
 import pytest
 from yatt_multimodal.genrm import GenRMJudge
 from yatt_multimodal.prompt_codecs import ByteCodec
+from yatt_multimodal.reward_specs import build_combined, build_reward
 from yatt_multimodal.rewards import RewardStepFailed, resolve_failures
 from yatt_multimodal.templates import get_template
 from yatt_multimodal.testing import FAIL, ScriptedJudgeEngine
-from yatt_multimodal.types import JudgeSpec, RewardRequest
+from yatt_multimodal.types import JudgeSpec, RewardRequest, RewardSpec
 from yatt_multimodal.verdicts import aggregate_majority, aggregate_mean, parse_json, parse_score, parse_yes_no
 
 # Per response tag, the K = 4 judgements the double answers with.
@@ -150,3 +151,29 @@ def test_judge_config_errors():
         GenRMJudge(_engine(), ByteCodec(), JudgeSpec(parser="score"))
     with pytest.raises(ValueError, match="verify_yes_no@7 is not registered; known: json@1"):
         GenRMJudge(_engine(), ByteCodec(), JudgeSpec(template_version=7))
+
+
+def test_combined_rule_and_genrm_from_specs():
+    specs = [
+        RewardSpec(kind="math_verify", options={"backend": "sympy"}),
+        RewardSpec(kind="genrm", weight=0.5, judge=JudgeSpec(num_samples=4)),
+    ]
+    reward = build_combined(specs, engine=_engine(), codec=ByteCodec())
+    requests = [_req("GOOD"), _req("MIXED"), _req("MUTE")]  # responses "<tag>: 2+3=5", reference 5
+    batch = asyncio.run(reward.score(requests))
+    # GOOD: 1 * 1 (math) + 0.5 * 1.0 = 1.5; MIXED: 1 + 0.5 * 0.25 = 1.125; MUTE: the judge's parse error.
+    assert [r.score for r in batch.rewards[:2]] == [1.5, 1.125]
+    assert batch.rewards[1].components == {"math_verify": 1.0, "genrm": 0.25, "genrm/parsed": 0.75}
+    assert (batch.rewards[2].status, batch.rewards[2].error) == (
+        "parse_error",
+        "genrm: no verdict in any of 4 judgements",
+    )
+    assert (batch.metrics.num_judged, batch.metrics.num_judgements, batch.metrics.num_parse_error) == (
+        3,
+        12,
+        1,
+    )
+    with pytest.raises(ValueError, match=r"RewardSpec kind 'genrm' \(judge\) needs engine=\.\.\."):
+        build_reward(RewardSpec(kind="genrm", name="judge"), codec=ByteCodec())
+    with pytest.raises(ValueError, match=r"RewardSpec\.kind 'oracle' is not registered"):
+        build_reward(RewardSpec(kind="oracle"))

@@ -3,6 +3,7 @@ discriminative reward model (batched = one at a time), Qwen2-VL inputs through a
 the VLM judge failing only the requests whose image is missing or corrupt."""
 
 import asyncio
+import math
 from functools import partial
 
 import pytest
@@ -16,8 +17,9 @@ from yatt_multimodal.genrm import GenRMJudge  # noqa: E402
 from yatt_multimodal.media import load_image  # noqa: E402
 from yatt_multimodal.prompt_codecs import ByteCodec, HFChatCodec  # noqa: E402
 from yatt_multimodal.reward_model import SequenceClassifierReward  # noqa: E402
+from yatt_multimodal.reward_specs import build_reward  # noqa: E402
 from yatt_multimodal.testing import ScriptedJudgeEngine  # noqa: E402
-from yatt_multimodal.types import JudgeSpec, MediaLimits, RewardRequest  # noqa: E402
+from yatt_multimodal.types import JudgeSpec, MediaLimits, RewardRequest, RewardSpec  # noqa: E402
 from yatt_multimodal.vlm import IMAGE_PAD, QwenVLCodec, expand_image_pads, qwen2_vl_inputs  # noqa: E402
 from yatt_rollout.tiny import VISION_TOKENS, tiny_qwen2_vl, train_tokenizer  # noqa: E402
 from yatt_rollout.types import MediaRef  # noqa: E402
@@ -121,6 +123,10 @@ def test_reward_model_batched_equals_one_at_a_time(tokenizer, reward_model):
     with torch.inference_mode():
         expected = reward_model(input_ids=ids).logits[0, 0].item()
     assert batched[0].score == pytest.approx(expected, abs=1e-5)
+    spec = RewardSpec(kind="reward_model", options={"batch_size": "2", "sigmoid": "true"})
+    built = build_reward(spec, rm_model=reward_model, rm_tokenizer=tokenizer)
+    sig = [r.score for r in built.score_sync(requests).rewards]
+    assert sig == pytest.approx([1 / (1 + math.exp(-s)) for s in single], abs=1e-6)
     short = SequenceClassifierReward(reward_model, tokenizer, max_length=8, sigmoid=True)
     out = short.score_sync([requests[0]]).rewards[0]
     assert out.status == "error"

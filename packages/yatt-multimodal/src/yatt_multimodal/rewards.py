@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -57,7 +58,7 @@ def failed(request: RewardRequest, status: RewardStatus, error: str) -> Reward:
 
 
 class RuleReward:
-    """A rule `(RewardRequest) -> float` run in worker threads, `max_concurrency` at a time, each bounded by
+    """A rule `(RewardRequest) -> float` run in its own `max_concurrency` worker threads, each call bounded by
     `timeout_s`. A rule that raises gets status "error" with the message; one that overruns gets "timeout"
     (its thread is abandoned, not killed: Python cannot stop a thread, so rules must be finite)."""
 
@@ -74,6 +75,9 @@ class RuleReward:
         if max_concurrency < 1:
             raise ValueError(f"RuleReward({name!r}): max_concurrency must be >= 1, got {max_concurrency}")
         self.name, self.fn, self.timeout_s, self.max_concurrency = name, fn, timeout_s, max_concurrency
+        # Its own threads: an overrunning rule holds one of these, never the event loop's default executor
+        # (which `asyncio.run` joins on exit).
+        self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix=f"rule-{name}")
 
     def score_sync(self, requests: Sequence[RewardRequest]) -> RewardBatch:
         """The same rule in the calling thread, without timeouts: for offline scoring and benchmarks."""
@@ -85,7 +89,8 @@ class RuleReward:
         async def one(request: RewardRequest) -> Reward:
             async with limit:
                 try:
-                    return await asyncio.wait_for(asyncio.to_thread(self._call, request), self.timeout_s)
+                    job = asyncio.get_running_loop().run_in_executor(self._pool, self._call, request)
+                    return await asyncio.wait_for(job, self.timeout_s)
                 except TimeoutError:
                     return failed(request, "timeout", f"{self.name}: no result within {self.timeout_s}s")
 

@@ -36,7 +36,9 @@ def tiny_critic(seed: int = 0) -> torch.nn.Module:
     from transformers import AutoModelForTokenClassification
 
     torch.manual_seed(seed)
-    return AutoModelForTokenClassification.from_config(tiny_config(num_labels=1), dtype=torch.float32)
+    return AutoModelForTokenClassification.from_config(
+        tiny_config(num_labels=1, classifier_dropout=0.0), dtype=torch.float32
+    )
 
 
 def make_batch(seed: int = 0, num_seqs: int = 8, max_len: int = 24) -> dict[str, torch.Tensor]:
@@ -82,5 +84,40 @@ def tiny():
     import types
 
     return types.SimpleNamespace(
-        config=tiny_config, lm=tiny_lm, critic=tiny_critic, batch=make_batch, params=params_of, diff=max_diff
+        config=tiny_config,
+        lm=tiny_lm,
+        critic=tiny_critic,
+        batch=make_batch,
+        params=params_of,
+        diff=max_diff,
+        dp_batch=dp_batch,
+        dp_algo=DP_ALGO,
+        dp_optim=DP_OPTIM,
     )
+
+
+def _dp_configs():
+    from yatt_algos.types import AlgoConfig, OptimConfig
+
+    # eps 1e-6: see test_learner_torch.OPTIM (the key-bias gradient is float noise that Adam would amplify)
+    return (
+        AlgoConfig(loss_agg_mode="seq-mean-token-mean", kl_loss_coef=0.05),
+        OptimConfig(lr=1e-3, eps=1e-6, micro_batch_size=2, clip_grad_norm=1.0),
+    )
+
+
+DP_ALGO, DP_OPTIM = _dp_configs()
+
+
+def dp_batch() -> dict[str, torch.Tensor]:
+    """The global batch of the data-parallel tests: 8 sequences, old logprobs near the model's."""
+    batch = make_batch(seed=3)
+    with torch.no_grad():
+        logits = tiny_lm(0)(input_ids=batch["input_ids"]).logits[:, :-1]
+        picked = torch.log_softmax(logits, -1).gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
+    g = torch.Generator().manual_seed(4)
+    old = torch.nn.functional.pad(picked, (1, 0)) + 0.2 * torch.randn(
+        picked.shape[0], picked.shape[1] + 1, generator=g
+    )
+    batch["old_logprobs"] = torch.where(batch["response_mask"], old, 0.0)
+    return batch

@@ -173,6 +173,12 @@ def test_combined_rule_and_genrm_from_specs():
         12,
         1,
     )
+    # The judge's policy (parse errors "zero" by default) is the combined one; MUTE keeps its math term:
+    # 1 * 1 + 0.5 * 0 = 1.0. A stricter judge makes the combined policy stricter.
+    resolved = resolve_failures(batch, reward.failure_policy)
+    assert (resolved.scores, resolved.keep) == ([1.5, 1.125, 1.0], [True, True, True])
+    strict = [specs[0], RewardSpec(kind="genrm", judge=JudgeSpec(num_samples=4, on_parse_error="drop"))]
+    assert build_combined(strict, engine=_engine(), codec=ByteCodec()).failure_policy["parse_error"] == "drop"
     with pytest.raises(ValueError, match=r"RewardSpec kind 'genrm' \(judge\) needs engine=\.\.\."):
         build_reward(RewardSpec(kind="genrm", name="judge"), codec=ByteCodec())
     with pytest.raises(ValueError, match=r"RewardSpec\.kind 'oracle' is not registered"):

@@ -54,8 +54,11 @@ def test_genprm_wrong_step_sets_and_token_spans(tokenizer):
     request = RewardRequest(
         request_id="r0", prompt="a=2, b=3; a+b?", response=RESPONSE, response_token_ids=ids
     )
+    empty = RewardRequest(request_id="e", prompt="q", response="  ")
     engine = _genprm_engine()
-    [out] = asyncio.run(GenPRM(engine, ByteCodec(), tokenizer=tokenizer).critique([request]))
+    out, none = asyncio.run(GenPRM(engine, ByteCodec(), tokenizer=tokenizer).critique([request, empty]))
+    # An empty response has no steps: nothing to critique, nothing sent, nothing wrong.
+    assert (none.status, none.char_spans, none.wrong_steps, len(engine.requests)) == ("ok", [], [], 1)
     assert (out.status, out.wrong_steps, out.num_unparsed) == ("ok", [[2], [], [1, 2]], 1)
     assert out.char_spans == [(0, 5), (7, 12), (14, 26)]
     # Each step's token span decodes to the step text plus, at most, the whitespace tokens it touches.

@@ -142,5 +142,7 @@ def test_combined_weights_and_failure_policy():
     )
     with pytest.raises(RewardStepFailed, match=r"1 reward\(s\) failed with policy 'fail': c: error"):
         resolve_failures(batch, {"error": "fail"})
+    # "zero" zeroes the failed term only: c = 1.0 * 0 (5 != 4) + 0.1 * 1 (boxed) + 2.0 * 0 (failed) = 0.1.
     zeroed = resolve_failures(batch, {"error": "zero"})
-    assert (zeroed.scores[2], zeroed.keep[2]) == (0.0, True)
+    assert (zeroed.scores[2], zeroed.keep[2]) == (pytest.approx(0.1), True)
+    assert combined.failure_policy == {"parse_error": "zero", "timeout": "drop", "error": "drop"}

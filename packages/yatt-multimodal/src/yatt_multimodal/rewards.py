@@ -16,6 +16,8 @@ from typing import Protocol, runtime_checkable
 
 from yatt_multimodal.types import OnFailure, Reward, RewardMetrics, RewardRequest, RewardStatus
 
+# What `resolve_failures` does with each failure status unless told otherwise: the rest of the batch is scored.
+DEFAULT_POLICY: dict[str, OnFailure] = {"parse_error": "zero", "timeout": "drop", "error": "drop"}
 # Worst first: a combined reward takes the worst status of its terms.
 _SEVERITY: dict[str, int] = {"ok": 0, "parse_error": 1, "timeout": 2, "error": 3}
 
@@ -133,6 +135,18 @@ class CombinedReward:
             metrics.num_unparsed_judgements += batch.metrics.num_unparsed_judgements
         return RewardBatch(rewards, metrics)
 
+    @property
+    def failure_policy(self) -> dict[str, OnFailure]:
+        """Per status, the strictest policy of the terms that declare one (fail > drop > zero)."""
+        strictness = {"zero": 0, "drop": 1, "fail": 2}
+        merged: dict[str, OnFailure] = dict(DEFAULT_POLICY)
+        policies = [getattr(fn, "failure_policy", None) for _, fn in self.terms]
+        for status in merged:
+            declared = [p[status] for p in policies if p is not None and status in p]
+            if declared:
+                merged[status] = max(declared, key=strictness.__getitem__)
+        return merged
+
     def _combine(self, request: RewardRequest, parts: list[Reward]) -> Reward:
         score, components, errors, status = 0.0, {}, [], "ok"
         token_scores: list[float] | None = None
@@ -173,13 +187,15 @@ def resolve_failures(batch: RewardBatch, policy: Mapping[str, OnFailure] | None 
     parse errors zero and drops timeouts and errors (a bad image, a failed engine request): the rest of the
     batch is scored. Every failure is counted in `metrics`;
     "fail" raises `RewardStepFailed` naming the requests."""
-    policy = {"parse_error": "zero", "timeout": "drop", "error": "drop", **(policy or {})}
+    policy = {**DEFAULT_POLICY, **(policy or {})}
     fatal = [r for r in batch.rewards if r.status != "ok" and policy[r.status] == "fail"]
     if fatal:
         detail = "; ".join(f"{r.request_id}: {r.status} ({r.error})" for r in fatal[:5])
         raise RewardStepFailed(f"{len(fatal)} reward(s) failed with policy 'fail': {detail}")
     keep = [r.status == "ok" or policy[r.status] != "drop" for r in batch.rewards]
-    scores = [r.score if r.status == "ok" else 0.0 for r in batch.rewards]
+    # "zero": the failed part scores zero. A lone reward's failed score is already 0.0; a combined reward's
+    # is the weighted sum of its other terms, which still count.
+    scores = [r.score if r.status == "ok" or policy[r.status] == "zero" else 0.0 for r in batch.rewards]
     metrics = count_statuses(batch.rewards, RewardMetrics(**_counts_of(batch.metrics)))
     metrics.num_dropped = keep.count(False)
     return ResolvedRewards(scores, keep, metrics)

@@ -6,7 +6,12 @@ import math
 import pytest
 import torch
 from yatt_algos.kl import KL_ESTIMATORS, adaptive_kl_coef, apply_kl_penalty, kl_penalty
-from yatt_algos.value import entropy_from_logits, logprobs_from_logits, value_loss
+from yatt_algos.value import (
+    entropy_from_logits,
+    logprobs_and_entropy_from_logits,
+    logprobs_from_logits,
+    value_loss,
+)
 
 
 def test_kl_estimators_hand_worked():
@@ -105,6 +110,24 @@ def test_chunked_matches_full_softmax_with_gradients(chunk_size):
     torch.testing.assert_close(lp, ref_lp.detach())
     torch.testing.assert_close(ent, ref_ent.detach())
     torch.testing.assert_close(got, logits.grad)
+    # the fused pass gives the same values and gradients
+    ref_grad = logits.grad.clone()
+    logits.grad = None
+    both_lp, both_ent = logprobs_and_entropy_from_logits(logits, labels, chunk_size=chunk_size)
+    (both_lp.sum() + 0.3 * both_ent.sum()).backward()
+    torch.testing.assert_close(both_lp, ref_lp.detach())
+    torch.testing.assert_close(both_ent, ref_ent.detach())
+    torch.testing.assert_close(logits.grad, ref_grad)
+
+
+def test_masked_vocabulary_gives_finite_entropy_and_gradient():
+    # logits (0, 0, -inf): p = (0.5, 0.5, 0) -> H = ln 2; d H / d logit is finite (0 on the -inf entry)
+    logits = torch.tensor([[[0.0, 0.0, float("-inf")]]], requires_grad=True)
+    lp, ent = logprobs_and_entropy_from_logits(logits, torch.tensor([[1]]))
+    (ent.sum() + lp.sum()).backward()
+    assert ent.item() == pytest.approx(math.log(2.0)) and lp.item() == pytest.approx(math.log(0.5))
+    assert torch.isfinite(logits.grad).all()
+    assert entropy_from_logits(logits.detach()).item() == pytest.approx(math.log(2.0))
 
 
 def test_bf16_logits_give_fp32_results():

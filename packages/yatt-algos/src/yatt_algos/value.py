@@ -56,18 +56,33 @@ def _masked_var(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, (x - mean).square(), 0.0).sum() / n
 
 
+def _fp32_finite(logits: torch.Tensor) -> torch.Tensor:
+    """The chunk in fp32; -inf logits (masked vocabulary) become the lowest finite float, so p * log p is
+    0, not NaN. The check is one reduction; the rewrite happens only when a -inf is present."""
+    x = logits.float()
+    if bool(x.amin() == -torch.inf):
+        x = x.masked_fill(torch.isneginf(x), torch.finfo(torch.float32).min)
+    return x
+
+
+def _entropy_of(log_p: torch.Tensor) -> torch.Tensor:
+    """H = -sum p log p for fp32 log-probabilities [N, V]: the sum is a batched dot product, so p * log p is
+    never materialized (one extra [N, V] buffer: p)."""
+    return -torch.bmm(log_p.exp().unsqueeze(1), log_p.unsqueeze(-1)).view(-1)
+
+
 def _logprobs_chunk(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    logits = logits.float()  # [N, V], only this chunk in fp32
-    picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
+    log_p = torch.log_softmax(logits.float(), dim=-1)  # [N, V], only this chunk in fp32
+    return log_p.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
 
 
 def _entropy_chunk(logits: torch.Tensor) -> torch.Tensor:
-    logits = logits.float()  # [N, V]
-    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-    probs = torch.exp(logits - lse)
-    finite = logits.masked_fill(~torch.isfinite(logits), 0.0)  # a -inf logit has p = 0: 0 * -inf is no NaN
-    return lse.squeeze(-1) - (probs * finite).sum(dim=-1)  # H = logsumexp - E_p[logit]
+    return _entropy_of(torch.log_softmax(_fp32_finite(logits), dim=-1))
+
+
+def _both_chunk(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    log_p = torch.log_softmax(_fp32_finite(logits), dim=-1)  # [N, V], one softmax for both figures
+    return torch.stack([log_p.gather(-1, labels.unsqueeze(-1)).squeeze(-1), _entropy_of(log_p)], dim=-1)
 
 
 def _chunked(fn: Callable, chunk_size: int, *flat: torch.Tensor) -> torch.Tensor:
@@ -83,6 +98,15 @@ def _chunked(fn: Callable, chunk_size: int, *flat: torch.Tensor) -> torch.Tensor
     return torch.cat(outs)
 
 
+def _check_logits_labels(logits: torch.Tensor, labels: torch.Tensor) -> None:
+    if logits.dim() != 3:
+        raise ValueError(f"logits must be [B, T, V], got shape {tuple(logits.shape)}")
+    if tuple(labels.shape) != tuple(logits.shape[:2]):
+        raise ValueError(f"labels has shape {tuple(labels.shape)}, expected {tuple(logits.shape[:2])}")
+    if labels.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool):
+        raise ValueError(f"labels must be an integer tensor, got {labels.dtype}")
+
+
 def logprobs_from_logits(
     logits: torch.Tensor, labels: torch.Tensor, *, chunk_size: int = 1024
 ) -> torch.Tensor:
@@ -91,12 +115,7 @@ def logprobs_from_logits(
     Rows of `chunk_size` positions are processed at a time. The caller aligns labels to logits (for a causal
     LM, logits[:, :-1] predict input_ids[:, 1:]).
     """
-    if logits.dim() != 3:
-        raise ValueError(f"logits must be [B, T, V], got shape {tuple(logits.shape)}")
-    if tuple(labels.shape) != tuple(logits.shape[:2]):
-        raise ValueError(f"labels has shape {tuple(labels.shape)}, expected {tuple(logits.shape[:2])}")
-    if labels.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool):
-        raise ValueError(f"labels must be an integer tensor, got {labels.dtype}")
+    _check_logits_labels(logits, labels)
     b, t, v = logits.shape
     flat = _chunked(_logprobs_chunk, chunk_size, logits.reshape(b * t, v), labels.reshape(b * t).long())
     return flat.view(b, t)
@@ -108,3 +127,14 @@ def entropy_from_logits(logits: torch.Tensor, *, chunk_size: int = 1024) -> torc
         raise ValueError(f"logits must be [B, T, V], got shape {tuple(logits.shape)}")
     b, t, v = logits.shape
     return _chunked(_entropy_chunk, chunk_size, logits.reshape(b * t, v)).view(b, t)
+
+
+def logprobs_and_entropy_from_logits(
+    logits: torch.Tensor, labels: torch.Tensor, *, chunk_size: int = 1024
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both of the above in one pass over the logits (each chunk upcast once). [B, T, V], [B, T] -> two [B, T]."""
+    _check_logits_labels(logits, labels)
+    b, t, v = logits.shape
+    flat = _chunked(_both_chunk, chunk_size, logits.reshape(b * t, v), labels.reshape(b * t).long())
+    flat = flat.view(b, t, 2) if flat.numel() else flat.new_zeros(b, t, 2)
+    return flat[..., 0], flat[..., 1]

@@ -146,3 +146,23 @@ def test_combined_weights_and_failure_policy():
     zeroed = resolve_failures(batch, {"error": "zero"})
     assert (zeroed.scores[2], zeroed.keep[2]) == (pytest.approx(0.1), True)
     assert combined.failure_policy == {"parse_error": "zero", "timeout": "drop", "error": "drop"}
+
+
+def test_rule_concurrency_limit():
+    lock, active, peak = threading.Lock(), [0], [0]
+    pair = threading.Barrier(2, timeout=10)  # two calls must overlap: a limit of 1 would break the barrier
+
+    def rule(request):
+        with lock:
+            active[0] += 1
+            peak[0] = max(peak[0], active[0])
+        pair.wait()
+        with lock:
+            active[0] -= 1
+        return 1.0
+
+    batch = asyncio.run(
+        RuleReward("r", rule, max_concurrency=2).score([_req("x", rid=str(i)) for i in range(6)])
+    )
+    assert [r.score for r in batch.rewards] == [1.0] * 6
+    assert peak[0] == 2

@@ -1,0 +1,355 @@
+"""HF transformers rollout engine: batched sampling with a KV cache and left padding, behind `Generator`.
+
+One worker thread owns the model. `submit` validates each request in the caller's thread (a bad request
+gets error completions at once and never reaches a batch), then queues its `n` sample rows; the worker
+takes up to `max_batch_size` rows per batch, so requests that arrive while a batch runs join the next one.
+A batch is one prefill over the left-padded prompts and one cached forward per new token; each row stops
+at its own eos/stop token or budget. Weight updates, sleep and wake wait for the running batch.
+
+VLM prompts (the Qwen2-VL family): images from `Prompt.media` go through the image processor; the prompt's
+`<|image_pad|>` placeholders are expanded to the image token count, `mm_token_type_ids` marks them, and
+M-RoPE positions come from the model's `get_rope_index` (prefill) plus its per-row deltas (decode).
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from yatt_rollout import sampling
+from yatt_rollout.buckets import bucket_tensors
+from yatt_rollout.media import expand_image_tokens, load_image
+from yatt_rollout.requests import check_request, error_completions
+from yatt_rollout.types import Completion, GenerateRequest, WeightBucket
+from yatt_rollout.weights import WeightSlots
+
+
+@dataclass
+class _Request:
+    """A validated request: expanded token ids, its image tensors, and where its completions gather."""
+
+    req: GenerateRequest
+    token_ids: list[int]
+    vision: dict[str, torch.Tensor]  # pixel_values, image_grid_thw (empty for text prompts)
+    future: Future
+    done: dict[int, Completion] = field(default_factory=dict)
+
+
+@dataclass
+class _Row:
+    request: _Request
+    index: int  # sample index within the request, 0..n-1
+
+
+class HFEngine:
+    """Rollout engine over an HF causal LM (or Qwen2-VL), implementing `yatt_rollout.types.Generator`.
+
+    `tokenizer` supplies eos and pad ids (else the model's generation config); `processor` is the image
+    processor (or a full processor with `.image_processor`) for VLM prompts. `max_context` defaults to the
+    model's `max_position_embeddings`. Unseeded requests draw from one generator seeded with `seed`.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any = None,
+        *,
+        processor: Any = None,
+        max_batch_size: int = 64,
+        device: str = "cpu",
+        max_context: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.model = model.to(device).eval()
+        self.device = torch.device(device)
+        self.max_batch_size = max_batch_size
+        text_config = model.config.get_text_config()
+        self.vocab_size = text_config.vocab_size
+        self.max_context = max_context or text_config.max_position_embeddings
+        self.eos_ids = _eos_ids(model, tokenizer)
+        pad = getattr(tokenizer, "pad_token_id", None)
+        self.pad_id = pad if pad is not None else min(self.eos_ids, default=0)
+        self.image_processor = getattr(processor, "image_processor", processor)
+        self.image_token_id = getattr(model.config, "image_token_id", None)
+        self.slots = WeightSlots(model)
+        self.stats = {"batches": [], "generated_tokens": 0}  # batches: request ids of each batch run
+        self._default_gen = torch.Generator().manual_seed(seed)
+        self._version = 0
+        self._asleep = False
+        self._busy = False
+        self._cv = threading.Condition()
+        self._rows: queue.SimpleQueue[list[_Row] | None] = queue.SimpleQueue()
+        self._pending: list[_Row] = []
+        self._worker = threading.Thread(target=self._serve, name="yatt-hf-engine", daemon=True)
+        self._worker.start()
+
+    # ---- Generator -------------------------------------------------------------------------------------
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    def generate(self, requests: Sequence[GenerateRequest]) -> list[Completion]:
+        """Complete every request; completions in request order, then sample index."""
+        return [c for fut in self.submit(requests) for c in fut.result()]
+
+    async def stream(self, requests: Sequence[GenerateRequest]) -> AsyncIterator[Completion]:
+        """Yield each request's completions as soon as that request finishes."""
+        import asyncio
+
+        for fut in asyncio.as_completed([asyncio.wrap_future(f) for f in self.submit(requests)]):
+            for completion in await fut:
+                yield completion
+
+    def submit(self, requests: Sequence[GenerateRequest]) -> list[Future]:
+        """Queue requests atomically (they can share one batch); one future of completions per request."""
+        with self._cv:
+            if self._asleep:
+                raise RuntimeError("HFEngine is asleep: call wake_up() before generating")
+            if self.slots.missing:
+                raise RuntimeError(
+                    f"HFEngine has no weights for {len(self.slots.missing)} tensors (discarded by sleep(level=2)); "
+                    f"update_weights must supply them, e.g. {sorted(self.slots.missing)[:3]}"
+                )
+        futures, rows = [], []
+        for req in requests:
+            fut: Future = Future()
+            futures.append(fut)
+            try:
+                prepared = self._prepare(req, fut)
+            except ValueError as err:
+                fut.set_result(error_completions(req, str(err), self._version))
+                continue
+            rows += [_Row(prepared, i) for i in range(req.sampling.n)]
+        if rows:
+            self._rows.put(rows)
+        return futures
+
+    def update_weights(self, buckets: Sequence[WeightBucket], version: int) -> None:
+        """Copy named tensors into the model between batches; later batches report `version`."""
+        with self._cv:
+            while self._busy:
+                self._cv.wait()
+            self.slots.load([pair for bucket in buckets for pair in bucket_tensors(bucket)])
+            self._version = version
+
+    def sleep(self, level: int = 1) -> None:
+        """Level 1: weights go to host memory (a no-op on CPU), the engine refuses new work until
+        `wake_up`. Level 2: weights are discarded; after `wake_up`, `update_weights` must refill them."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        with self._cv:
+            while self._busy:
+                self._cv.wait()
+            self._asleep = True
+            if level == 2:
+                self.slots.discard()
+            elif self.device.type != "cpu":
+                self.model.to("cpu")
+                torch.cuda.empty_cache()
+
+    def wake_up(self) -> None:
+        with self._cv:
+            if self.slots.discarded:
+                self.slots.reallocate(self.device)
+            else:
+                self.model.to(self.device)
+            self._asleep = False
+            self._cv.notify_all()
+
+    def close(self) -> None:
+        """Stop the worker thread after the queued batches."""
+        self._rows.put(None)
+        self._worker.join()
+
+    # ---- requests ----------------------------------------------------------------------------------------
+
+    def _prepare(self, req: GenerateRequest, fut: Future) -> _Request:
+        """Validate one request and load its images. ValueError names what is wrong."""
+        check_request(req, vocab_size=self.vocab_size, max_context=self.max_context)
+        ids, vision = list(req.prompt.token_ids), {}
+        if req.prompt.media:
+            ids, vision = self._vision_inputs(req, ids)
+            check_request(req, vocab_size=self.vocab_size, max_context=self.max_context, num_tokens=len(ids))
+        return _Request(req, ids, vision, fut)
+
+    def _vision_inputs(
+        self, req: GenerateRequest, ids: list[int]
+    ) -> tuple[list[int], dict[str, torch.Tensor]]:
+        if self.image_processor is None or self.image_token_id is None:
+            raise ValueError(
+                f"request {req.request_id}: prompt has media but the engine has no VLM and processor"
+            )
+        images = [load_image(ref) for ref in req.prompt.media]  # ValueError names a missing file
+        out = self.image_processor(images=images, return_tensors="pt")
+        merge = self.image_processor.merge_size**2
+        counts = [int(thw.prod()) // merge for thw in out["image_grid_thw"]]
+        ids = expand_image_tokens(ids, self.image_token_id, counts)
+        return ids, {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+
+    # ---- the worker ----------------------------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        while True:
+            if not self._pending:
+                rows = self._rows.get()  # block until work arrives
+                if rows is None:
+                    return
+                self._pending += rows
+            while True:  # everything that arrived meanwhile joins this batch, up to the limit
+                try:
+                    more = self._rows.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    self._rows.put(None)
+                    break
+                self._pending += more
+            batch, self._pending = self._pending[: self.max_batch_size], self._pending[self.max_batch_size :]
+            with self._cv:
+                while self._asleep:
+                    self._cv.wait()
+                self._busy = True
+                version = self._version
+            try:
+                self._run(batch, version)
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
+
+    def _run(self, batch: list[_Row], version: int) -> None:
+        self.stats["batches"].append(sorted({row.request.req.request_id for row in batch}))
+        try:
+            results = self._decode(batch)
+        except Exception as err:  # a failing batch fails its own requests; the engine keeps serving
+            for row in batch:
+                message = f"{type(err).__name__}: {err}"
+                self._finish(row, error_completions(row.request.req, message, version)[row.index])
+            return
+        for row, (tokens, logprobs, reason) in zip(batch, results, strict=True):
+            self.stats["generated_tokens"] += len(tokens)
+            completion = Completion(
+                request_id=row.request.req.request_id,
+                index=row.index,
+                token_ids=tokens,
+                logprobs=logprobs if row.request.req.sampling.logprobs else [],
+                finish_reason=reason,
+                policy_version=version,
+            )
+            self._finish(row, completion)
+
+    @staticmethod
+    def _finish(row: _Row, completion: Completion) -> None:
+        req = row.request
+        req.done[row.index] = completion
+        if len(req.done) == req.req.sampling.n:
+            req.future.set_result([req.done[i] for i in range(req.req.sampling.n)])
+
+    @torch.inference_mode()
+    def _decode(self, batch: list[_Row]) -> list[tuple[list[int], list[float], str]]:
+        """Prefill the left-padded batch, then one cached step per token until every row stops."""
+        b = len(batch)
+        lengths = [len(row.request.token_ids) for row in batch]
+        width = max(lengths)
+        input_ids = torch.full((b, width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((b, width), dtype=torch.long)
+        for i, row in enumerate(batch):
+            input_ids[i, width - lengths[i] :] = torch.tensor(row.request.token_ids)
+            mask[i, width - lengths[i] :] = 1
+        budget = torch.tensor(
+            [
+                min(r.request.req.sampling.max_new_tokens, self.max_context - n)
+                for r, n in zip(batch, lengths, strict=True)
+            ]
+        )
+        stops = [set(self.eos_ids) | set(r.request.req.sampling.stop_token_ids) for r in batch]
+        sp = [r.request.req.sampling for r in batch]
+        params = sampling.row_params(
+            [s.temperature for s in sp], [s.top_k for s in sp], [s.top_p for s in sp]
+        )
+        gens = [_row_generator(s.seed, r.index) for s, r in zip(sp, batch, strict=True)]
+
+        input_ids, mask = input_ids.to(self.device), mask.to(self.device)
+        text_pos = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, T]; padding positions are never attended
+        kwargs, deltas = self._prefill_inputs(batch, input_ids, mask, text_pos)
+        out = self.model(input_ids=input_ids, attention_mask=mask, use_cache=True, logits_to_keep=1, **kwargs)
+        tokens_out: list[list[int]] = [[] for _ in range(b)]
+        logprobs_out: list[list[float]] = [[] for _ in range(b)]
+        reasons = ["length"] * b
+        active = torch.ones(b, dtype=torch.bool)
+        pos = text_pos[:, -1:]  # [B, 1]
+        for step in itertools.count():
+            logits = out.logits[:, -1].float().cpu()  # [B, V]
+            tokens = sampling.sample(logits, params, gens, self._default_gen)
+            logps = sampling.raw_logprobs(logits, tokens)
+            for i in active.nonzero()[:, 0].tolist():
+                tok = int(tokens[i])
+                tokens_out[i].append(tok)
+                logprobs_out[i].append(float(logps[i]))
+                if tok in stops[i]:
+                    reasons[i], active[i] = "stop", False
+                elif step + 1 >= budget[i]:
+                    active[i] = False
+            if not active.any():
+                break
+            mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=self.device)], dim=1)
+            pos = pos + 1
+            position_ids = pos if deltas is None else _mrope_step(pos, deltas)
+            out = self.model(
+                input_ids=tokens[:, None].to(self.device),
+                attention_mask=mask,
+                position_ids=position_ids,
+                past_key_values=out.past_key_values,
+                use_cache=True,
+            )
+        return list(zip(tokens_out, logprobs_out, reasons, strict=True))
+
+    def _prefill_inputs(
+        self, batch: list[_Row], input_ids: torch.Tensor, mask: torch.Tensor, text_pos: torch.Tensor
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+        """Model kwargs of the prefill; for a VLM also the per-row M-RoPE deltas [B, 1] used when decoding."""
+        if self.image_token_id is None:
+            return {"position_ids": text_pos}, None
+        vision = [row.request.vision for row in batch if row.request.vision]
+        kwargs: dict[str, torch.Tensor] = {"mm_token_type_ids": (input_ids == self.image_token_id).long()}
+        if vision:
+            kwargs["pixel_values"] = torch.cat([v["pixel_values"] for v in vision]).to(self.device)
+            kwargs["image_grid_thw"] = torch.cat([v["image_grid_thw"] for v in vision]).to(self.device)
+        pos3, deltas = self.model.model.get_rope_index(
+            input_ids,
+            mm_token_type_ids=kwargs["mm_token_type_ids"],
+            image_grid_thw=kwargs.get("image_grid_thw"),
+            attention_mask=mask,
+        )
+        kwargs["position_ids"] = torch.cat([text_pos[None], pos3])  # [4, B, T]: text positions, then t/h/w
+        return kwargs, deltas.reshape(-1, 1)
+
+
+def _mrope_step(pos: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
+    """Positions of a decode step for M-RoPE: [4, B, 1] = text position, then t/h/w = text + row delta."""
+    shifted = (pos + deltas.to(pos.device))[None].expand(3, -1, -1)
+    return torch.cat([pos[None], shifted])
+
+
+def _row_generator(seed: int | None, index: int) -> torch.Generator | None:
+    # sample i of a seeded request draws from its own stream: same (seed, i), same tokens, in any batch
+    return None if seed is None else torch.Generator().manual_seed(seed * 1_000_003 + index)
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        return []
+    return [eos] if isinstance(eos, int) else list(eos)

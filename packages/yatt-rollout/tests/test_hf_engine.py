@@ -1,0 +1,239 @@
+"""HFEngine on a tiny Qwen2 built from a config: parity with `model.generate` and a fresh forward, sampling
+controls, bad requests, batching, weight updates and sleep. One model and engine for the module."""
+
+import asyncio
+
+import msgspec
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from yatt_rollout.buckets import make_buckets  # noqa: E402
+from yatt_rollout.hf_engine import HFEngine  # noqa: E402
+from yatt_rollout.tiny import tiny_causal_lm, train_tokenizer  # noqa: E402
+from yatt_rollout.types import GenerateRequest, Generator, Prompt, SamplingParams  # noqa: E402
+
+CONTEXT = 64
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return train_tokenizer([f"{a} + {b} = {a + b}" for a in range(30) for b in range(30)], vocab_size=300)
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    return tiny_causal_lm(len(tok), seed=0, max_position_embeddings=CONTEXT)
+
+
+@pytest.fixture(scope="module")
+def engine(model, tok):
+    eng = HFEngine(model, tok, max_batch_size=16)
+    yield eng
+    eng.close()
+
+
+def _req(rid, ids, **sampling):
+    return GenerateRequest(request_id=rid, prompt=Prompt(token_ids=ids), sampling=SamplingParams(**sampling))
+
+
+def _forward_logprobs(model, prompt, tokens):
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+    return logits.log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+def test_engine_is_a_generator(engine):
+    assert isinstance(engine, Generator)
+
+
+def test_greedy_matches_generate_and_logprobs_match_a_fresh_forward(engine, model, tok):
+    prompts = [tok.encode(t) for t in ["12 + 7 =", "3", "25 + 25 = 50, 1 + 1 ="]]  # lengths differ: left pad
+    out = engine.generate([_req(f"p{i}", p, temperature=0, max_new_tokens=10) for i, p in enumerate(prompts)])
+    assert [c.request_id for c in out] == ["p0", "p1", "p2"]
+    for prompt, c in zip(prompts, out, strict=True):
+        ref = model.generate(
+            torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=tok.eos_token_id
+        )
+        assert c.token_ids == ref[0, len(prompt) :].tolist()
+        torch.testing.assert_close(
+            torch.tensor(c.logprobs), _forward_logprobs(model, prompt, c.token_ids), atol=1e-5, rtol=0
+        )
+        assert c.finish_reason == "length" and c.policy_version == 0
+
+
+def test_sampled_logprobs_match_a_fresh_forward(engine, model, tok):
+    prompt = tok.encode("7 + 8 =")
+    out = engine.generate(
+        [_req("s", prompt, n=3, temperature=0.7, top_p=0.9, top_k=50, max_new_tokens=12, seed=1)]
+    )
+    assert [c.index for c in out] == [0, 1, 2]
+    for c in out:  # 12 tokens, or fewer ending in eos
+        assert (len(c.token_ids), c.finish_reason) == (12, "length") or (
+            c.token_ids[-1] == tok.eos_token_id and c.finish_reason == "stop"
+        )
+    for c in out:  # raw logprobs: the model's own distribution, whatever the temperature
+        torch.testing.assert_close(
+            torch.tensor(c.logprobs), _forward_logprobs(model, prompt, c.token_ids), atol=1e-5, rtol=0
+        )
+
+
+def test_seeds_reproduce_in_any_batch(engine, tok):
+    prompt = tok.encode("1 + 2 =")
+    alone = engine.generate([_req("a", prompt, n=2, seed=42, max_new_tokens=8)])
+    other = _req("b", tok.encode("9"), max_new_tokens=20)
+    mixed = engine.generate([other, _req("a", prompt, n=2, seed=42, max_new_tokens=8)])[1:]
+    assert [c.token_ids for c in alone] == [c.token_ids for c in mixed]
+    assert alone[0].token_ids != alone[1].token_ids  # the n samples of one seed differ
+    reseeded = engine.generate([_req("a", prompt, n=2, seed=43, max_new_tokens=8)])
+    assert reseeded[0].token_ids != alone[0].token_ids
+
+
+def test_stop_ids_and_max_tokens(engine, tok):
+    prompt = tok.encode("12 + 7 =")
+    greedy = engine.generate([_req("g", prompt, temperature=0, max_new_tokens=10)])[0].token_ids
+    stop = greedy[3]
+    first = greedy.index(stop)  # generation ends at the first occurrence, stop token included
+    out = engine.generate([_req("s", prompt, temperature=0, max_new_tokens=10, stop_token_ids=[stop])])[0]
+    assert out.token_ids == greedy[: first + 1] and out.finish_reason == "stop"
+    short = engine.generate([_req("m", prompt, temperature=0, max_new_tokens=3)])[0]
+    assert short.token_ids == greedy[:3] and short.finish_reason == "length"
+
+
+def test_generation_stops_at_the_context(engine, tok):
+    prompt = [5] * (CONTEXT - 3)  # room for 3 more tokens
+    out = engine.generate([_req("c", prompt, temperature=0, max_new_tokens=10)])[0]
+    assert len(out.token_ids) == 3 and out.finish_reason == "length"
+
+
+def test_bad_requests_fail_alone(engine, tok):
+    good = _req("ok", tok.encode("4 + 4 ="), temperature=0, max_new_tokens=5)
+    zero = _req("zero", tok.encode("1"))
+    msgspec.structs.force_setattr(zero.sampling, "max_new_tokens", 0)  # as if built around the validation
+    image = b'{"request_id":"img","prompt":{"token_ids":[1],"media":[{"kind":"image","uri":"/nope.png"}]}}'
+    bad = [
+        _req("empty", []),
+        zero,
+        _req("long", [5] * CONTEXT),
+        _req("vocab", [1, len(tok)]),
+        msgspec.json.decode(image, type=GenerateRequest),
+    ]
+    out = engine.generate([bad[0], good, *bad[1:]])
+    by_id = {c.request_id: c for c in out}
+    assert (
+        by_id["ok"].token_ids == engine.generate([good])[0].token_ids
+        and by_id["ok"].finish_reason == "length"
+    )
+    assert {rid: by_id[rid].error for rid in ["empty", "zero", "long", "vocab", "img"]} == {
+        "empty": "request empty: prompt.token_ids is empty",
+        "zero": "request zero: sampling.max_new_tokens must be >= 1, got 0",
+        "long": f"request long: prompt has {CONTEXT} tokens; the model's context is {CONTEXT}",
+        "vocab": f"request vocab: token id {len(tok)} is outside the vocabulary [0, {len(tok)})",
+        "img": "request img: prompt has media but the engine has no VLM and processor",
+    }
+    assert all(by_id[r].finish_reason == "error" and by_id[r].token_ids == [] for r in by_id if r != "ok")
+
+
+def test_requests_arriving_during_a_batch_join_the_next(engine, tok):
+    import threading
+
+    started = threading.Event()
+    original = engine._decode
+
+    def observed(batch):  # the real decode, with a signal that the first batch is running
+        started.set()
+        return original(batch)
+
+    engine._decode = observed
+    try:
+        start = len(engine.stats["batches"])
+        first = engine.submit([_req("long", tok.encode("1 +"), temperature=0, max_new_tokens=40)])
+        started.wait()
+        later = engine.submit(
+            [_req("b", tok.encode("2"), max_new_tokens=4), _req("c", tok.encode("3"), max_new_tokens=4)]
+        )
+        results = [f.result() for f in first + later]
+    finally:
+        engine._decode = original
+    assert engine.stats["batches"][start:] == [["long"], ["b", "c"]]
+    assert [len(r[0].token_ids) > 0 for r in results] == [True, True, True]
+
+
+def test_stream_yields_every_completion(engine, tok):
+    async def collect():
+        reqs = [_req(f"s{i}", tok.encode(f"{i} +"), n=2, max_new_tokens=4, seed=i) for i in range(3)]
+        return [c async for c in engine.stream(reqs)], engine.generate(reqs)
+
+    streamed, batch = asyncio.run(collect())
+    key = lambda c: (c.request_id, c.index)  # noqa: E731
+    assert sorted(streamed, key=key) == sorted(batch, key=key) and len(streamed) == 6
+
+
+def test_update_weights_matches_a_fresh_engine(model, tok):
+    new = tiny_causal_lm(len(tok), seed=7, max_position_embeddings=CONTEXT)
+    buckets = make_buckets(list(new.state_dict().items()), max_bytes=32 * 1024, version=5)
+    assert len(buckets) > 1  # several buckets really cross
+    reqs = [
+        _req(f"u{i}", tok.encode(p), temperature=0, max_new_tokens=8) for i, p in enumerate(["1 + 1 =", "20"])
+    ]
+    eng = HFEngine(tiny_causal_lm(len(tok), seed=0, max_position_embeddings=CONTEXT), tok)
+    fresh = HFEngine(new, tok)
+    try:
+        before = eng.generate(reqs)
+        eng.update_weights(buckets, version=5)
+        after, expected = eng.generate(reqs), fresh.generate(reqs)
+    finally:
+        eng.close()
+        fresh.close()
+    assert [c.token_ids for c in after] == [c.token_ids for c in expected] != [c.token_ids for c in before]
+    for a, e in zip(after, expected, strict=True):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(e.logprobs), atol=1e-6, rtol=0)
+    assert {c.policy_version for c in before} == {0} and {c.policy_version for c in after} == {5}
+    assert eng.policy_version == 5
+
+
+def test_bad_update_leaves_the_model_untouched(tok):
+    eng = HFEngine(tiny_causal_lm(len(tok), seed=0, max_position_embeddings=CONTEXT), tok)
+    snapshot = {k: v.clone() for k, v in eng.model.state_dict().items()}
+    good = ("model.norm.weight", torch.zeros(64))
+    try:
+        with pytest.raises(ValueError, match=r"unknown tensor name 'model\.nope\.weight'"):
+            eng.update_weights(
+                make_buckets([good, ("model.nope.weight", torch.zeros(2))], max_bytes=1 << 20), 1
+            )
+        with pytest.raises(
+            ValueError, match=r"'lm_head.weight' has shape \[3, 64\], the model's is \[262, 64\]"
+        ):
+            eng.update_weights(
+                make_buckets([good, ("lm_head.weight", torch.zeros(3, 64))], max_bytes=1 << 20), 1
+            )
+        assert all(torch.equal(v, snapshot[k]) for k, v in eng.model.state_dict().items())
+        assert eng.policy_version == 0
+    finally:
+        eng.close()
+
+
+def test_sleep_levels(tok):
+    model = tiny_causal_lm(len(tok), seed=0, max_position_embeddings=CONTEXT)
+    state = [(k, v.clone()) for k, v in model.state_dict().items()]
+    eng = HFEngine(model, tok)
+    req = [_req("z", tok.encode("5 + 5 ="), temperature=0, max_new_tokens=6)]
+    try:
+        before = eng.generate(req)[0].token_ids
+        eng.sleep()
+        with pytest.raises(RuntimeError, match="HFEngine is asleep: call wake_up"):
+            eng.generate(req)
+        eng.wake_up()
+        assert eng.generate(req)[0].token_ids == before
+        eng.sleep(level=2)  # weights discarded: storage released
+        assert all(p.numel() == 0 for p in eng.model.parameters())
+        eng.wake_up()
+        # 27 = embeddings + 2 layers x (q/k/v weight and bias, o, gate, up, down, 2 norms) + final norm + lm_head
+        with pytest.raises(RuntimeError, match=r"HFEngine has no weights for 27 tensors \(discarded"):
+            eng.generate(req)
+        eng.update_weights(make_buckets(state, max_bytes=1 << 20), version=1)
+        again = eng.generate(req)[0]
+    finally:
+        eng.close()
+    assert again.token_ids == before and again.policy_version == 1

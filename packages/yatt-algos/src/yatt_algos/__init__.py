@@ -2,7 +2,17 @@
 
 Advantage estimators, policy and value losses, KL, loss aggregation, filters, CAPO credit and Bone Soup, as
 pure functions on torch tensors; the policy and critic learners. `import yatt_algos` loads msgspec only;
-the math modules import torch.
+the math modules import torch. Import them by name:
+
+- `advantages`: ADVANTAGE_ESTIMATORS (gae, grpo, rloo, reinforce_pp, reinforce_pp_baseline, remax)
+- `policy_losses`: POLICY_LOSSES (ppo_clip, dual_clip, gspo, cispo); `rollout_correction` (truncated IS)
+- `aggregation`: AGG_MODES, aggregate (global normalizers for accumulation and data parallelism)
+- `kl`: KL_ESTIMATORS (k1, k2, k3), kl_penalty, apply_kl_penalty, adaptive_kl_coef
+- `value`: value_loss, logprobs/entropy from logits (chunked)
+- `filters`: DAPO dynamic sampling, overlong penalty and masking
+- `capo`: critique voting, step spans, token rewards, group normalization
+- `bone_soup`: backbone matrix, merging coefficients, state-dict merging
+- `groups`, `checks`: group statistics by id; input checks
 """
 
 from importlib.metadata import version as _version

@@ -23,6 +23,14 @@ def test_split_on_step_markers():
     )
 
 
+def test_split_on_step_lines():
+    text = "We add.\nStep 1: a = 2\nStep 2. b = 3\n  step 3: so 5"
+    spans = split_steps(text)
+    assert [text[s:e] for s, e in spans] == ["Step 1: a = 2", "Step 2. b = 3", "step 3: so 5"]
+    assert number_steps(text, spans) == "Step 1: a = 2\n\nStep 2: b = 3\n\nStep 3: so 5"
+    assert len(split_steps("Step one is to add.\n\nThen stop.")) == 2  # "Step one" is no marker
+
+
 @pytest.mark.parametrize(
     ("critique", "expected"),
     [
@@ -45,5 +53,9 @@ def test_token_spans_by_hand():
     offsets = [(0, 1), (1, 3), (3, 5), (5, 6)]
     # Step 0 touches tokens 0-1; step 1 touches tokens 2-3 (token 2 straddles whitespace and "c").
     assert token_spans([(0, 2), (4, 6)], offsets) == [(0, 2), (2, 4)]
-    # A token straddling a real boundary belongs to both steps: "b\nc" at [1, 4) overlaps [0,2) and [3,5).
-    assert token_spans([(0, 2), (3, 5)], [(0, 1), (1, 4), (4, 5)]) == [(0, 2), (1, 3)]
+    # A token straddling a real boundary belongs to the first step it overlaps: "b\nc" at [1, 4) overlaps
+    # [0, 2) and [3, 5) and goes to step 0, so step 1 keeps only token 2. Spans never overlap.
+    assert token_spans([(0, 2), (3, 5)], [(0, 1), (1, 4), (4, 5)]) == [(0, 2), (2, 3)]
+    # A zero-width token (an empty special token at char 4) counts at its position; a step no token
+    # touches gets (0, 0).
+    assert token_spans([(0, 2), (4, 6), (9, 10)], [(0, 2), (4, 4), (4, 6)]) == [(0, 1), (1, 3), (0, 0)]

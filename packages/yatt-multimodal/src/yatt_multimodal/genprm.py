@@ -24,7 +24,8 @@ from yatt_multimodal.prompt_codecs import PromptCodec
 from yatt_multimodal.templates import get_template
 from yatt_multimodal.types import JudgeSpec, RewardRequest, StepCritique
 
-_MARKER = re.compile(r"<step\s*\d+\s*>", re.IGNORECASE)
+# Explicit step markers: `<step 3>` anywhere, or `Step 3:` / `Step 3.` at a line start.
+_MARKER = re.compile(r"<step\s*\d+\s*>|^[ \t]*step\s+\d+\s*[:.]", re.IGNORECASE | re.MULTILINE)
 _CLOSING = re.compile(r"\s*</step\s*\d*\s*>\s*$", re.IGNORECASE)
 _BLANK_LINE = re.compile(r"\n[ \t]*\n")
 _WRONG = re.compile(
@@ -37,9 +38,10 @@ GENPRM_SPEC = JudgeSpec(template_name="step_critique", num_samples=4, parser="ye
 
 
 def split_steps(response: str) -> list[tuple[int, int]]:
-    """Half-open char spans of the steps, surrounding whitespace excluded. With `<step k>` markers a step runs
-    from its marker to the next (a closing `</step k>` is kept out); text before the first marker is not a
-    step. Without markers, steps are the blank-line-separated paragraphs."""
+    """Half-open char spans of the steps, surrounding whitespace excluded. With markers (`<step k>`, or
+    `Step k:` at a line start) a step runs from its marker to the next (a closing `</step k>` is kept out);
+    text before the first marker is not a step. Without markers, steps are the blank-line-separated
+    paragraphs."""
     markers = list(_MARKER.finditer(response))
     if markers:
         bounds = [(m.start(), nxt.start()) for m, nxt in itertools.pairwise(markers)]
@@ -99,12 +101,17 @@ def token_offsets(tokenizer: Any, text: str, token_ids: Sequence[int]) -> list[t
 def token_spans(
     char_spans: Sequence[tuple[int, int]], offsets: Sequence[tuple[int, int]]
 ) -> list[tuple[int, int]]:
-    """Half-open token span of each step: every token whose chars overlap the step. A token straddling a
-    boundary belongs to both neighbours (a wrong step penalises every token that touches it)."""
+    """Half-open token span of each step: the tokens whose chars overlap it. A token straddling a boundary
+    belongs to the first step it overlaps, so spans never overlap (yatt-algos' CAPO convention); a
+    zero-width token counts at its position; a step no token overlaps gets (0, 0)."""
+    owner = [
+        next((k for k, (s, e) in enumerate(char_spans) if a < e and s < max(b, a + 1)), -1)
+        for a, b in offsets
+    ]
     spans = []
-    for start, end in char_spans:
-        inside = [t for t, (a, b) in enumerate(offsets) if a < end and b > start]
-        spans.append((inside[0], inside[-1] + 1) if inside else (0, 0))
+    for k in range(len(char_spans)):
+        tokens = [t for t, o in enumerate(owner) if o == k]
+        spans.append((tokens[0], tokens[-1] + 1) if tokens else (0, 0))
     return spans
 
 

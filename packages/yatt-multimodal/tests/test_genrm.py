@@ -7,7 +7,7 @@ import pytest
 from yatt_multimodal.genrm import GenRMJudge
 from yatt_multimodal.prompt_codecs import ByteCodec
 from yatt_multimodal.reward_specs import build_combined, build_reward
-from yatt_multimodal.rewards import RewardStepFailed, resolve_failures
+from yatt_multimodal.rewards import RewardStepFailed, resolve_failures, score_stream
 from yatt_multimodal.templates import get_template
 from yatt_multimodal.testing import FAIL, ScriptedJudgeEngine
 from yatt_multimodal.types import JudgeSpec, RewardRequest, RewardSpec
@@ -183,3 +183,38 @@ def test_combined_rule_and_genrm_from_specs():
         build_reward(RewardSpec(kind="genrm", name="judge"), codec=ByteCodec())
     with pytest.raises(ValueError, match=r"RewardSpec\.kind 'oracle' is not registered"):
         build_reward(RewardSpec(kind="oracle"))
+
+
+async def _collect(stream):
+    return [batch async for batch in stream]
+
+
+def test_score_stream_judges_requests_as_they_arrive():
+    async def all_at_once():
+        for i, tag in enumerate(["GOOD", "BAD", "GOOD", "BAD", "GOOD", "MIXED"]):
+            yield _req(tag, rid=f"s{i}")
+
+    engine = _engine()
+    batches = asyncio.run(_collect(score_stream(_judge(engine), all_at_once(), max_batch=4)))
+    # All six are waiting when the first batch forms: batches of 4 and 2, dedup within each batch
+    # (GOOD, BAD in the first; GOOD, MIXED in the second) -> 4 judge prompts.
+    assert [len(b.rewards) for b in batches] == [4, 2]
+    assert [r.score for b in batches for r in b.rewards] == [1.0, -1.0, 1.0, -1.0, 1.0, 0.25]
+    assert [r.request_id for b in batches for r in b.rewards] == [f"s{i}" for i in range(6)]
+    assert len(engine.requests) == 4
+
+    async def trickle():
+        for i in range(3):
+            await asyncio.sleep(0.2)  # a slow rollout: every sample arrives after the batch window
+            yield _req("GOOD", rid=f"t{i}")
+
+    batches = asyncio.run(_collect(score_stream(_judge(_engine()), trickle(), max_batch=4, max_wait_s=0.01)))
+    assert [r.request_id for b in batches for r in b.rewards] == ["t0", "t1", "t2"]
+    assert all(len(b.rewards) <= 4 for b in batches)
+
+    async def broken():
+        yield _req("GOOD", rid="b0")
+        raise RuntimeError("rollout replica died")
+
+    with pytest.raises(RuntimeError, match="rollout replica died"):
+        asyncio.run(_collect(score_stream(_judge(_engine()), broken())))

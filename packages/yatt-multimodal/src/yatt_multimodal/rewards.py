@@ -4,12 +4,13 @@ Every reward (rule, reward model, judge) implements `RewardFunction.score`. Rule
 `(RewardRequest) -> float` wrapped by `RuleReward`, which runs them off the event loop with a per-request
 timeout and a concurrency limit. `CombinedReward` sums weighted terms. Failures are statuses, never silent
 zeros: `resolve_failures` applies the configured policy (score zero, drop the sample, fail the step).
+`score_stream` scores requests as they arrive (rollout streaming finished samples to a judge).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -203,3 +204,60 @@ def resolve_failures(batch: RewardBatch, policy: Mapping[str, OnFailure] | None 
 
 def _counts_of(metrics: RewardMetrics) -> dict[str, int]:
     return {name: getattr(metrics, name) for name in metrics.__struct_fields__}
+
+
+async def score_stream(
+    reward: RewardFunction,
+    requests: AsyncIterable[RewardRequest],
+    *,
+    max_batch: int = 64,
+    max_wait_s: float = 0.05,
+) -> AsyncIterator[RewardBatch]:
+    """Score requests as they arrive: the partial-colocated pipeline, where rollout streams finished samples
+    to the judge so that judging overlaps the long tail of generation.
+
+    A reader task drains `requests` into a queue while batches are scored; each batch is the first waiting
+    request plus whatever else arrives within `max_wait_s`, at most `max_batch` (dedup works within a batch).
+    Yields one `RewardBatch` per batch, in arrival order.
+    """
+    if max_batch < 1:
+        raise ValueError(f"score_stream: max_batch must be >= 1, got {max_batch}")
+    queue: asyncio.Queue[RewardRequest | None] = asyncio.Queue()
+
+    async def read() -> None:
+        try:
+            async for request in requests:
+                queue.put_nowait(request)
+        finally:
+            queue.put_nowait(None)  # end of stream (also when the source fails: its error surfaces below)
+
+    reader = asyncio.ensure_future(read())
+    try:
+        done = False
+        while not done:
+            first = await queue.get()
+            if first is None:
+                break
+            batch, done = await _gather_batch(queue, first, max_batch, max_wait_s)
+            yield await reward.score(batch)
+        await reader  # re-raises a failure of the source
+    finally:
+        reader.cancel()
+
+
+async def _gather_batch(
+    queue: asyncio.Queue[RewardRequest | None], first: RewardRequest, max_batch: int, max_wait_s: float
+) -> tuple[list[RewardRequest], bool]:
+    """`first` plus what the queue yields within `max_wait_s`, up to `max_batch`; True when the stream ended."""
+    batch = [first]
+    deadline = asyncio.get_running_loop().time() + max_wait_s
+    while len(batch) < max_batch:
+        remaining = deadline - asyncio.get_running_loop().time()
+        try:
+            item = queue.get_nowait() if remaining <= 0 else await asyncio.wait_for(queue.get(), remaining)
+        except (asyncio.QueueEmpty, TimeoutError):
+            break
+        if item is None:
+            return batch, True
+        batch.append(item)
+    return batch, False

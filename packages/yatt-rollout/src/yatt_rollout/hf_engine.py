@@ -189,11 +189,14 @@ class HFEngine:
             raise ValueError(
                 f"request {req.request_id}: prompt has media but the engine has no VLM and processor"
             )
-        images = [load_image(ref) for ref in req.prompt.media]  # ValueError names a missing file
-        out = self.image_processor(images=images, return_tensors="pt")
-        merge = self.image_processor.merge_size**2
-        counts = [int(thw.prod()) // merge for thw in out["image_grid_thw"]]
-        ids = expand_image_tokens(ids, self.image_token_id, counts)
+        try:
+            images = [load_image(ref) for ref in req.prompt.media]  # names a missing or unreadable file
+            out = self.image_processor(images=images, return_tensors="pt")
+            merge = self.image_processor.merge_size**2
+            counts = [int(thw.prod()) // merge for thw in out["image_grid_thw"]]
+            ids = expand_image_tokens(ids, self.image_token_id, counts)
+        except ValueError as err:
+            raise ValueError(f"request {req.request_id}: {err}") from err
         return ids, {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
 
     # ---- the worker ----------------------------------------------------------------------------------------

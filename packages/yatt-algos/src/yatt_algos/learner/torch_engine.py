@@ -181,7 +181,9 @@ class TorchEngine:
                 continue  # an FSDP2 filler
             idx, width = parts[i][0], mb["input_ids"].shape[1]
             for key, value in result.items():
-                outputs.setdefault(key, torch.zeros(b, t, dtype=torch.float32))[idx, :width] = value.float()
+                outputs.setdefault(key, value.new_zeros(b, t, dtype=torch.float32))[idx, :width] = (
+                    value.float()
+                )
         return outputs
 
     def state_dict(self) -> dict[str, Any]:

@@ -1,7 +1,14 @@
 """One example of every Struct in yatt_controller.types, with non-default values, for the wire contract test
 (tests/test_wire_contract.py at the workspace root) and its golden fixtures in golden/."""
 
-from yatt_controller.types import CheckpointManifest, ControllerSpec, Heartbeat, StepReport
+from yatt_controller.types import (
+    BucketLayout,
+    CheckpointManifest,
+    ControllerSpec,
+    Heartbeat,
+    StepReport,
+    WorkerInfo,
+)
 
 EXAMPLES = [
     ControllerSpec(num_controllers=4, seed=1, hang_timeout_s=120.0, checkpoint_every=10, keep_checkpoints=3),
@@ -20,4 +27,6 @@ EXAMPLES = [
         sizes={"learner.pt": 1024},
         policy_version=10,
     ),
+    WorkerInfo(role="rollout", dp_rank=1, dp_size=2, tp_rank=1, tp_size=2, device=3, name="judge"),
+    BucketLayout(dtype="bfloat16", names=["lm_head.weight", "norm.weight"], shapes=[[8, 4], [4]], nbytes=72),
 ]

@@ -90,3 +90,31 @@ class CheckpointManifest(_Wire, kw_only=True):
     sizes: dict[str, int] = {}
     policy_version: int = 0
     format_version: int = 1
+
+
+class WorkerInfo(_Wire, kw_only=True):
+    """Where one hosted worker sits: handed to a hosted class that asks for it (`pass_worker_info=True`).
+
+    Producer: `WorkerGroup`. Consumer: the hosted class (e.g. a learner joining its data-parallel group).
+    """
+
+    role: str
+    dp_rank: int
+    dp_size: int
+    tp_rank: int = 0
+    tp_size: int = 1
+    device: int = 0
+    name: str = ""
+
+
+class BucketLayout(_Wire, kw_only=True):
+    """One bucket of a weight sync: tensors of one dtype packed back to back into one flat buffer.
+
+    Producer: the trainer rank that sends (`weight_sync.plan_buckets`). Consumer: every receiving engine
+    worker, which allocates `nbytes`, receives the buffer and cuts it into `names` with `shapes`.
+    """
+
+    dtype: str  # torch dtype name without the "torch." prefix, e.g. "float32"
+    names: list[str]
+    shapes: list[list[int]]
+    nbytes: int

@@ -1,0 +1,260 @@
+"""A controller: runs the user's step function over its shard of the data, with handles to the services.
+
+The same `ControllerCore` runs in both modes. Parallel: one Ray actor per data-parallel rank of the trainer,
+each with its own shard, the service replicas routed to it, and its learner rank; calls go from it to the
+services directly and no sample passes through the driver. Single (the baseline): one core in the driver,
+holding every shard and every replica, so every sample is dispatched and collected by the driver.
+
+The step function reads `step_fn(ctx: StepContext, batch: list) -> dict[str, float]` (its metrics) and is the
+same in both modes: `ctx.services[name].scatter(...)` splits over whatever replicas this controller holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import ray
+
+from yatt_controller import checkpoint
+from yatt_controller.collective import Collective
+from yatt_controller.dispatch import fetch
+from yatt_controller.sync import WeightSync, check_versions
+from yatt_controller.types import Heartbeat, StepReport
+from yatt_controller.worker_group import WorkerGroup
+
+StepFn = Callable[["StepContext", list], dict[str, float]]
+
+
+@dataclass
+class ControllerPlan:
+    """Everything one controller needs, built by the driver (small: handles and functions, no data)."""
+
+    rank: int
+    world_size: int
+    step_fn: StepFn
+    dataset: Callable[[], Sequence[Any]]
+    batch_size: int  # global, per step
+    shards: list[int]
+    num_shards: int
+    seed: int
+    services: dict[str, WorkerGroup]  # already routed: views of the replicas this controller calls
+    learner: WorkerGroup | None = None
+    weight_sync: WeightSync | None = None
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 2
+    collective_timeout_s: float = 600.0
+
+
+@dataclass
+class StepContext:
+    """What a step function sees: its rank, the services, collectives, the RNG and checkpointed state."""
+
+    rank: int
+    world_size: int
+    services: dict[str, WorkerGroup]
+    learner: WorkerGroup | None
+    collective: Collective
+    rng: random.Random
+    state: dict[str, Any]  # checkpointed with the controller: sampling buffers, EMAs, ...
+    weight_sync: WeightSync | None = None
+    step: int = 0
+    policy_version: int = 0
+    timings_s: dict[str, float] = field(default_factory=dict)
+    on_progress: Callable[[str], None] = lambda phase: None
+
+    def get(self, refs: Any) -> Any:
+        """Values of object refs (counted against the driver when this controller is the driver)."""
+        values = fetch(refs)
+        self.on_progress("")
+        return values
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time a phase (accumulated into the step report) and report it to the health monitor."""
+        self.on_progress(name)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.timings_s[name] = self.timings_s.get(name, 0.0) + time.perf_counter() - start
+            self.on_progress("")
+
+    def all_reduce(self, values: dict[str, float], op: str = "sum") -> dict[str, float]:
+        return self.collective.all_reduce(values, op)
+
+    def all_gather(self, value: Any) -> list[Any]:
+        return self.collective.all_gather(value)
+
+    def barrier(self) -> None:
+        self.collective.barrier()
+
+    def check_versions(self, versions: Sequence[int], *, max_staleness: int = 0) -> None:
+        """Refuse samples not made by the current policy version (raises `StaleSampleError`)."""
+        check_versions(versions, self.policy_version, max_staleness=max_staleness)
+
+    def sync_weights(self) -> int:
+        """Push the learner's weights to the engines as the next version (rank 0 pushes; all wait)."""
+        if self.weight_sync is None:
+            raise ValueError("sync_weights: the job's services define no weight_sync")
+        self.collective.barrier()  # every learner rank finished its update
+        if self.rank == 0:
+            self.weight_sync.push(self.policy_version + 1)
+        self.collective.barrier()
+        self.policy_version += 1
+        return self.policy_version
+
+
+class ControllerCore:
+    """One controller's loop: sample, step, report, checkpoint. Thread-safe progress for the monitor."""
+
+    def __init__(self, plan: ControllerPlan, rendezvous: Any = None, *, label: str = "controller-0") -> None:
+        from yatt_controller.data import ShardSampler
+
+        self.plan, self.label = plan, label
+        self.rows = plan.dataset()
+        self.sampler = ShardSampler(
+            len(self.rows), plan.batch_size, seed=plan.seed, num_shards=plan.num_shards, shards=plan.shards
+        )
+        collective = Collective(rendezvous, plan.rank, plan.world_size, timeout_s=plan.collective_timeout_s)
+        self.ctx = StepContext(
+            rank=plan.rank, world_size=plan.world_size, services=plan.services, learner=plan.learner,
+            collective=collective, rng=random.Random(plan.seed * 7919 + plan.rank), state={},
+            weight_sync=plan.weight_sync, on_progress=self._progress,
+        )  # fmt: skip
+        self._lock = threading.Lock()
+        self._beat = (0, "start", time.time())
+        self._reports: list[StepReport] = []
+
+    def _progress(self, phase: str) -> None:
+        with self._lock:
+            self._beat = (self.ctx.step, phase or self._beat[1], time.time())
+
+    def heartbeat(self) -> tuple[Heartbeat, list[StepReport]]:
+        """The last progress and the reports finished since the previous heartbeat."""
+        with self._lock:
+            step, phase, when = self._beat
+            reports, self._reports = self._reports, []
+        node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+        return Heartbeat(actor=self.label, node_id=node, step=step, phase=phase, time_unix=when), reports
+
+    def run(self, start_step: int, end_step: int) -> int:
+        for step in range(start_step, end_step):
+            self.ctx.step, self.ctx.timings_s = step, {}
+            self._progress("data")
+            started = time.perf_counter()
+            batch = [self.rows[i] for i in self.sampler.next()]
+            metrics = self.plan.step_fn(self.ctx, batch)
+            self.ctx.timings_s["step"] = time.perf_counter() - started
+            if not isinstance(metrics, dict):
+                raise ValueError(
+                    f"step_fn must return a dict of metrics, got {type(metrics).__name__} at step {step}"
+                )
+            report = StepReport(
+                step=step, controller_rank=self.plan.rank, metrics={k: float(v) for k, v in metrics.items()},
+                timings_s=dict(self.ctx.timings_s), num_samples=len(batch),
+            )  # fmt: skip
+            every = self.plan.checkpoint_every
+            if self.plan.checkpoint_dir and every and (step + 1) % every == 0:
+                self._progress("checkpoint")
+                self.save(step)
+            with self._lock:
+                self._reports.append(report)
+                self._beat = (step + 1, "step done", time.time())
+        return end_step
+
+    def _state_bytes(self) -> bytes:
+        version, internal, gauss = self.ctx.rng.getstate()
+        state = {
+            "policy_version": self.ctx.policy_version,
+            "sampler": self.sampler.state(),
+            "rng": [version, list(internal), gauss],
+            "state": self.ctx.state,
+        }
+        return msgspec.msgpack.encode(state)
+
+    def save(self, step: int) -> None:
+        """A collective checkpoint: rank 0 opens the staging directory, every controller writes its part
+        (its own state and its learner ranks'), rank 0 writes the manifest and renames."""
+        root, col = self.plan.checkpoint_dir, self.ctx.collective
+        if self.plan.rank == 0:
+            checkpoint.begin(root, step)
+        col.barrier()
+        staging = checkpoint.staging_dir(root, step)
+        files = {
+            f"controller-{self.plan.rank}.msgpack": checkpoint.write_file(
+                staging, f"controller-{self.plan.rank}.msgpack", self._state_bytes()
+            )
+        }
+        if self.plan.learner is not None:
+            parts = fetch(self.plan.learner.broadcast("checkpoint_state"))
+            for worker, data in zip(self.plan.learner.workers, parts, strict=True):
+                if data:
+                    name = f"learner-{worker.group_dp_rank}.{worker.tp_rank}.bin"
+                    files[name] = checkpoint.write_file(staging, name, data)
+        everything = {k: v for part in col.all_gather(files) for k, v in part.items()}
+        if self.plan.rank == 0:
+            checkpoint.commit(
+                root,
+                step,
+                everything,
+                policy_version=self.ctx.policy_version,
+                keep=self.plan.keep_checkpoints,
+            )
+        col.barrier()
+
+    def prepare(self, path: Path | None) -> int:
+        """Resume from a verified checkpoint (or start fresh); the engines then get the learner's weights.
+        Returns the step to run next."""
+        next_step = 0 if path is None else self._restore(path)
+        self.ctx.collective.barrier()  # every learner rank holds its restored state
+        if self.plan.rank == 0 and self.plan.weight_sync is not None:
+            self.plan.weight_sync.push(self.ctx.policy_version)
+        self.ctx.collective.barrier()
+        return next_step
+
+    def _restore(self, path: Path) -> int:
+        manifest = checkpoint.verify(path)
+        name = f"controller-{self.plan.rank}.msgpack"
+        if name not in manifest.files:
+            raise ValueError(f"{path} holds no {name}: it was written by a different number of controllers")
+        state = msgspec.msgpack.decode((path / name).read_bytes())
+        self.ctx.policy_version = state["policy_version"]
+        self.sampler.load_state(state["sampler"])
+        version, internal, gauss = state["rng"]
+        self.ctx.rng.setstate((version, tuple(internal), gauss))
+        self.ctx.state = state["state"]
+        if self.plan.learner is not None:
+            loads = []
+            for worker in self.plan.learner.workers:
+                part = f"learner-{worker.group_dp_rank}.{worker.tp_rank}.bin"
+                data = (path / part).read_bytes() if part in manifest.files else b""
+                loads.append(worker.submit("load_checkpoint_state", (data,), {}))
+            ray.get(loads)
+        return manifest.step + 1
+
+
+@ray.remote(concurrency_groups={"health": 1})
+class ControllerActor:
+    """A parallel controller: a `ControllerCore` in its own process; `heartbeat` has its own thread."""
+
+    def __init__(self, plan: ControllerPlan, rendezvous: Any, label: str) -> None:
+        self.core = ControllerCore(plan, rendezvous, label=label)
+
+    def prepare(self, path: str | None) -> int:
+        return self.core.prepare(None if path is None else Path(path))
+
+    def run(self, start_step: int, end_step: int) -> int:
+        return self.core.run(start_step, end_step)
+
+    @ray.method(concurrency_group="health")
+    def heartbeat(self) -> tuple[Heartbeat, list[StepReport]]:
+        return self.core.heartbeat()

@@ -1,0 +1,128 @@
+"""Explicit dispatch: how one call on a worker group becomes calls on its workers.
+
+A worker group is a list of workers, each with a data-parallel rank (`dp_rank`) and a rank inside its
+model-parallel group (`tp_rank`). Every dispatch function returns object refs, in worker order; only a
+controller turns refs into values (`fetch`), and the in-flight window bounds how much work is outstanding.
+
+- broadcast: the same arguments to every worker.
+- scatter:   a list split into `dp_size` contiguous chunks; the model-parallel peers of one data-parallel
+             rank get the same chunk (they compute one result together).
+- rank_zero: only worker 0.
+- gather:    of the refs a broadcast or scatter returned, one per data-parallel rank (its `tp_rank == 0`
+             worker's), in rank order: what a caller concatenates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import ray
+
+from yatt_controller.ledger import LEDGER
+
+
+class Worker(Protocol):
+    dp_rank: int
+    tp_rank: int
+
+    def submit(self, method: str, args: tuple, kwargs: dict) -> ray.ObjectRef: ...
+
+
+def split_evenly(items: Sequence[Any], num_chunks: int) -> list[list[Any]]:
+    """Contiguous chunks whose sizes differ by at most one, the larger first: [5 items, 2] -> [3, 2]."""
+    if num_chunks < 1:
+        raise ValueError(f"num_chunks must be >= 1, got {num_chunks}")
+    base, extra = divmod(len(items), num_chunks)
+    chunks, start = [], 0
+    for i in range(num_chunks):
+        size = base + (1 if i < extra else 0)
+        chunks.append(list(items[start : start + size]))
+        start += size
+    return chunks
+
+
+def route(num_replicas: int, num_controllers: int, rank: int) -> list[int]:
+    """The replicas (data-parallel ranks) of a service that controller `rank` calls.
+
+    With at least as many replicas as controllers, each controller owns a contiguous block (the replicas must
+    divide evenly); with fewer, controllers share replicas round-robin: 4 replicas, 2 controllers, rank 1 ->
+    [2, 3]; 1 replica, 2 controllers -> [0] for both.
+    """
+    if not 0 <= rank < num_controllers:
+        raise ValueError(f"rank must be in [0, {num_controllers}), got {rank}")
+    if num_replicas >= num_controllers:
+        if num_replicas % num_controllers:
+            raise ValueError(
+                f"a service with {num_replicas} replicas cannot be split evenly over {num_controllers} controllers"
+            )
+        block = num_replicas // num_controllers
+        return list(range(rank * block, (rank + 1) * block))
+    return [rank % num_replicas]
+
+
+def _send(worker: Worker, method: str, args: tuple, kwargs: dict) -> ray.ObjectRef:
+    LEDGER.count_sent((args, kwargs))  # counts only in the driver, and only what is not already a ref
+    return worker.submit(method, args, kwargs)
+
+
+def broadcast(workers: Sequence[Worker], method: str, *args: Any, **kwargs: Any) -> list[ray.ObjectRef]:
+    return [_send(w, method, args, kwargs) for w in workers]
+
+
+def scatter(
+    workers: Sequence[Worker], method: str, items: Sequence[Any], **kwargs: Any
+) -> list[ray.ObjectRef]:
+    dp_size = 1 + max(w.dp_rank for w in workers)
+    chunks = split_evenly(items, dp_size)
+    return [_send(w, method, (chunks[w.dp_rank],), kwargs) for w in workers]
+
+
+def rank_zero(workers: Sequence[Worker], method: str, *args: Any, **kwargs: Any) -> list[ray.ObjectRef]:
+    return [_send(workers[0], method, args, kwargs)]
+
+
+def gather(workers: Sequence[Worker], refs: Sequence[ray.ObjectRef]) -> list[ray.ObjectRef]:
+    if len(refs) != len(workers):
+        raise ValueError(f"gather needs one ref per worker: {len(workers)} workers, {len(refs)} refs")
+    return [ref for w, ref in zip(workers, refs, strict=True) if w.tp_rank == 0]
+
+
+DISPATCH: dict[str, Callable[..., list[ray.ObjectRef]]] = {
+    "broadcast": broadcast,
+    "scatter": scatter,
+    "rank_zero": rank_zero,
+}
+
+
+def fetch(refs: ray.ObjectRef | Sequence[ray.ObjectRef], *, timeout: float | None = None) -> Any:
+    """`ray.get` that charges what it receives to this process's ledger (the driver's, in single mode)."""
+    values = ray.get(refs, timeout=timeout)
+    LEDGER.count_received(values)
+    return values
+
+
+class InflightWindow:
+    """Bounds outstanding calls: admitting one more than `max_inflight` first waits (`ray.wait`) until one
+    finishes. Completed refs are forgotten; results stay with whoever holds the ref."""
+
+    def __init__(self, max_inflight: int) -> None:
+        if max_inflight < 1:
+            raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
+        self.max_inflight = max_inflight
+        self._pending: list[ray.ObjectRef] = []
+        self.waits = 0  # times admission had to wait: a bounded window is observable
+
+    def admit(self, submit: Callable[[], ray.ObjectRef]) -> ray.ObjectRef:
+        if len(self._pending) >= self.max_inflight:
+            _, self._pending = ray.wait(self._pending, num_returns=1)
+            if self._pending:  # drop whatever else finished meanwhile, without blocking
+                _, self._pending = ray.wait(self._pending, num_returns=len(self._pending), timeout=0)
+            self.waits += 1
+        ref = submit()
+        self._pending.append(ref)
+        return ref
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)

@@ -1,0 +1,359 @@
+"""The driver: launch the controllers, watch their health, restart from the last checkpoint or fail fast.
+
+`run(spec, job, realized)` builds the job's services on the realized plan, starts the controllers (one actor
+per data-parallel rank of the trainer in parallel mode; one core in a driver thread in single mode), and then
+only watches: every `heartbeat_interval_s` it collects heartbeats and step reports and pings every host. A
+dead actor, a failed controller, or no progress for `hang_timeout_s` tears the attempt down; with
+`on_failure="restart"` the run is rebuilt and resumed from the newest complete checkpoint, up to
+`max_restarts` times; otherwise `ControllerFailure` names the actor and its node. Never a silent hang.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import ray
+
+from yatt_controller import checkpoint
+from yatt_controller.collective import Rendezvous
+from yatt_controller.controller import ControllerActor, ControllerCore, ControllerPlan, StepFn
+from yatt_controller.dispatch import route
+from yatt_controller.ledger import LEDGER
+from yatt_controller.sync import WeightSync
+from yatt_controller.types import ControllerSpec, Heartbeat, StepReport
+from yatt_controller.worker_group import HostPool, WorkerGroup
+
+
+class ControllerFailure(RuntimeError):
+    """The run failed and will not be (or can no longer be) restarted; the message names actor and node."""
+
+
+class _AttemptFailed(Exception):
+    pass
+
+
+@dataclass
+class Services:
+    """What a job's `build` returns: its worker groups by name, which one is the trainer, the weight sync."""
+
+    groups: dict[str, WorkerGroup]
+    learner: str | None = None  # parallel mode runs one controller per data-parallel rank of this group
+    weight_sync: WeightSync | None = None
+
+
+@dataclass
+class Job:
+    build: Callable[[HostPool], Services]  # called on every (re)start: creates the worker groups
+    step_fn: StepFn
+    dataset: Callable[[], Sequence[Any]]  # called inside each controller: the driver never holds rows
+    batch_size: int  # global, per step
+    num_steps: int
+    checkpoint_dir: str | None = None
+
+
+@dataclass
+class RunResult:
+    reports: dict[int, list[StepReport]]  # step -> one report per controller, in rank order
+    restarts: int
+    failures: list[str]
+    driver_bytes: int  # sample payload through the driver (dispatch arguments and fetched results)
+    report_bytes: int  # msgpack size of the step reports the driver received
+    next_step: int = 0
+
+
+@dataclass
+class _Watch:
+    label: str
+    node_id: str = "?"
+    last_ok: float = field(default_factory=time.time)  # last progress (controllers) or answer
+    answered: bool = False  # a controller that never answered is still starting: startup_timeout_s applies
+    pending: Any = None  # the outstanding heartbeat call: one at a time, never abandoned
+
+
+def run(spec: ControllerSpec, job: Job, realized: Any, *, startup_timeout_s: float = 300.0) -> RunResult:
+    """Run `job.num_steps` steps under `spec` on a realized placement plan. A controller that has not
+    answered a heartbeat within `startup_timeout_s` of its launch counts as hung."""
+    if job.batch_size < 1 or job.num_steps < 0:
+        raise ValueError(
+            f"Job needs batch_size >= 1 and num_steps >= 0, got {job.batch_size}, {job.num_steps}"
+        )
+    if spec.checkpoint_every and not job.checkpoint_dir:
+        raise ValueError("ControllerSpec.checkpoint_every is set but Job.checkpoint_dir is not")
+    LEDGER.reset()
+    LEDGER.active = True
+    reports: dict[int, dict[int, StepReport]] = {}
+    failures: list[str] = []
+    report_bytes = 0
+    try:
+        while True:
+            attempt = _Attempt(spec, job, realized, reports, startup_timeout_s)
+            try:
+                attempt.start()
+                attempt.watch()
+                report_bytes += attempt.report_bytes
+                break
+            except _AttemptFailed as failure:
+                report_bytes += attempt.report_bytes
+                failures.append(str(failure))
+                if spec.on_failure == "fail" or len(failures) > spec.max_restarts:
+                    tail = "" if spec.on_failure == "fail" else f" (after {len(failures) - 1} restarts)"
+                    raise ControllerFailure(f"{failure}{tail}") from failure.__cause__
+            finally:
+                attempt.teardown()
+    finally:
+        LEDGER.active = False
+    ordered = {step: [by_rank[r] for r in sorted(by_rank)] for step, by_rank in sorted(reports.items())}
+    return RunResult(ordered, len(failures), failures, LEDGER.total, report_bytes, job.num_steps)
+
+
+class _Attempt:
+    """One launch of the job, from build to the last step or the first failure."""
+
+    def __init__(
+        self, spec: ControllerSpec, job: Job, realized: Any, reports: dict, startup_timeout_s: float
+    ) -> None:
+        self.spec, self.job, self.realized, self.reports = spec, job, realized, reports
+        self.startup_timeout_s = startup_timeout_s
+        self.pool = HostPool(realized)
+        self.controllers: list[tuple[Any, _Watch]] = []
+        self.runs: list[Any] = []
+        self.rendezvous = None
+        self.thread: threading.Thread | None = None
+        self.core: ControllerCore | None = None
+        self.error: BaseException | None = None
+        self.report_bytes = 0
+        self._nodes: dict[str, str] = {}  # label -> node id, from the last answer
+        self._busy: dict[str, tuple[str, float]] = {}  # label -> (what it is doing, since)
+
+    def start(self) -> None:
+        services = self.job.build(self.pool)
+        if services.weight_sync is not None:
+            services.weight_sync.setup()
+        found = checkpoint.latest(self.job.checkpoint_dir) if self.job.checkpoint_dir else None
+        path = None if found is None else str(found[0])
+        if self.spec.mode == "single":
+            self._start_single(services, path)
+        else:
+            self._start_parallel(services, path)
+
+    def _plan(self, services: Services, rank: int, world: int, groups: dict, learner: Any) -> ControllerPlan:
+        spec, job = self.spec, self.job
+        return ControllerPlan(
+            rank=rank, world_size=world, step_fn=job.step_fn, dataset=job.dataset, batch_size=job.batch_size,
+            shards=[rank], num_shards=world, seed=spec.seed, services=groups, learner=learner,
+            weight_sync=services.weight_sync, checkpoint_dir=job.checkpoint_dir,
+            checkpoint_every=spec.checkpoint_every, keep_checkpoints=spec.keep_checkpoints,
+            collective_timeout_s=spec.hang_timeout_s,
+        )  # fmt: skip
+
+    def _start_parallel(self, services: Services, path: str | None) -> None:
+        world = self.spec.num_controllers
+        learner = services.groups.get(services.learner) if services.learner else None
+        if services.learner and learner is None:
+            raise ValueError(f"Services.learner {services.learner!r} is not one of {sorted(services.groups)}")
+        if learner is not None and learner.dp_size != world:
+            raise ValueError(
+                f"num_controllers is {world} but the learner has {learner.dp_size} data-parallel ranks"
+            )
+        self.rendezvous = Rendezvous.remote(world)
+        for rank in range(world):
+            routed = {
+                name: group.view([rank] if group is learner else route(group.dp_size, world, rank))
+                for name, group in services.groups.items()
+            }
+            mine = routed[services.learner] if learner is not None else None
+            options: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0}
+            if learner is not None:  # next to its learner rank
+                device = learner.view([rank]).workers[0].device
+                options["scheduling_strategy"] = self.realized.scheduling_strategy(device)
+            label = f"controller-{rank}"
+            plan = self._plan(services, rank, world, routed, mine)
+            actor = ControllerActor.options(**options).remote(plan, self.rendezvous, label)
+            self.controllers.append((actor, _Watch(label)))
+        self._await([actor.prepare.remote(path) for actor, _ in self.controllers])
+        start = self._next_step(path)
+        self.runs = [actor.run.remote(start, self.job.num_steps) for actor, _ in self.controllers]
+
+    def _start_single(self, services: Services, path: str | None) -> None:
+        learner = services.groups.get(services.learner) if services.learner else None
+        self.core = ControllerCore(
+            self._plan(services, 0, 1, dict(services.groups), learner), label="controller-0"
+        )
+        self.controllers.append((None, _Watch("controller-0")))
+
+        def body() -> None:
+            try:
+                start = self.core.prepare(None if path is None else Path(path))
+                self.core.run(start, self.job.num_steps)
+            except BaseException as exc:  # handed to the watching thread
+                self.error = exc
+
+        self.thread = threading.Thread(target=body, name="yatt-single-controller", daemon=True)
+        self.thread.start()
+
+    def _next_step(self, path: str | None) -> int:
+        return 0 if path is None else checkpoint.verify(Path(path)).step + 1
+
+    def _await(self, refs: list) -> None:
+        """Wait for launch-time calls while still watching health."""
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(
+                pending, num_returns=len(pending), timeout=self.spec.heartbeat_interval_s
+            )
+            for ref in ready:
+                self._get_or_fail(ref, "a controller failed to start")
+            if pending:
+                self._poll_health()
+
+    def _get_or_fail(self, ref: Any, headline: str) -> Any:
+        try:
+            return ray.get(ref)
+        except Exception as exc:
+            raise self._failure(f"{headline}: {_summary(exc)}") from exc
+
+    def watch(self) -> None:
+        interval = self.spec.heartbeat_interval_s
+        if self.thread is not None:
+            while self.thread.is_alive():
+                self.thread.join(interval)
+                if self.error is not None:
+                    raise self._failure(f"controller-0 failed: {_summary(self.error)}") from self.error
+                self._poll_health()
+            if self.error is not None:
+                raise self._failure(f"controller-0 failed: {_summary(self.error)}") from self.error
+        else:
+            pending = list(self.runs)
+            while pending:
+                ready, pending = ray.wait(pending, num_returns=len(pending), timeout=interval)
+                for ref in ready:
+                    rank = self.runs.index(ref)
+                    self._get_or_fail(ref, f"{self.controllers[rank][1].label} failed")
+                self._poll_health()
+        self._drain(timeout_s=60.0)  # the last reports: the controllers are idle now
+
+    def _poll_health(self) -> None:
+        """Heartbeats of controllers (with their reports) and pings of hosts; raises on death or a hang."""
+        spec = self.spec
+        for actor, watch in self.controllers:
+            if actor is not None and watch.pending is None:
+                watch.pending = actor.heartbeat.remote()
+        beats = [(watch.pending, watch) for actor, watch in self.controllers if actor is not None]
+        hosts = [(rec.handle.ping.remote(), _Watch(self._host_name(rec))) for rec in self.pool.hosts.values()]
+        refs = [ref for ref, _ in beats + hosts]
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=spec.heartbeat_interval_s)
+        for ref, watch in beats + hosts:
+            ready, _ = ray.wait([ref], timeout=0)
+            if not ready:
+                continue  # a late answer: a controller is judged by last_ok below
+            watch.pending = None
+            try:
+                value = ray.get(ref)
+            except ray.exceptions.RayActorError as exc:
+                raise self._failure(
+                    f"actor {watch.label} on node {self._node(watch.label)} died: {_summary(exc)}"
+                ) from exc
+            self._seen(watch, value)
+        if self.core is not None:
+            self._seen(self.controllers[0][1], self.core.heartbeat())
+        now = time.time()
+        for _, watch in self.controllers:
+            limit = (
+                spec.hang_timeout_s if watch.answered else max(spec.hang_timeout_s, self.startup_timeout_s)
+            )
+            if now - watch.last_ok > limit:
+                raise self._failure(self._hang_message(watch, now))
+
+    @staticmethod
+    def _host_name(record: Any) -> str:
+        return f"{record.label} ({', '.join(record.roles)})"
+
+    def _seen(self, watch: _Watch, value: Any) -> None:
+        if isinstance(value, dict):  # a host's ping
+            self._nodes[watch.label] = value["node_id"]
+            self._busy[watch.label] = (value["busy"], value["busy_since"])
+            return
+        beat, reports = value
+        assert isinstance(beat, Heartbeat)
+        self._nodes[beat.actor] = beat.node_id
+        watch.node_id, watch.last_ok = beat.node_id, beat.time_unix
+        watch.answered = beat.phase != "start"  # until its first step, a controller is still starting
+        self._busy[beat.actor] = (f"step {beat.step}, phase {beat.phase!r}", beat.time_unix)
+        for report in reports:
+            self.report_bytes += len(msgspec.msgpack.encode(report))
+            self.reports.setdefault(report.step, {})[report.controller_rank] = report
+
+    def _node(self, label: str) -> str:
+        return self._nodes.get(label, "?")
+
+    def _hang_message(self, watch: _Watch, now: float) -> str:
+        doing, _ = self._busy.get(watch.label, ("?", 0.0))
+        busy = [
+            f"{label} on node {self._node(label)} in {what} for {now - since:.1f} s"
+            for label, (what, since) in self._busy.items()
+            if what and since and not label.startswith("controller-")
+        ]
+        return (
+            f"hang: {watch.label} on node {watch.node_id} made no progress for {now - watch.last_ok:.1f} s "
+            f"(> hang_timeout_s {self.spec.hang_timeout_s}; {doing}); busy: {'; '.join(busy) or 'nothing'}"
+        )
+
+    def _failure(self, headline: str) -> _AttemptFailed:
+        """Name every host that is dead now beside the headline."""
+        refs = [(rec.handle.ping.remote(), self._host_name(rec)) for rec in self.pool.hosts.values()]
+        if refs:
+            ray.wait(
+                [r for r, _ in refs], num_returns=len(refs), timeout=min(5.0, self.spec.heartbeat_interval_s)
+            )
+        dead = []
+        for ref, label in refs:
+            try:
+                ray.get(ref, timeout=0)
+            except ray.exceptions.RayActorError:
+                dead.append(f"{label} on node {self._node(label)}")
+            except ray.exceptions.GetTimeoutError:
+                pass
+        suffix = f"; dead actors: {', '.join(dead)}" if dead and not headline.startswith("actor ") else ""
+        return _AttemptFailed(headline + suffix)
+
+    def _drain(self, timeout_s: float = 5.0) -> None:
+        """Collect every report not yet seen: the outstanding heartbeats' and a fresh one's (a controller
+        drains its reports into whichever heartbeat answers first). Best effort after a failure."""
+        live = []
+        for actor, watch in self.controllers:
+            if actor is not None:
+                live += [(ref, watch) for ref in (watch.pending, actor.heartbeat.remote()) if ref is not None]
+                watch.pending = None
+        if live:
+            ray.wait([ref for ref, _ in live], num_returns=len(live), timeout=timeout_s)
+        for ref, watch in live:
+            with contextlib.suppress(Exception):
+                self._seen(watch, ray.get(ref, timeout=0))
+        if self.core is not None:
+            self._seen(self.controllers[0][1], self.core.heartbeat())
+
+    def teardown(self) -> None:
+        self._drain()
+        for actor, _ in self.controllers:
+            if actor is not None:
+                ray.kill(actor, no_restart=True)
+        if self.rendezvous is not None:
+            ray.kill(self.rendezvous, no_restart=True)
+        self.pool.shutdown()  # a single-mode thread blocked on a host now gets an error and ends
+        if self.thread is not None:
+            self.thread.join(timeout=10.0)
+
+
+def _summary(exc: BaseException) -> str:
+    """The exception's type and its first line: enough to name the cause, short enough to read."""
+    cause = getattr(exc, "cause", None) or exc  # a RayTaskError wraps the error raised in the task
+    lines = [line.strip() for line in str(cause).strip().splitlines() if line.strip()]
+    return f"{type(cause).__name__}: {lines[0] if lines else ''}"[:300]

@@ -1,0 +1,252 @@
+"""Worker groups: any class hosted as Ray actors on the bundles of a realized placement plan.
+
+One host process per device (`_Host`), created on that device's bundle. Every role the plan puts on a device
+lives in that device's host, so roles the plan colocates share a process (and can hand weights over in
+memory). A `WorkerGroup` is one role: one worker per device of each replica, with `dp_rank` = replica index
+and `tp_rank` = position inside the replica. Calls go through the explicit dispatch functions of
+`yatt_controller.dispatch` and a bounded in-flight window.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from yatt_controller import dispatch
+from yatt_controller.types import WorkerInfo
+
+
+@ray.remote(concurrency_groups={"health": 1})
+class _Host:
+    """The process of one device. User calls run one at a time; `ping` has its own thread, so a host busy in
+    a long call still answers the health monitor."""
+
+    def __init__(self, label: str, device: int) -> None:
+        self._label, self._device = label, device
+        self._objects: dict[str, Any] = {}
+        self._busy: tuple[str, float] | None = None
+        self._sync_groups: dict[str, Any] = {}
+
+    def create(self, key: str, cls: type, args: tuple, kwargs: dict) -> int:
+        self._objects[key] = cls(*args, **kwargs)
+        return os.getpid()
+
+    def call(self, key: str, method: str, args: tuple, kwargs: dict) -> Any:
+        self._busy = (f"{key}.{method}", time.time())
+        try:
+            return getattr(self._objects[key], method)(*args, **kwargs)
+        finally:
+            self._busy = None
+
+    @ray.method(concurrency_group="health")
+    def ping(self) -> dict[str, Any]:
+        busy, since = self._busy or ("", 0.0)
+        return {
+            "actor": self._label,
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "pid": os.getpid(),
+            "busy": busy,
+            "busy_since": since,
+        }
+
+    # Weight sync: the torch side lives in yatt_controller.weight_sync, imported only where it runs.
+    def sync_open(self, group: str) -> tuple[str, int]:
+        from yatt_controller import weight_sync
+
+        return weight_sync.open_store(self._sync_groups, group)
+
+    def sync_join(self, group: str, addr: str, port: int, rank: int, world: int, backend: str) -> None:
+        from yatt_controller import weight_sync
+
+        weight_sync.join_group(self._sync_groups, group, addr, port, rank, world, backend)
+
+    def sync_plan(self, key: str, bucket_bytes: int) -> list:
+        from yatt_controller import weight_sync
+
+        return weight_sync.plan_buckets(self._objects[key].named_weights(), bucket_bytes)
+
+    def sync_send(self, group: str, key: str, buckets: list) -> int:
+        from yatt_controller import weight_sync
+
+        return weight_sync.send(self._sync_groups[group], self._objects[key].named_weights(), buckets)
+
+    def sync_recv(self, group: str, key: str, buckets: list, version: int) -> int:
+        from yatt_controller import weight_sync
+
+        named = weight_sync.receive(self._sync_groups[group], buckets)
+        self._objects[key].load_weights(named, version)
+        return sum(b.nbytes for b in buckets)
+
+    def sync_local(self, src_key: str, dst_key: str, version: int) -> int:
+        from yatt_controller import weight_sync
+
+        return weight_sync.copy_local(self._objects[src_key], self._objects[dst_key], version)
+
+
+def _device_share(realized: Any, device: int) -> float:
+    """The device share of a host: the sum of the shares of the roles the plan puts on `device`."""
+    share = sum(
+        realized.gpu_fraction(p.role, p.name)
+        for p in realized.plan.roles
+        if any(device in replica for replica in p.replicas)
+    )
+    return min(share, 1.0)
+
+
+@dataclass
+class HostRecord:
+    handle: Any  # ray.actor.ActorHandle of a _Host
+    device: int
+    label: str
+    roles: list[str] = field(default_factory=list)
+
+
+class HostPool:
+    """The host processes of one realized plan, one per device, created on first use."""
+
+    def __init__(self, realized: Any, *, num_cpus_per_host: float = 0.0, label_prefix: str = "") -> None:
+        self.realized = realized
+        self.num_cpus_per_host = num_cpus_per_host
+        self.label_prefix = label_prefix
+        self.hosts: dict[int, HostRecord] = {}
+
+    def host(self, device: int, role_label: str) -> HostRecord:
+        if device not in self.hosts:
+            label = f"{self.label_prefix}device-{device}"
+            handle = _Host.options(
+                num_cpus=self.num_cpus_per_host,
+                num_gpus=_device_share(self.realized, device),
+                scheduling_strategy=self.realized.scheduling_strategy(device),
+                max_restarts=0,
+            ).remote(label, device)
+            self.hosts[device] = HostRecord(handle, device, label)
+        record = self.hosts[device]
+        record.roles.append(role_label)
+        return record
+
+    def shutdown(self) -> None:
+        """Kill every host (their bundles stay reserved for the next pool)."""
+        for record in self.hosts.values():
+            ray.kill(record.handle, no_restart=True)
+        self.hosts.clear()
+
+
+@dataclass
+class Worker:
+    """One hosted instance: `host.call(key, ...)` reaches it."""
+
+    host: Any
+    key: str
+    dp_rank: int
+    tp_rank: int
+    device: int
+    label: str  # e.g. "rollout-1.0 on device-3": how failures name it
+    group_dp_rank: int = -1  # dp rank in the whole group; a view renumbers dp_rank, never this
+    window: dispatch.InflightWindow | None = None
+
+    def submit(self, method: str, args: tuple, kwargs: dict) -> ray.ObjectRef:
+        def go() -> ray.ObjectRef:
+            return self.host.call.remote(self.key, method, args, kwargs)
+
+        return self.window.admit(go) if self.window is not None else go()
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "window": None}  # pending refs stay with the process that made them
+
+
+class WorkerGroup:
+    """One role of the plan hosted as workers: `WorkerGroup.create(pool, "rollout", MyEngine, ...)`."""
+
+    def __init__(self, role: str, name: str, workers: Sequence[Worker], max_inflight: int = 8) -> None:
+        if not workers:
+            raise ValueError(f"WorkerGroup {role!r} needs at least one worker")
+        self.role, self.name, self.max_inflight = role, name, max_inflight
+        self.workers = list(workers)
+        self._bind_window()
+
+    def _bind_window(self) -> None:
+        window = dispatch.InflightWindow(self.max_inflight)
+        self.workers = [Worker(**{**w.__dict__, "window": window}) for w in self.workers]
+
+    def __setstate__(self, state: dict) -> None:  # unpickled in a controller: a fresh window there
+        self.__dict__.update(state)
+        self._bind_window()
+
+    @classmethod
+    def create(
+        cls,
+        pool: HostPool,
+        role: str,
+        hosted: type,
+        *,
+        name: str = "",
+        args: tuple = (),
+        kwargs: dict | None = None,
+        max_inflight: int = 8,
+        pass_worker_info: bool = False,
+    ) -> WorkerGroup:
+        """Instantiate `hosted(*args, **kwargs)` on every device of every replica the plan gives `role`."""
+        if not inspect.isclass(hosted):
+            raise ValueError(f"WorkerGroup.create needs a class to host, got {hosted!r}")
+        placement = next((p for p in pool.realized.plan.roles if p.role == role and p.name == name), None)
+        if placement is None:
+            raise ValueError(f"role {role!r} (name {name!r}) is not in the placement plan")
+        key = f"{role}:{name}" if name else role
+        workers, created = [], []
+        for dp_rank, replica in enumerate(placement.replicas):
+            for tp_rank, device in enumerate(replica):
+                label = f"{key}-{dp_rank}.{tp_rank}"
+                record = pool.host(device, label)
+                info = WorkerInfo(
+                    role=role, name=name, dp_rank=dp_rank, dp_size=len(placement.replicas),
+                    tp_rank=tp_rank, tp_size=len(replica), device=device,
+                )  # fmt: skip
+                kw = {**(kwargs or {}), **({"worker_info": info} if pass_worker_info else {})}
+                created.append(record.handle.create.remote(key, hosted, args, kw))
+                workers.append(
+                    Worker(
+                        record.handle, key, dp_rank, tp_rank, device, f"{label} on {record.label}", dp_rank
+                    )
+                )
+        ray.get(created)  # all at once: hosted classes may rendezvous with each other in __init__
+        return cls(role, name, workers, max_inflight)
+
+    @property
+    def dp_size(self) -> int:
+        return 1 + max(w.dp_rank for w in self.workers)
+
+    def view(self, dp_ranks: Sequence[int]) -> WorkerGroup:
+        """The workers of some data-parallel ranks, renumbered from 0 (what one controller is routed to)."""
+        ranks = list(dp_ranks)
+        if not ranks or any(not 0 <= r < self.dp_size for r in ranks):
+            raise ValueError(f"view of {self.role!r} needs dp ranks in [0, {self.dp_size}), got {ranks}")
+        renumber = {r: i for i, r in enumerate(ranks)}
+        picked = [
+            Worker(**{**w.__dict__, "dp_rank": renumber[w.dp_rank]})
+            for w in self.workers
+            if w.dp_rank in renumber
+        ]
+        return WorkerGroup(self.role, self.name, picked, self.max_inflight)
+
+    def broadcast(self, method: str, *args: Any, **kwargs: Any) -> list[ray.ObjectRef]:
+        return dispatch.broadcast(self.workers, method, *args, **kwargs)
+
+    def scatter(self, method: str, items: Sequence[Any], **kwargs: Any) -> list[ray.ObjectRef]:
+        return dispatch.scatter(self.workers, method, items, **kwargs)
+
+    def rank_zero(self, method: str, *args: Any, **kwargs: Any) -> ray.ObjectRef:
+        return dispatch.rank_zero(self.workers, method, *args, **kwargs)[0]
+
+    def gather(self, refs: Sequence[ray.ObjectRef]) -> list[ray.ObjectRef]:
+        return dispatch.gather(self.workers, refs)
+
+    def dispatch(self, mode: str, method: str, *args: Any, **kwargs: Any) -> list[ray.ObjectRef]:
+        if mode not in dispatch.DISPATCH:
+            raise ValueError(f"unknown dispatch mode {mode!r}; known: {sorted(dispatch.DISPATCH)}")
+        return dispatch.DISPATCH[mode](self.workers, method, *args, **kwargs)

@@ -1,0 +1,104 @@
+"""Test doubles for the runtime tests, named as such: a scripted engine and a counting learner.
+
+They stand in for a rollout engine and a learner so that the runtime's own behaviour (dispatch, routing,
+driver bytes, checkpoints, health) is checked without model imports; `test_tiny_models.py` runs the same
+runtime with real tiny transformers models. Faults are scripted through marker files so that each fires once
+per test, even across restarts.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import msgspec
+
+
+def _fire_once(marker: str | None) -> bool:
+    """True the first time a fault is reached (creates the marker file), False afterwards."""
+    if marker is None or Path(marker).exists():
+        return False
+    Path(marker).write_text("fired")
+    return True
+
+
+class ScriptedEngine:
+    """A rollout double: each prompt (an int) becomes one sample with `media_bytes` of generated media."""
+
+    def __init__(
+        self, media_bytes: int = 0, crash_at_call: int = -1, hang_at_call: int = -1, marker: str | None = None
+    ):
+        self.media_bytes, self.crash_at_call, self.hang_at_call = media_bytes, crash_at_call, hang_at_call
+        self.marker, self.calls, self.version = marker, 0, 0
+
+    def generate(self, prompts: list[int]) -> list[dict]:
+        call, self.calls = self.calls, self.calls + 1
+        if call == self.crash_at_call and _fire_once(self.marker):
+            os._exit(1)  # a real crash of this worker's process, mid-step
+        if call == self.hang_at_call:
+            time.sleep(3600)
+        return [
+            {
+                "prompt": p,
+                "x": 2 * p + 1,
+                "version": self.version,
+                "media": bytes([p % 256]) * self.media_bytes,
+            }
+            for p in prompts
+        ]
+
+    def hold(self, seconds: float) -> float:
+        time.sleep(seconds)
+        return seconds
+
+    def set_version(self, version: int) -> None:
+        self.version = version
+
+    def getpid(self) -> int:
+        return os.getpid()
+
+
+class CountingLearner:
+    """A learner double: "trains" by adding up what it sees; its state is that running total."""
+
+    def __init__(self, crash_in_checkpoint: int = -1, marker: str | None = None, worker_info=None):
+        self.total, self.num_checkpoints = 0, 0
+        self.crash_in_checkpoint, self.marker, self.info = crash_in_checkpoint, marker, worker_info
+
+    def train(self, samples: list[dict]) -> float:
+        self.total += sum(s["x"] for s in samples) + sum(len(s["media"]) for s in samples)
+        return float(self.total)
+
+    def checkpoint_state(self) -> bytes:
+        self.num_checkpoints += 1
+        if self.num_checkpoints == self.crash_in_checkpoint and _fire_once(self.marker):
+            os._exit(1)  # dies in the middle of a checkpoint write
+        return msgspec.msgpack.encode({"total": self.total, "rank": self.info.dp_rank})
+
+    def load_checkpoint_state(self, data: bytes) -> None:
+        state = msgspec.msgpack.decode(data)
+        assert state["rank"] == self.info.dp_rank, "a learner rank loaded another rank's state"
+        self.total = state["total"]
+
+    def rank(self) -> tuple[int, int]:
+        return self.info.dp_rank, self.info.dp_size
+
+    def getpid(self) -> int:
+        return os.getpid()
+
+
+def media_step(ctx, batch: list[int]) -> dict[str, float]:
+    """One step: generate, check versions, train on this controller's share, all-reduce the counts."""
+    with ctx.phase("rollout"):
+        chunks = ctx.get(ctx.services["rollout"].scatter("generate", batch))
+    samples = [s for chunk in chunks for s in chunk]
+    ctx.check_versions([s["version"] for s in samples])
+    with ctx.phase("train"):
+        totals = ctx.get(ctx.learner.gather(ctx.learner.scatter("train", samples)))
+    ctx.state["seen"] = ctx.state.get("seen", 0) + len(samples)
+    signature = sum((k + 1) * row for k, row in enumerate(batch))  # order-sensitive: same batch, same order
+    counts = ctx.all_reduce(
+        {"num_samples": len(samples), "signature": signature, "learner_total": sum(totals)}
+    )
+    return {**counts, "seen": ctx.state["seen"], "draw": ctx.rng.random()}

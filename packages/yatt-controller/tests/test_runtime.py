@@ -1,0 +1,198 @@
+"""The Ray runtime with test doubles: worker groups, dispatch, parallel vs single controllers, driver bytes,
+checkpoint resume after a crash, and health (a killed worker, a hang). One Ray session for the module."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+realize_mod = pytest.importorskip("yatt_placement.realize")
+
+from yatt_controller.runner import ControllerFailure, Job, Services, run  # noqa: E402
+from yatt_controller.types import ControllerSpec  # noqa: E402
+from yatt_controller.worker_group import HostPool, WorkerGroup  # noqa: E402
+from yatt_placement.types import PlacementPlan, RolePlacement  # noqa: E402
+
+
+def _load_doubles():
+    spec = importlib.util.spec_from_file_location(
+        "yatt_controller_doubles", Path(__file__).with_name("doubles.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+doubles = _load_doubles()
+MEDIA = 4096  # bytes of media per sample
+ROWS = 64
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    import ray.cloudpickle
+
+    ray.cloudpickle.register_pickle_by_value(doubles)  # Ray workers cannot import test modules
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    ray.init(num_cpus=8, num_gpus=8, include_dashboard=False, object_store_memory=512 * 2**20)
+    plan = PlacementPlan(
+        mode="colocated",
+        num_devices=2,
+        roles=[
+            RolePlacement(role="actor", replicas=[[0], [1]], colocated_with=["rollout"]),
+            RolePlacement(role="rollout", replicas=[[0], [1]], colocated_with=["actor"]),
+        ],
+    )
+    realized = realize_mod.realize(plan, cpus_per_device=1.0)
+    yield realized
+    realize_mod.release(realized)
+    ray.shutdown()
+
+
+def _rows() -> list[int]:
+    return list(range(ROWS))
+
+
+def _build(engine_kwargs: dict | None = None, learner_kwargs: dict | None = None):
+    def build(pool: HostPool) -> Services:
+        learner = WorkerGroup.create(
+            pool, "actor", doubles.CountingLearner, kwargs=learner_kwargs or {}, pass_worker_info=True
+        )
+        rollout = WorkerGroup.create(
+            pool, "rollout", doubles.ScriptedEngine, kwargs={"media_bytes": MEDIA, **(engine_kwargs or {})}
+        )
+        return Services(groups={"actor": learner, "rollout": rollout}, learner="actor")
+
+    return build
+
+
+def _job(tmp_path=None, num_steps=3, **build_kwargs) -> Job:
+    return Job(
+        build=_build(**build_kwargs),
+        step_fn=doubles.media_step,
+        dataset=_rows,
+        batch_size=8,
+        num_steps=num_steps,
+        checkpoint_dir=None if tmp_path is None else str(tmp_path / "ckpt"),
+    )
+
+
+def test_worker_group_dispatch_and_colocation(cluster):
+    pool = HostPool(cluster)
+    try:
+        learner = WorkerGroup.create(pool, "actor", doubles.CountingLearner, pass_worker_info=True)
+        rollout = WorkerGroup.create(
+            pool, "rollout", doubles.ScriptedEngine, kwargs={"media_bytes": 1}, max_inflight=2
+        )
+        # roles the plan colocates share a process: one host per device
+        assert ray.get(learner.broadcast("getpid")) == ray.get(rollout.broadcast("getpid"))
+        assert len(set(ray.get(learner.broadcast("getpid")))) == 2
+        assert ray.get(learner.broadcast("rank")) == [(0, 2), (1, 2)]
+        # scatter: 5 prompts over 2 replicas -> [0, 1, 2] and [3, 4]; gather keeps both dp ranks in order
+        outs = ray.get(rollout.gather(rollout.scatter("generate", [0, 1, 2, 3, 4])))
+        assert [[s["prompt"] for s in chunk] for chunk in outs] == [[0, 1, 2], [3, 4]]
+        assert ray.get(rollout.rank_zero("getpid")) == ray.get(learner.broadcast("getpid"))[0]
+        # a view renumbers: dp rank 1 alone becomes rank 0 of a one-replica group
+        assert ray.get(learner.view([1]).broadcast("rank")) == [(1, 2)]
+        # bounded in flight: 6 calls of 0.2 s each through a window of 2 wait 4 times (6 - 2)
+        view = rollout.view([0])
+        for _ in range(6):
+            view.broadcast("hold", 0.2)
+        assert view.workers[0].window.waits == 4
+        assert view.workers[0].window.num_pending <= 2
+        with pytest.raises(ValueError, match="unknown dispatch mode 'shuffle'"):
+            rollout.dispatch("shuffle", "generate", [1])
+        with pytest.raises(ValueError, match="role 'critic' \\(name ''\\) is not in the placement plan"):
+            WorkerGroup.create(pool, "critic", doubles.CountingLearner)
+    finally:
+        pool.shutdown()
+
+
+def test_parallel_carries_no_samples_through_the_driver(cluster):
+    parallel = run(ControllerSpec(num_controllers=2, heartbeat_interval_s=0.5), _job(), cluster)
+    single = run(ControllerSpec(mode="single", heartbeat_interval_s=0.5), _job(), cluster)
+    assert parallel.driver_bytes == 0
+    assert parallel.restarts == 0 and single.restarts == 0
+    # single mode fetches every sample's media and sends it again to the learners: 2 x 8 x 4096 x 3 steps,
+    # plus prompts, small fields and the learners' totals (a few hundred bytes a step)
+    media = 2 * 8 * MEDIA * 3
+    assert media <= single.driver_bytes <= media + 3 * 1024
+    assert sorted(parallel.reports) == sorted(single.reports) == [0, 1, 2]
+    for step in range(3):
+        p, s = parallel.reports[step], single.reports[step]
+        assert [r.controller_rank for r in p] == [0, 1]
+        assert p[0].metrics["num_samples"] == s[0].metrics["num_samples"] == 8
+        assert p[0].num_samples == 4 and s[0].num_samples == 8
+        # both learner ranks saw the same halves of the same global batch in both modes
+        assert p[0].metrics["learner_total"] == s[0].metrics["learner_total"]
+        assert set(p[0].timings_s) == {"rollout", "train", "step"}
+    assert parallel.report_bytes > 0
+
+
+@pytest.mark.slow
+def test_crash_mid_checkpoint_resumes_with_identical_batches(cluster, tmp_path):
+    spec = ControllerSpec(num_controllers=2, heartbeat_interval_s=0.5, checkpoint_every=2, keep_checkpoints=2)
+    baseline = run(spec, _job(tmp_path / "a", num_steps=6), cluster)
+    # learner rank processes die inside their 2nd checkpoint write (after step 3); steps 2-3 rerun from step 1
+    learner_kwargs = {"crash_in_checkpoint": 2, "marker": str(tmp_path / "fired")}
+    crashed = run(spec, _job(tmp_path / "b", num_steps=6, learner_kwargs=learner_kwargs), cluster)
+    assert crashed.restarts == 1
+    assert "dead actors: device-" in crashed.failures[0] and "actor-" in crashed.failures[0]
+    assert sorted(crashed.reports) == list(range(6))
+    for step in range(6):
+        assert [r.metrics for r in crashed.reports[step]] == [r.metrics for r in baseline.reports[step]]
+    # keep_checkpoints=2: steps 3 and 5 remain, no staging directory is left
+    assert sorted(p.name for p in (tmp_path / "b" / "ckpt").iterdir()) == ["step-00000003", "step-00000005"]
+
+
+@pytest.mark.slow
+def test_resume_takes_the_newest_complete_checkpoint(cluster, tmp_path):
+    spec = ControllerSpec(num_controllers=2, heartbeat_interval_s=0.5, checkpoint_every=1, keep_checkpoints=3)
+    whole = run(spec, _job(tmp_path / "a", num_steps=5), cluster)
+    first = run(spec, _job(tmp_path / "b", num_steps=3), cluster)
+    # a crashed half-written checkpoint after step 3: staging only, never loaded
+    (tmp_path / "b" / "ckpt" / ".staging-step-00000003").mkdir()
+    (tmp_path / "b" / "ckpt" / ".staging-step-00000003" / "controller-0.msgpack").write_bytes(b"partial")
+    rest = run(spec, _job(tmp_path / "b", num_steps=5), cluster)
+    assert sorted(first.reports) == [0, 1, 2] and sorted(rest.reports) == [3, 4]
+    for step in (3, 4):
+        assert [r.metrics for r in rest.reports[step]] == [r.metrics for r in whole.reports[step]]
+
+
+def test_killed_worker_fails_fast_naming_actor_and_node(cluster, tmp_path):
+    node = ray.get_runtime_context().get_node_id()
+    spec = ControllerSpec(num_controllers=2, heartbeat_interval_s=0.5, hang_timeout_s=60.0, on_failure="fail")
+    engine_kwargs = {"crash_at_call": 1, "marker": str(tmp_path / "fired")}
+    with pytest.raises(ControllerFailure) as failure:
+        run(spec, _job(num_steps=3, engine_kwargs=engine_kwargs), cluster)
+    message = str(failure.value)
+    # detected by the death of the process, not by the 60 s hang timer
+    assert "died" in message and "hang" not in message
+    assert "rollout-" in message and f"node {node}" in message
+
+
+@pytest.mark.slow
+def test_killed_worker_restarts_when_configured(cluster, tmp_path):
+    spec = ControllerSpec(num_controllers=2, heartbeat_interval_s=0.5, checkpoint_every=1, max_restarts=1)
+    engine_kwargs = {"crash_at_call": 2, "marker": str(tmp_path / "fired")}
+    result = run(spec, _job(tmp_path, num_steps=4, engine_kwargs=engine_kwargs), cluster)
+    assert result.restarts == 1 and sorted(result.reports) == [0, 1, 2, 3]
+    assert result.reports[3][0].metrics["num_samples"] == 8
+
+
+@pytest.mark.slow
+def test_hang_is_reported_never_silent(cluster):
+    node = ray.get_runtime_context().get_node_id()
+    spec = ControllerSpec(num_controllers=2, heartbeat_interval_s=0.25, hang_timeout_s=2.0, max_restarts=0)
+    with pytest.raises(ControllerFailure) as failure:
+        run(spec, _job(num_steps=3, engine_kwargs={"hang_at_call": 1}), cluster)
+    message = str(failure.value)
+    assert message.startswith("hang: controller-")
+    assert f"on node {node} made no progress" in message
+    assert "phase 'rollout'" in message and "in rollout.generate" in message
+    assert "(after 0 restarts)" in message

@@ -1,0 +1,141 @@
+"""The runtime with real tiny transformers models: weight sync over a gloo broadcast group (bit for bit),
+colocated in-process sync, and two parallel controllers running RL steps with 0 sample bytes through the
+driver. One Ray session for the module."""
+
+from __future__ import annotations
+
+import importlib.util
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+realize_mod = pytest.importorskip("yatt_placement.realize")
+
+from yatt_controller.runner import Job, Services, run  # noqa: E402
+from yatt_controller.sync import WeightSync  # noqa: E402
+from yatt_controller.types import ControllerSpec  # noqa: E402
+from yatt_controller.worker_group import HostPool, WorkerGroup  # noqa: E402
+from yatt_placement.types import PlacementPlan, RolePlacement  # noqa: E402
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(
+        f"yatt_controller_{name}", Path(__file__).with_name(f"{name}.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+tiny = _load("tiny_models")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    import ray.cloudpickle
+
+    ray.cloudpickle.register_pickle_by_value(tiny)  # Ray workers cannot import test modules
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    ray.init(num_cpus=8, num_gpus=8, include_dashboard=False, object_store_memory=512 * 2**20)
+    plan = PlacementPlan(
+        mode="disaggregated",
+        num_devices=3,
+        roles=[
+            RolePlacement(role="actor", replicas=[[0], [1]]),
+            RolePlacement(role="rollout", replicas=[[2]]),
+        ],
+    )
+    realized = realize_mod.realize(plan, cpus_per_device=1.0)
+    yield realized
+    realize_mod.release(realized)
+    ray.shutdown()
+
+
+def _build(pool: HostPool) -> Services:
+    learner = WorkerGroup.create(pool, "actor", tiny.TinyLearner, args=(_free_port(),), pass_worker_info=True)
+    engine = WorkerGroup.create(pool, "rollout", tiny.TinyEngine)
+    sync = WeightSync(learner, [engine], mode="broadcast", backend="gloo", bucket_bytes=64 * 1024)
+    return Services(groups={"actor": learner, "rollout": engine}, learner="actor", weight_sync=sync)
+
+
+def _prompts() -> list[list[int]]:
+    return [[1, 2 + i % 10, 3 + i % 7] for i in range(32)]
+
+
+def test_two_controllers_train_tiny_models_with_broadcast_weight_sync(cluster):
+    job = Job(build=_build, step_fn=tiny.rl_step, dataset=_prompts, batch_size=8, num_steps=2)
+    result = run(ControllerSpec(num_controllers=2, heartbeat_interval_s=0.5), job, cluster)
+    assert result.driver_bytes == 0 and result.restarts == 0
+    assert sorted(result.reports) == [0, 1]
+    for step, reports in result.reports.items():
+        assert [r.controller_rank for r in reports] == [0, 1]
+        for report in reports:
+            # the engine starts at version 0 (pushed at launch) and each step pushes the next
+            assert report.metrics["version"] == step + 1
+            assert report.metrics["weights_equal"] == 1.0
+            assert report.metrics["num_samples"] == 8 and report.num_samples == 4
+            assert set(report.timings_s) == {"rollout", "train", "sync", "step"}
+        assert reports[0].metrics["loss"] == reports[1].metrics["loss"]  # all-reduced
+
+
+def test_broadcast_and_colocated_sync_are_bit_exact(cluster):
+    pool = HostPool(cluster)
+    try:
+        learner = WorkerGroup.create(
+            pool, "actor", tiny.TinyLearner, args=(_free_port(),), pass_worker_info=True
+        )
+        engine = WorkerGroup.create(pool, "rollout", tiny.TinyEngine, kwargs={"seed": 5})
+        before = ray.get([learner.rank_zero("weights_digest"), engine.rank_zero("weights_digest")])
+        assert before[0] != before[1]  # different seeds: a sync has something to do
+        sync = WeightSync(learner, [engine], mode="broadcast", bucket_bytes=32 * 1024)
+        sync.setup()
+        sent = sync.push(version=7)
+        # every parameter of the tiny Llama, float32: embed 64x64, 2 x (4 attn 64x64 + mlp 3 x 64x128 + 2 norms
+        # of 64), final norm 64, lm_head 64x64
+        per_layer = 4 * 64 * 64 + 3 * 64 * 128 + 2 * 64
+        assert sent == 4 * (64 * 64 + 2 * per_layer + 64 + 64 * 64)
+        after = ray.get([learner.rank_zero("weights_digest"), engine.rank_zero("weights_digest")])
+        assert after[0] == after[1]  # bit for bit
+        assert ray.get(engine.rank_zero("generate", [[1, 2, 3]]))[0]["version"] == 7
+        with pytest.raises(ValueError, match="no 'actor' worker on device 2, where a target worker runs"):
+            WeightSync(learner, [engine], mode="colocated")
+    finally:
+        pool.shutdown()
+
+
+def test_colocated_sync_is_in_process_and_bit_exact(cluster):
+    plan = PlacementPlan(
+        mode="colocated",
+        num_devices=1,
+        roles=[RolePlacement(role="actor", replicas=[[0]]), RolePlacement(role="rollout", replicas=[[0]])],
+    )
+    realized = realize_mod.realize(plan, cpus_per_device=1.0)
+    pool = HostPool(realized)
+    try:
+        learner = WorkerGroup.create(pool, "actor", tiny.TinyLearner, args=(0,), pass_worker_info=True)
+        engine = WorkerGroup.create(pool, "rollout", tiny.TinyEngine, kwargs={"seed": 5})
+        assert len(pool.hosts) == 1  # both roles in one process
+        sync = WeightSync(learner, [engine], mode="colocated")
+        sync.setup()  # nothing to form in process
+        assert sync.push(version=3) > 0
+        learner_digest, engine_digest = ray.get(
+            [learner.rank_zero("weights_digest"), engine.rank_zero("weights_digest")]
+        )
+        assert learner_digest == engine_digest
+        with pytest.raises(ValueError, match="share the sender's process; use mode='colocated'"):
+            WeightSync(learner, [engine], mode="broadcast").setup()
+    finally:
+        pool.shutdown()
+        realize_mod.release(realized)

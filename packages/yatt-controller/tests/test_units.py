@@ -1,0 +1,174 @@
+"""Pure parts of the runtime, without Ray actors: dispatch splits and routing, byte accounting, reductions,
+the sampler, atomic checkpoints (a real crash mid-write), version checks."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import re
+
+import msgspec
+import pytest
+from yatt_controller import checkpoint
+from yatt_controller.collective import Collective, reduce_dicts
+from yatt_controller.data import ShardSampler
+from yatt_controller.dispatch import route, split_evenly
+from yatt_controller.ledger import SCALAR_BYTES, ByteLedger, payload_nbytes
+from yatt_controller.sync import StaleSampleError, check_versions
+from yatt_controller.types import StepReport
+
+
+def test_split_evenly_and_route():
+    assert split_evenly([1, 2, 3, 4, 5], 2) == [[1, 2, 3], [4, 5]]
+    assert split_evenly([1, 2], 3) == [[1], [2], []]
+    assert split_evenly(list(range(8)), 4) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    with pytest.raises(ValueError, match="num_chunks must be >= 1, got 0"):
+        split_evenly([1], 0)
+    assert route(4, 2, 1) == [2, 3]
+    assert route(1, 2, 1) == [0]
+    assert route(2, 4, 3) == [1]  # fewer replicas than controllers: round robin
+    with pytest.raises(ValueError, match="3 replicas cannot be split evenly over 2 controllers"):
+        route(3, 2, 0)
+    with pytest.raises(ValueError, match="rank must be in \\[0, 2\\), got 2"):
+        route(2, 2, 2)
+
+
+def test_payload_nbytes_counts_payload_not_structure():
+    np = pytest.importorskip("numpy")
+    # 1000 bytes + 3 ("abc") + 8 * 4 (float32 [2, 4]) + one scalar
+    assert (
+        payload_nbytes([b"x" * 1000, "abc", np.zeros((2, 4), np.float32), 7]) == 1000 + 3 + 32 + SCALAR_BYTES
+    )
+    # a dict counts keys and values; a Struct its fields: step, rank (scalars), 4 dicts/ints
+    assert payload_nbytes({"ab": b"1234"}) == 2 + 4
+    report = StepReport(step=1, controller_rank=0)
+    assert payload_nbytes(report) == 2 * SCALAR_BYTES + 0 + 0 + 2 * SCALAR_BYTES
+    assert payload_nbytes(memoryview(bytearray(100))[:10]) == 10
+    ledger = ByteLedger()
+    ledger.count_sent(b"x" * 50)
+    assert ledger.total == 0  # inactive: a controller's ledger never counts
+    ledger.active = True
+    ledger.count_sent(b"x" * 50)
+    ledger.count_received([b"y" * 20])
+    assert (ledger.sent, ledger.received, ledger.total) == (50, 20, 70)
+
+
+def test_reduce_and_local_collective():
+    assert reduce_dicts([{"n": 2, "r": 1.0}, {"n": 3, "r": 0.0}], "sum") == {"n": 5.0, "r": 1.0}
+    assert reduce_dicts([{"n": 2}, {"n": 3}], "mean") == {"n": 2.5}
+    assert reduce_dicts([{"n": 2}, {"n": 3}], "max") == {"n": 3.0}
+    with pytest.raises(ValueError, match="rank 1 has keys \\['m'\\], rank 0 has \\['n'\\]"):
+        reduce_dicts([{"n": 2}, {"m": 3}], "sum")
+    with pytest.raises(ValueError, match="unknown reduce op 'median'"):
+        reduce_dicts([{"n": 2}], "median")
+    single = Collective(None, 0, 1)
+    assert single.all_reduce({"n": 4}) == {"n": 4.0}
+    assert single.all_gather("x") == ["x"]
+
+
+def test_sampler_shards_partition_the_global_batch_and_resume():
+    # two controllers' parts, in rank order, are exactly the single controller's batch, epoch after epoch
+    whole = ShardSampler(10, 4, seed=3)
+    parts = [ShardSampler(10, 4, seed=3, num_shards=2, shards=[r]) for r in range(2)]
+    seen = []
+    for _ in range(5):  # 2 steps per epoch (10 // 4): crosses two epoch boundaries
+        batch = whole.next()
+        assert batch == parts[0].next() + parts[1].next()
+        assert len(batch) == 4 and len(set(batch)) == 4
+        seen.append(batch)
+    assert whole.state() == {"epoch": 2, "step_in_epoch": 1}
+    assert set(seen[0] + seen[1]) < set(range(10))  # drop-last: 8 of 10 rows per epoch
+    assert seen[0] != seen[2]  # a new permutation each epoch
+    resumed = ShardSampler(10, 4, seed=3)
+    resumed.load_state({"epoch": 1, "step_in_epoch": 0})
+    assert [resumed.next() for _ in range(3)] == seen[2:]
+    with pytest.raises(ValueError, match="batch_size 5 must divide evenly over 2 controllers"):
+        ShardSampler(10, 5, seed=0, num_shards=2, shards=[0])
+    with pytest.raises(ValueError, match="the dataset has 3 rows, fewer than one batch of 4"):
+        ShardSampler(3, 4, seed=0)
+
+
+def _crash_while_writing(root: str) -> None:
+    class Exploding(dict):
+        def items(self):
+            yield "a.bin", b"A" * 100
+            os._exit(3)  # the process dies after one file of the checkpoint is on disk
+
+    checkpoint.write_checkpoint(root, 2, Exploding(), keep=2)
+
+
+def test_checkpoint_atomic_under_a_real_crash(tmp_path):
+    root = tmp_path / "ckpt"
+    first = checkpoint.write_checkpoint(root, 1, {"a.bin": b"one", "sub/b.bin": b"two"}, policy_version=4)
+    child = multiprocessing.get_context("fork").Process(target=_crash_while_writing, args=(str(root),))
+    child.start()
+    child.join()
+    assert child.exitcode == 3
+    assert sorted(p.name for p in root.iterdir()) == [".staging-step-00000002", "step-00000001"]
+    path, manifest = checkpoint.latest(root)
+    assert path == first and manifest.step == 1 and manifest.policy_version == 4
+    assert manifest.sizes == {"a.bin": 3, "sub/b.bin": 3}
+    assert (path / "sub" / "b.bin").read_bytes() == b"two"
+    # the next write of step 2 replaces the leftover staging directory
+    checkpoint.write_checkpoint(root, 2, {"a.bin": b"new"})
+    assert checkpoint.latest(root)[1].step == 2
+
+
+def test_checkpoint_keep_last_k_and_skip_corrupt(tmp_path):
+    for step in range(5):
+        checkpoint.write_checkpoint(tmp_path, step, {"x.bin": bytes([step])}, keep=3)
+    assert checkpoint.complete_steps(tmp_path) == [2, 3, 4]
+    (tmp_path / "step-00000004" / "x.bin").write_bytes(b"\xff\xff")  # corrupted after the fact
+    with pytest.raises(ValueError, match=re.escape("x.bin does not match its manifest entry")):
+        checkpoint.verify(tmp_path / "step-00000004")
+    assert checkpoint.latest(tmp_path)[1].step == 3
+    (tmp_path / "step-00000003" / checkpoint.MANIFEST).unlink()
+    assert checkpoint.latest(tmp_path)[1].step == 2
+    manifest = msgspec.json.decode((tmp_path / "step-00000002" / "manifest.json").read_bytes())
+    assert (
+        manifest["files"]["x.bin"] == "dbc1b4c900ffe48d575b5da5c638040125f65db0fe3e24494b76ea986457d986"
+    )  # sha256(b"\x02")
+    with pytest.raises(
+        ValueError, match=re.escape("must be a relative path inside the checkpoint, got '../x'")
+    ):
+        checkpoint.write_checkpoint(tmp_path, 9, {"../x": b""})
+
+
+def test_check_versions():
+    check_versions([3, 3], 3)
+    check_versions([2, 3], 3, max_staleness=1)
+    with pytest.raises(
+        StaleSampleError, match="samples of policy versions \\[2\\] in a step that expects version 3"
+    ):
+        check_versions([3, 2, 2], 3)
+    with pytest.raises(StaleSampleError, match="versions \\[4\\]"):
+        check_versions([4], 3, max_staleness=1)  # newer than expected is just as wrong
+
+
+def test_weight_buckets_by_dtype_roundtrip_bit_exact():
+    torch = pytest.importorskip("torch")
+    from yatt_controller import weight_sync
+
+    g = torch.Generator().manual_seed(0)
+    named = [
+        ("a", torch.randn(4, 8, generator=g)),  # float32, 128 bytes
+        ("b", torch.randn(3, generator=g).to(torch.bfloat16)),  # 6 bytes
+        ("c", torch.randn(16, generator=g)),  # float32, 64 bytes
+        ("d", torch.arange(5)),  # int64, 40 bytes
+        ("e", torch.randn(2, 2, generator=g)),  # float32, 16 bytes
+    ]
+    buckets = weight_sync.plan_buckets(named, bucket_bytes=150)
+    # float32 first (first seen): a (128) | c (64) + e (16) -- a + c would be 192 > 150; then bf16, int64
+    assert [(b.dtype, b.names, b.nbytes) for b in buckets] == [
+        ("float32", ["a"], 128),
+        ("float32", ["c", "e"], 80),
+        ("bfloat16", ["b"], 6),
+        ("int64", ["d"], 40),
+    ]
+    tensors = dict(named)
+    out = dict(pair for b in buckets for pair in weight_sync.unpack(weight_sync.pack(tensors, b), b))
+    for name, tensor in named:
+        assert out[name].dtype == tensor.dtype and out[name].shape == tensor.shape
+        assert out[name].view(torch.uint8).equal(tensor.view(torch.uint8))  # bit for bit
+    with pytest.raises(ValueError, match="bucket_bytes must be >= 1, got 0"):
+        weight_sync.plan_buckets(named, 0)

@@ -68,7 +68,9 @@ def aggregate(
     check_same_shape("values", {"values": values, "mask": mask})
     bmask = as_bool_mask("mask", mask)
     fmask = bmask.to(values.dtype)
-    masked = torch.where(bmask, values, torch.zeros((), dtype=values.dtype))  # NaN/inf in padding never leak
+    masked = torch.where(
+        bmask, values, torch.zeros((), dtype=values.dtype, device=values.device)
+    )  # NaN/inf in padding never leak
     if num_tokens is None:
         num_tokens = float(fmask.sum())
     if num_seqs is None:

@@ -109,7 +109,7 @@ def capo_token_rewards(
             f"step_spans and wrong_steps need {num_rows} rows, got {len(step_spans)}, {len(wrong_steps)}"
         )
     mask = as_bool_mask("response_mask", response_mask)
-    penalty = torch.zeros(num_rows, num_cols, dtype=torch.float32)
+    penalty = torch.zeros(num_rows, num_cols, dtype=torch.float32)  # built on CPU: per-span writes
     for b, (spans, wrong) in enumerate(zip(step_spans, wrong_steps, strict=True)):
         for step, weight in wrong.items():
             if not 0 <= step < len(spans):
@@ -117,8 +117,8 @@ def capo_token_rewards(
             start, end = spans[step]
             if not 0 <= start <= end <= num_cols:
                 raise ValueError(f"step_spans[{b}][{step}] = {(start, end)} is outside 0..{num_cols}")
-            penalty[b, start:end] = torch.maximum(penalty[b, start:end], torch.tensor(weight))
-    rewards = verifier_rewards.float().unsqueeze(-1) * w_whole - penalty * w_process
+            penalty[b, start:end] = penalty[b, start:end].clamp(min=weight)
+    rewards = verifier_rewards.float().unsqueeze(-1) * w_whole - penalty.to(mask.device) * w_process
     return torch.where(mask, rewards, 0.0)
 
 

@@ -48,8 +48,12 @@ def dynamic_sampling_filter(
     if not bool(torch.isfinite(rewards).all()):
         raise ValueError("rewards must be finite")
     r = rewards.double()
-    high = torch.full((num_groups,), -torch.inf, dtype=torch.float64).scatter_reduce(0, index, r, "amax")
-    low = torch.full((num_groups,), torch.inf, dtype=torch.float64).scatter_reduce(0, index, r, "amin")
+    high = torch.full((num_groups,), -torch.inf, dtype=torch.float64, device=r.device).scatter_reduce(
+        0, index, r, "amax"
+    )
+    low = torch.full((num_groups,), torch.inf, dtype=torch.float64, device=r.device).scatter_reduce(
+        0, index, r, "amin"
+    )
     varied = (high - low) > atol  # [G]
     ids = torch.unique(group_ids)  # sorted; position g holds the id of dense group g
     return GroupFilter(
@@ -72,7 +76,7 @@ def overlong_penalty(
     if buffer_len < 0 or buffer_len > max_len:
         raise ValueError(f"buffer_len must be in [0, max_len={max_len}], got {buffer_len}")
     if buffer_len == 0:
-        return torch.zeros(response_lengths.shape, dtype=torch.float32)
+        return torch.zeros(response_lengths.shape, dtype=torch.float32, device=response_lengths.device)
     expected = max_len - buffer_len
     over = (response_lengths.float() - expected).clamp(min=0.0, max=float(buffer_len))
     return -over / buffer_len * penalty_factor

@@ -116,3 +116,59 @@ class PhaseStats(_Wire, kw_only=True):
     step_time_s: float
     busy_s: dict[str, float]  # role name -> seconds the role's devices were busy this step
     num_devices: dict[str, int] = {}  # role name -> devices held this step
+
+
+class JobProfile(_Config, kw_only=True):
+    """Measured cost of one RL step, per role: the device-seconds of work it did (busy seconds x devices held).
+
+    Producer: a profiling run (`JobProfile.from_stats` over `PhaseStats`) or the simulator. Consumer: `plan`,
+    which sizes the rollout/GenRM split and disaggregated slices so each role's work per device is level.
+    Keys are role names (`RoleSpec.name`, or the role when unnamed).
+    """
+
+    device_seconds: dict[str, float]
+    num_steps: int = 1  # how many measured steps the figures average over
+
+    def __post_init__(self) -> None:
+        if self.num_steps < 1:
+            raise ValueError(f"JobProfile.num_steps must be >= 1, got {self.num_steps}")
+        for key, value in self.device_seconds.items():
+            if not value >= 0:  # also rejects NaN
+                raise ValueError(f"JobProfile.device_seconds[{key!r}] must be >= 0, got {value}")
+
+    @classmethod
+    def from_stats(cls, stats: list[PhaseStats]) -> JobProfile:
+        """Average busy x devices over measured steps; a role missing from `num_devices` counts 1 device."""
+        if not stats:
+            raise ValueError("JobProfile.from_stats needs at least one PhaseStats")
+        totals: dict[str, float] = {}
+        for step in stats:
+            for key, busy in step.busy_s.items():
+                totals[key] = totals.get(key, 0.0) + busy * step.num_devices.get(key, 1)
+        averages = {key: total / len(stats) for key, total in totals.items()}
+        return cls(device_seconds=averages, num_steps=len(stats))
+
+
+class ReplanConfig(_Config, kw_only=True):
+    """Knobs of the dynamic re-planner (`yatt_placement.replanner`): when a measured imbalance is acted on.
+
+    Producer: the user's config (apps). Consumer: `DynamicReplanner`.
+    """
+
+    gap_threshold: float = 0.1  # 1 - idlest / busiest role busy time that counts as imbalance
+    patience: int = 2  # consecutive imbalanced steps, same donor and receiver, before a move
+    min_gain: float = 0.05  # a move must cut the predicted slowest role's time by at least this fraction
+    ema_decay: float = 0.3  # smoothing of the measured busy times (0: no smoothing)
+    cooldown: int = 1  # steps ignored after a move (they may still run under the previous plan)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.gap_threshold < 1:
+            raise ValueError(f"ReplanConfig.gap_threshold must be in (0, 1), got {self.gap_threshold}")
+        if self.patience < 1:
+            raise ValueError(f"ReplanConfig.patience must be >= 1, got {self.patience}")
+        if not 0 <= self.min_gain < 1:
+            raise ValueError(f"ReplanConfig.min_gain must be in [0, 1), got {self.min_gain}")
+        if not 0 <= self.ema_decay < 1:
+            raise ValueError(f"ReplanConfig.ema_decay must be in [0, 1), got {self.ema_decay}")
+        if self.cooldown < 0:
+            raise ValueError(f"ReplanConfig.cooldown must be >= 0, got {self.cooldown}")

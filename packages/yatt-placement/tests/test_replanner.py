@@ -1,0 +1,132 @@
+"""The dynamic re-planner: converges on a linear workload, never reverses a move under noisy stats, and says
+why it does or does not move."""
+
+import itertools
+import random
+
+import pytest
+from yatt_placement.planner import lay_out, plan
+from yatt_placement.replanner import DynamicReplanner
+from yatt_placement.types import ClusterSpec, PhaseStats, ReplanConfig, RoleSpec
+
+CLUSTER = ClusterSpec(num_nodes=1, devices_per_node=8)
+ROLES = [
+    RoleSpec(role="actor", num_params=1e9, trainable=True),
+    RoleSpec(role="rollout", num_params=1e9),
+    RoleSpec(role="genrm", num_params=7e9, tensor_parallel=2, name="judge"),
+]
+
+
+def _partial(rollout_devices: int):
+    return lay_out(
+        CLUSTER, ROLES, "partial", {"actor": 8, "rollout": rollout_devices, "judge": 8 - rollout_devices}
+    )
+
+
+def _stats(step, planned, work, noise=None):
+    """A linear workload: each role's busy time is its work / its devices (x noise)."""
+    devices = {p.name or p.role: sum(len(r) for r in p.replicas) for p in planned.roles}
+    busy = {key: work[key] / devices[key] * (noise() if noise else 1.0) for key in ("rollout", "judge")}
+    return PhaseStats(step=step, step_time_s=max(busy.values()) + 10.0, busy_s=busy, num_devices=devices)
+
+
+def _run_noisy(work, start, seed, num_steps=300, noise=0.2):
+    """Feed `num_steps` noisy stats; return the re-planner and the signed device change of every move."""
+    rng = random.Random(seed)
+    replanner = DynamicReplanner(CLUSTER, ROLES, _partial(start), ReplanConfig())
+    directions = []
+    for step in range(num_steps):
+        before = replanner.devices("rollout")
+        stats = _stats(step, replanner.plan, work, lambda: rng.uniform(1 - noise, 1 + noise))
+        if replanner.observe(stats):
+            directions.append(replanner.devices("rollout") - before)
+    return replanner, directions
+
+
+def test_converges_to_the_balanced_split():
+    # Work 60 (rollout) and 180 (judge) device-s: balanced at rollout 2, judge 6 (30 s each).
+    # Start at rollout 6: busy 10 vs 90, gap 1 - 10/90 = 0.89 > 0.1. Chunk = lcm(1, 2) = 2 devices.
+    # Move 1 (after patience = 2 steps): rollout 4 / judge 4 -> predicted max(15, 45) = 45 < 90 x 0.97.
+    # Move 2 (2 steps after the 1-step cooldown): rollout 2 / judge 6 -> 30 each. Then rollout 0 is refused.
+    work = {"rollout": 60.0, "judge": 180.0}
+    replanner = DynamicReplanner(CLUSTER, ROLES, _partial(6), ReplanConfig(ema_decay=0.0))
+    moves = []
+    for step in range(12):
+        new = replanner.observe(_stats(step, replanner.plan, work))
+        if new is not None:
+            moves.append((step, replanner.devices("rollout"), replanner.devices("judge"), new.version))
+    assert moves == [(1, 4, 4, 1), (4, 2, 6, 2)]
+    assert replanner.plan.roles[1].replicas == [[0], [1]]
+    assert replanner.plan.roles[2].replicas == [[2, 3], [4, 5], [6, 7]]
+    assert replanner.last_reason == "gap 0.000 <= threshold 0.1"
+    # At the second move (step time 45 + 10 = 55): judge 45 / 55 = 0.82, rollout 15 / 55 = 0.27, gap 1 - 15/45.
+    assert replanner.plan.reason == (
+        "judge busy 0.82 vs rollout 0.27 of step time (gap 0.67) for 2 steps: moved 2 devices rollout -> judge "
+        "(2 / 6), predicted slowest 45 s -> 30 s"
+    )
+
+
+def test_converges_and_holds_under_noisy_stats():
+    # Work 60 / 180, balanced at rollout 2 (30 s each); +-20% noise on every measurement, 300 steps, from
+    # every start: it reaches rollout 2 and never moves back.
+    work = {"rollout": 60.0, "judge": 180.0}
+    for seed, start in enumerate((2, 4, 6) * 4):
+        replanner, directions = _run_noisy(work, start, seed)
+        assert replanner.devices("rollout") == 2, (seed, start)
+        assert directions == [-2] * ((start - 2) // 2), (seed, start, directions)
+
+
+def test_does_not_flip_flop_between_two_equally_good_splits():
+    # Work 80 / 160: rollout 2 gives max(40, 26.7) = 40 and rollout 4 gives max(20, 40) = 40, so noise alone
+    # decides, the worst case for flapping. A reversal must beat the gap of the move it undoes: at most one
+    # reversal in 300 noisy steps, never A -> B -> A -> B.
+    work = {"rollout": 80.0, "judge": 160.0}
+    for seed, start in enumerate((2, 4, 6) * 4):
+        replanner, directions = _run_noisy(work, start, seed)
+        reversals = sum(1 for a, b in itertools.pairwise(directions) if a != b)
+        assert reversals <= 1 and len(directions) <= 3, (seed, start, directions)
+        assert replanner.devices("rollout") in (2, 4)
+
+
+def test_patience_needs_consecutive_steps_of_the_same_imbalance():
+    work = {"rollout": 60.0, "judge": 180.0}
+    replanner = DynamicReplanner(CLUSTER, ROLES, _partial(6), ReplanConfig(patience=3, ema_decay=0.0))
+    balanced = PhaseStats(step=1, step_time_s=40.0, busy_s={"rollout": 20.0, "judge": 20.0})
+    assert replanner.observe(_stats(0, replanner.plan, work)) is None
+    assert replanner.observe(_stats(1, replanner.plan, work)) is None
+    assert replanner.last_reason == "judge over rollout by 0.889 for 2/3 steps"
+    assert replanner.observe(balanced) is None  # breaks the streak
+    assert replanner.observe(_stats(3, replanner.plan, work)) is None
+    assert replanner.last_reason == "judge over rollout by 0.889 for 1/3 steps"
+
+
+def test_refuses_moves_that_do_not_pay_or_leave_no_replica():
+    # Rollout 2 / judge 6 with work 20 / 180: the judge is busier, but the rollout cannot give 2 devices and
+    # keep one of its own.
+    replanner = DynamicReplanner(CLUSTER, ROLES, _partial(2), ReplanConfig(patience=1, ema_decay=0.0))
+    assert replanner.observe(_stats(0, replanner.plan, {"rollout": 20.0, "judge": 180.0})) is None
+    assert replanner.last_reason == "rollout has 2 devices: cannot give 2 and keep a replica"
+    # Rollout 4 / judge 4 with work 50 / 60: judge 15 vs rollout 12.5 (gap 0.17), but moving 2 devices gives
+    # rollout 25 > 15: no gain.
+    replanner = DynamicReplanner(CLUSTER, ROLES, _partial(4), ReplanConfig(patience=1, ema_decay=0.0))
+    assert replanner.observe(_stats(0, replanner.plan, {"rollout": 50.0, "judge": 60.0})) is None
+    assert replanner.last_reason == "moving 2 devices rollout -> judge predicts 25 s vs 15 s"
+
+
+def test_colocated_has_nothing_to_move_and_missing_stats_are_named():
+    colocated = plan(CLUSTER, ROLES, "colocated")
+    replanner = DynamicReplanner(CLUSTER, ROLES, colocated)
+    assert replanner.observe(PhaseStats(step=0, step_time_s=1.0, busy_s={})) is None
+    assert replanner.last_reason == "nothing to move: colocated plan has 0 movable roles"
+    partial = DynamicReplanner(CLUSTER, ROLES, _partial(4))
+    with pytest.raises(ValueError, match=r"PhaseStats.busy_s has no entry for \['judge'\] \(step 5\)"):
+        partial.observe(PhaseStats(step=5, step_time_s=1.0, busy_s={"rollout": 1.0}))
+    with pytest.raises(ValueError, match=r"PhaseStats.step_time_s must be > 0, got 0.0 \(step 6\)"):
+        partial.observe(PhaseStats(step=6, step_time_s=0.0, busy_s={"rollout": 1.0, "judge": 1.0}))
+
+
+def test_replan_config_rejects_bad_values():
+    with pytest.raises(ValueError, match=r"ReplanConfig.gap_threshold must be in \(0, 1\), got 0"):
+        ReplanConfig(gap_threshold=0)
+    with pytest.raises(ValueError, match=r"ReplanConfig.patience must be >= 1, got 0"):
+        ReplanConfig(patience=0)

@@ -108,7 +108,7 @@ class StepResult(msgspec.Struct, kw_only=True):
         )
 
 
-class _Engines:
+class EngineGroup:
     """The engines of one role in a plan, with their speed model."""
 
     def __init__(self, spec: RoleSpec, replicas: list[list[int]], hw: Hardware) -> None:
@@ -178,7 +178,7 @@ class Simulator:
     def step(self, plan: PlacementPlan, step: int) -> StepResult:
         """Simulate step `step` (its number drives length drift) under `plan`."""
         hw, wl = self.scenario.hardware, self.scenario.workload
-        engines = {role_key(p): _Engines(self.specs[role_key(p)], p.replicas, hw) for p in plan.roles}
+        engines = {role_key(p): EngineGroup(self.specs[role_key(p)], p.replicas, hw) for p in plan.roles}
         trainer = next(p for p in plan.roles if p.role == "actor")
         rollout = next(e for e in engines.values() if self.specs[e.key].role == "rollout")
         judges = [e for e in engines.values() if self.specs[e.key].role == "genrm"]
@@ -274,12 +274,12 @@ class Simulator:
         draw = self.rng.lognormvariate(math.log(wl.judge_median_tokens), wl.judge_sigma)
         return min(wl.judge_max_tokens, max(1, round(draw)))
 
-    def _swap(self, engines: _Engines) -> float:
+    def _swap(self, engines: EngineGroup) -> float:
         """Seconds to move one engine's weights between device and host."""
         weights = 2 * self.specs[engines.key].num_params / engines.mp
         return weights / (self.scenario.hardware.host_bandwidth_gbs * GB)
 
-    def _wake(self, engines: list[_Engines], *, concurrent: bool) -> float:
+    def _wake(self, engines: list[EngineGroup], *, concurrent: bool) -> float:
         costs = [self._swap(e) + self.scenario.hardware.wake_overhead_s for e in engines]
         return (max(costs) if concurrent else sum(costs)) if costs else 0.0
 

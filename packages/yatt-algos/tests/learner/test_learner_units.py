@@ -148,3 +148,19 @@ def test_checkpoint_file_is_atomic_and_safe(tmp_path):
         checkpoint.set_rng_state({"python": state["rng"]["python"]})
     with pytest.raises(ValueError, match="does not exist"):
         checkpoint.load_checkpoint(tmp_path / "missing.pt")
+
+
+def test_mismatch_metrics_by_hand():
+    from yatt_algos.learner.mismatch import mismatch_metrics
+
+    train = torch.tensor([[0.0, -1.0, -2.0], [0.0, -0.5, 9.0]])
+    rollout = torch.tensor([[0.0, -1.5, -1.5], [0.0, -0.5, 0.0]])
+    mask = torch.tensor([[False, True, True], [False, True, False]])
+    out = mismatch_metrics(train, rollout, mask)
+    # x = train - rollout on the 3 tokens: 0.5, -0.5, 0 -> mean |x| = 1/3, max 0.5
+    # k3 = e^x - 1 - x: 0.148721, 0.106531, 0 -> mean 0.085084
+    assert out["mismatch_abs_mean"] == pytest.approx(1 / 3)
+    assert out["mismatch_abs_max"] == pytest.approx(0.5)
+    assert out["mismatch_k3"] == pytest.approx((math.exp(0.5) - 1.5 + math.exp(-0.5) - 0.5) / 3)
+    with pytest.raises(ValueError, match=r"rollout_logprobs has shape \(2, 2\), mask has \(2, 3\)"):
+        mismatch_metrics(train, rollout[:, :2], mask)

@@ -89,6 +89,24 @@ def build_gpt_model(arch: GPTArch, *, params_dtype: torch.dtype = torch.float32)
     )
 
 
+def mark_tensor_parallel(model: torch.nn.Module) -> None:
+    """Tag split weights with Megatron's `tensor_model_parallel` attributes, which it sets only when it
+    initializes weights itself (we load them instead); the gradient norm relies on the tags."""
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        set_tensor_model_parallel_attributes,
+    )
+
+    for module in model.modules():
+        dim = 1 if isinstance(module, RowParallelLinear) else 0
+        weight = getattr(module, "weight", None)
+        split = isinstance(module, ColumnParallelLinear | RowParallelLinear | VocabParallelEmbedding)
+        if split and weight is not None and not getattr(weight, "tensor_model_parallel", False):
+            set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=dim, stride=1)
+
+
 def load_hf_weights(model: torch.nn.Module, hf_state: dict[str, torch.Tensor], arch: GPTArch) -> None:
     """Load this rank's converted shard of a full HF state dict into `model` (strict but for extra states)."""
     from megatron.core import parallel_state as ps
@@ -135,6 +153,7 @@ class MegatronPolicyLearner:
         self.algo, self.optim_config, self.learner = algo, optim_config, learner or LearnerConfig()
         self.arch = arch_from_hf(hf_config)
         self.model = build_gpt_model(self.arch, params_dtype=params_dtype)
+        mark_tensor_parallel(self.model)
         load_hf_weights(self.model, hf_state, self.arch)
         self.device = (
             torch.device("cuda", torch.cuda.current_device())

@@ -102,3 +102,10 @@ def media_step(ctx, batch: list[int]) -> dict[str, float]:
         {"num_samples": len(samples), "signature": signature, "learner_total": sum(totals)}
     )
     return {**counts, "seen": ctx.state["seen"], "draw": ctx.rng.random()}
+
+
+def failing_step(ctx, batch: list[int]) -> dict[str, float]:
+    """A step with a bug at step 1: an error of the job's own code, which no restart can fix."""
+    if ctx.step == 1:
+        raise ValueError(f"bad reward in row {batch[0]}")
+    return {"num_samples": float(len(batch))}

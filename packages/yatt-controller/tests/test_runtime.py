@@ -196,3 +196,11 @@ def test_hang_is_reported_never_silent(cluster):
     assert f"on node {node} made no progress" in message
     assert "phase 'rollout'" in message and "in rollout.generate" in message
     assert "(after 0 restarts)" in message
+
+
+def test_an_error_in_the_step_function_fails_fast_without_restarts(cluster, tmp_path):
+    spec = ControllerSpec(mode="single", heartbeat_interval_s=0.5, max_restarts=3)
+    job = _job(num_steps=3)
+    job.step_fn = doubles.failing_step
+    with pytest.raises(ControllerFailure, match=r"^controller-0 failed: ValueError: bad reward in row \d+$"):
+        run(spec, job, cluster)

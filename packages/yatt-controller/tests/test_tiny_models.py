@@ -74,6 +74,7 @@ def _prompts() -> list[list[int]]:
     return [[1, 2 + i % 10, 3 + i % 7] for i in range(32)]
 
 
+@pytest.mark.slow
 def test_two_controllers_train_tiny_models_with_broadcast_weight_sync(cluster):
     job = Job(build=_build, step_fn=tiny.rl_step, dataset=_prompts, batch_size=8, num_steps=2)
     result = run(ControllerSpec(num_controllers=2, heartbeat_interval_s=0.5), job, cluster)

@@ -36,7 +36,12 @@ class ControllerFailure(RuntimeError):
 
 
 class _AttemptFailed(Exception):
-    pass
+    """One attempt failed. `restartable`: a dead actor or a hang (restart from a checkpoint may help); an
+    error raised by the job's own code is not, and fails fast whatever `on_failure` says."""
+
+    def __init__(self, message: str, restartable: bool) -> None:
+        super().__init__(message)
+        self.restartable = restartable
 
 
 @dataclass
@@ -102,8 +107,12 @@ def run(spec: ControllerSpec, job: Job, realized: Any, *, startup_timeout_s: flo
             except _AttemptFailed as failure:
                 report_bytes += attempt.report_bytes
                 failures.append(str(failure))
-                if spec.on_failure == "fail" or len(failures) > spec.max_restarts:
-                    tail = "" if spec.on_failure == "fail" else f" (after {len(failures) - 1} restarts)"
+                if not failure.restartable or spec.on_failure == "fail" or len(failures) > spec.max_restarts:
+                    tail = (
+                        f" (after {len(failures) - 1} restarts)"
+                        if failure.restartable and spec.on_failure == "restart"
+                        else ""
+                    )
                     raise ControllerFailure(f"{failure}{tail}") from failure.__cause__
             finally:
                 attempt.teardown()
@@ -217,7 +226,7 @@ class _Attempt:
         try:
             return ray.get(ref)
         except Exception as exc:
-            raise self._failure(f"{headline}: {_summary(exc)}") from exc
+            raise self._failure(f"{headline}: {_summary(exc)}", exc) from exc
 
     def watch(self) -> None:
         interval = self.spec.heartbeat_interval_s
@@ -225,10 +234,14 @@ class _Attempt:
             while self.thread.is_alive():
                 self.thread.join(interval)
                 if self.error is not None:
-                    raise self._failure(f"controller-0 failed: {_summary(self.error)}") from self.error
+                    raise self._failure(
+                        f"controller-0 failed: {_summary(self.error)}", self.error
+                    ) from self.error
                 self._poll_health()
             if self.error is not None:
-                raise self._failure(f"controller-0 failed: {_summary(self.error)}") from self.error
+                raise self._failure(
+                    f"controller-0 failed: {_summary(self.error)}", self.error
+                ) from self.error
         else:
             pending = list(self.runs)
             while pending:
@@ -306,8 +319,9 @@ class _Attempt:
             f"(> hang_timeout_s {self.spec.hang_timeout_s}; {doing}); busy: {'; '.join(busy) or 'nothing'}"
         )
 
-    def _failure(self, headline: str) -> _AttemptFailed:
-        """Name every host that is dead now beside the headline."""
+    def _failure(self, headline: str, exc: BaseException | None = None) -> _AttemptFailed:
+        """Name every host that is dead now beside the headline. Restartable: a death or a hang, not an
+        error raised by the job's code."""
         refs = [(rec.handle.ping.remote(), self._host_name(rec)) for rec in self.pool.hosts.values()]
         if refs:
             ray.wait(
@@ -322,7 +336,8 @@ class _Attempt:
             except ray.exceptions.GetTimeoutError:
                 pass
         suffix = f"; dead actors: {', '.join(dead)}" if dead and not headline.startswith("actor ") else ""
-        return _AttemptFailed(headline + suffix)
+        died = exc is None or bool(dead) or _is_death(exc)
+        return _AttemptFailed(headline + suffix, restartable=died)
 
     def _drain(self, timeout_s: float = 5.0) -> None:
         """Collect every report not yet seen: the outstanding heartbeats' and a fresh one's (a controller
@@ -350,6 +365,13 @@ class _Attempt:
         self.pool.shutdown()  # a single-mode thread blocked on a host now gets an error and ends
         if self.thread is not None:
             self.thread.join(timeout=10.0)
+
+
+def _is_death(exc: BaseException) -> bool:
+    """An actor died under this error (a RayTaskError wrapping ActorDiedError is one too)."""
+    return isinstance(exc, ray.exceptions.RayActorError) or isinstance(
+        getattr(exc, "cause", None), ray.exceptions.RayActorError
+    )
 
 
 def _summary(exc: BaseException) -> str:

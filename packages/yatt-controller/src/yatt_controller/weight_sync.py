@@ -93,9 +93,10 @@ def join_group(
 
 
 def _device(pg: Any) -> torch.device:
+    nccl = getattr(dist, "ProcessGroupNCCL", None)  # absent from CPU builds of torch
     return (
         torch.device("cuda", torch.cuda.current_device())
-        if isinstance(pg, dist.ProcessGroupNCCL)
+        if nccl and isinstance(pg, nccl)
         else torch.device("cpu")
     )
 

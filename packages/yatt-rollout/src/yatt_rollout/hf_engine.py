@@ -89,6 +89,8 @@ class HFEngine:
         self._cv = threading.Condition()
         self._rows: queue.SimpleQueue[list[_Row] | None] = queue.SimpleQueue()
         self._pending: list[_Row] = []
+        # torch's intra-op thread count is per thread (OpenMP): the worker takes the builder's setting
+        self._num_threads = torch.get_num_threads()
         self._worker = threading.Thread(target=self._serve, name="yatt-hf-engine", daemon=True)
         self._worker.start()
 
@@ -202,6 +204,7 @@ class HFEngine:
     # ---- the worker ----------------------------------------------------------------------------------------
 
     def _serve(self) -> None:
+        torch.set_num_threads(self._num_threads)
         while True:
             if not self._pending:
                 rows = self._rows.get()  # block until work arrives
@@ -269,12 +272,10 @@ class HFEngine:
         for i, row in enumerate(batch):
             input_ids[i, width - lengths[i] :] = torch.tensor(row.request.token_ids)
             mask[i, width - lengths[i] :] = 1
-        budget = torch.tensor(
-            [
-                min(r.request.req.sampling.max_new_tokens, self.max_context - n)
-                for r, n in zip(batch, lengths, strict=True)
-            ]
-        )
+        budget = [
+            min(r.request.req.sampling.max_new_tokens, self.max_context - n)
+            for r, n in zip(batch, lengths, strict=True)
+        ]
         stops = [set(self.eos_ids) | set(r.request.req.sampling.stop_token_ids) for r in batch]
         sp = [r.request.req.sampling for r in batch]
         params = sampling.row_params(
@@ -289,21 +290,22 @@ class HFEngine:
         tokens_out: list[list[int]] = [[] for _ in range(b)]
         logprobs_out: list[list[float]] = [[] for _ in range(b)]
         reasons = ["length"] * b
-        active = torch.ones(b, dtype=torch.bool)
+        active = list(range(b))  # rows still generating
         pos = text_pos[:, -1:]  # [B, 1]
         for step in itertools.count():
             logits = out.logits[:, -1].float().cpu()  # [B, V]
             tokens = sampling.sample(logits, params, gens, self._default_gen)
-            logps = sampling.raw_logprobs(logits, tokens)
-            for i in active.nonzero()[:, 0].tolist():
-                tok = int(tokens[i])
-                tokens_out[i].append(tok)
-                logprobs_out[i].append(float(logps[i]))
-                if tok in stops[i]:
-                    reasons[i], active[i] = "stop", False
-                elif step + 1 >= budget[i]:
-                    active[i] = False
-            if not active.any():
+            token_list, logp_list = tokens.tolist(), sampling.raw_logprobs(logits, tokens).tolist()
+            still = []
+            for i in active:
+                tokens_out[i].append(token_list[i])
+                logprobs_out[i].append(logp_list[i])
+                if token_list[i] in stops[i]:
+                    reasons[i] = "stop"
+                elif step + 1 < budget[i]:
+                    still.append(i)
+            active = still
+            if not active:
                 break
             mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=self.device)], dim=1)
             pos = pos + 1

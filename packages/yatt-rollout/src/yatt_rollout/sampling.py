@@ -59,11 +59,14 @@ def sample(
         return tokens
     scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
     probs = filter_logits(scaled, params["top_k"], params["top_p"]).softmax(-1)  # [B, V]
-    shared = [i for i, g in enumerate(generators) if g is None and not greedy[i]]
+    greedy_rows = greedy.tolist()
+    shared = [i for i, g in enumerate(generators) if g is None and not greedy_rows[i]]
+    if len(shared) == len(generators):  # the common case: one draw for the whole batch
+        return torch.multinomial(probs, 1, generator=default)[:, 0]
     if shared:
         tokens[shared] = torch.multinomial(probs[shared], 1, generator=default)[:, 0]
     for i, g in enumerate(generators):
-        if g is not None and not greedy[i]:
+        if g is not None and not greedy_rows[i]:
             tokens[i] = torch.multinomial(probs[i], 1, generator=g)[0]
     return tokens
 

@@ -74,10 +74,15 @@ def realize(plan: PlacementPlan, *, cpus_per_device: float = 1.0, timeout_s: flo
         needed = {key: value * plan.num_devices for key, value in bundle.items()}
         available = {key: ray.available_resources().get(key, 0.0) for key in bundle}
         total = {key: ray.cluster_resources().get(key, 0.0) for key in bundle}
+        short = [key for key in bundle if total[key] < needed[key]]
+        why = (
+            f"the cluster has too little {', '.join(short)}"
+            if short
+            else "live actors and other placement groups hold the rest"
+        )
         raise PlacementTimeoutError(
             f"could not reserve {plan.num_devices} bundles of {bundle} within {timeout_s} s: "
-            f"needed {needed}, available {available} of cluster total {total} "
-            "(live actors and other placement groups hold the difference)"
+            f"needed {needed}, available {available} of cluster total {total}; {why}"
         )
     return RealizedPlan(plan, group, cpus_per_device)
 

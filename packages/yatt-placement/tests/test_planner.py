@@ -5,7 +5,7 @@ import sys
 
 import pytest
 from yatt_placement.memory import estimate_memory_gb
-from yatt_placement.planner import plan, split_genrms
+from yatt_placement.planner import lay_out, plan, split_genrms
 from yatt_placement.types import ClusterSpec, JobProfile, PhaseStats, RoleSpec
 
 ACTOR = RoleSpec(role="actor", num_params=1.5e9, trainable=True)
@@ -168,6 +168,13 @@ def test_a_plan_that_does_not_fit_names_the_role_and_the_shortfall():
 def test_invalid_specs_fail_with_clear_errors(roles, mode, message):
     with pytest.raises(ValueError, match=message):
         plan(TWO_NODES, roles, mode)
+
+
+def test_lay_out_needs_a_count_for_every_sized_role():
+    with pytest.raises(ValueError, match=r"counts has no device count for \['judge'\]"):
+        lay_out(TWO_NODES, [ACTOR, ROLLOUT_TP2, JUDGE_TP8], "partial", {"rollout": 8})
+    with pytest.raises(ValueError, match=r"role 'judge': model-parallel group 4..11 crosses a node boundary"):
+        lay_out(TWO_NODES, [ACTOR, ROLLOUT_TP2, JUDGE_TP8], "partial", {"rollout": 4, "judge": 8})
 
 
 def test_profile_must_cover_every_role_it_sizes():

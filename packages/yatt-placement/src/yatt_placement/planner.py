@@ -71,6 +71,14 @@ def lay_out(
     """Turn device counts per role into a plan. Raises ValueError if a model-parallel group would cross a
     node (a group no larger than a node stays inside one; a larger one starts on a node boundary)."""
     n = cluster.num_devices
+    sized = [
+        role_key(s)
+        for s in roles
+        if mode == "disaggregated" or (mode != "colocated" and s.role in SPLIT_ROLES)
+    ]
+    missing = [key for key in sized if key not in counts]
+    if missing:
+        raise ValueError(f"counts has no device count for {missing}")
     starts: dict[str, int] = {}
     if mode == "colocated":
         starts = dict.fromkeys(counts, 0)

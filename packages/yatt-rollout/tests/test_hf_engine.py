@@ -147,7 +147,7 @@ def test_requests_arriving_during_a_batch_join_the_next(engine, tok):
 
     engine._decode = observed
     try:
-        start = len(engine.stats["batches"])
+        start = engine.stats["batches"]
         first = engine.submit([_req("long", tok.encode("1 +"), temperature=0, max_new_tokens=40)])
         started.wait()
         later = engine.submit(
@@ -156,7 +156,8 @@ def test_requests_arriving_during_a_batch_join_the_next(engine, tok):
         results = [f.result() for f in first + later]
     finally:
         engine._decode = original
-    assert engine.stats["batches"][start:] == [["long"], ["b", "c"]]
+    assert engine.stats["batches"] == start + 2
+    assert list(engine.recent_batches)[-2:] == [["long"], ["b", "c"]]
     assert [len(r[0].token_ids) > 0 for r in results] == [True, True, True]
 
 

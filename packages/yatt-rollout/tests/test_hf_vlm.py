@@ -1,9 +1,9 @@
 """HFEngine with a tiny Qwen2-VL: image prompts (placeholder expansion, mm_token_type_ids, M-RoPE) match
 the model's own `generate`, mixed with text prompts in one left-padded batch; a missing image fails alone."""
 
-import numpy as np
 import pytest
 
+np = pytest.importorskip("numpy")
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 Image = pytest.importorskip("PIL.Image")
@@ -90,4 +90,4 @@ def test_image_prompts_generate_like_the_model(setup):
         assert len(c.logprobs) == 6 and c.finish_reason == "length"
     assert out[3].finish_reason == "error"
     assert out[3].error == f"request missing: image file not found: {paths[0].parent / 'nope.png'}"
-    assert engine.stats["batches"][-1] == ["one", "text", "two"]  # one batch: images and text together
+    assert engine.recent_batches[-1] == ["one", "text", "two"]  # one batch: images and text together

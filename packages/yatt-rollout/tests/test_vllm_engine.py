@@ -124,7 +124,14 @@ def test_stream_and_sleep(engines, tok):
     async def collect():
         return [c async for c in vllm_engine.stream(_greedy(tok, 4))]
 
+    async def first_then_stop():
+        stream = vllm_engine.stream(_greedy(tok, 4))
+        first = await anext(stream)
+        await stream.aclose()  # the rest are aborted inside vLLM, the engine stays usable
+        return first
+
     streamed = asyncio.run(collect())
+    assert asyncio.run(first_then_stop()).request_id in {f"g{i}" for i in range(len(PROMPTS))}
     assert sorted((c.request_id, c.token_ids) for c in streamed) == sorted(
         (c.request_id, c.token_ids) for c in vllm_engine.generate(_greedy(tok, 4))
     )

@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
+from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -81,7 +82,8 @@ class HFEngine:
         self.image_processor = getattr(processor, "image_processor", processor)
         self.image_token_id = getattr(model.config, "image_token_id", None)
         self.slots = WeightSlots(model)
-        self.stats = {"batches": [], "generated_tokens": 0}  # batches: request ids of each batch run
+        self.stats = {"batches": 0, "rows": 0, "generated_tokens": 0}
+        self.recent_batches: deque[list[str]] = deque(maxlen=256)  # request ids of the latest batches
         self._default_gen = torch.Generator().manual_seed(seed)
         self._version = 0
         self._asleep = False
@@ -234,7 +236,9 @@ class HFEngine:
                     self._cv.notify_all()
 
     def _run(self, batch: list[_Row], version: int) -> None:
-        self.stats["batches"].append(sorted({row.request.req.request_id for row in batch}))
+        self.recent_batches.append(sorted({row.request.req.request_id for row in batch}))
+        self.stats["batches"] += 1
+        self.stats["rows"] += len(batch)
         try:
             results = self._decode(batch)
         except Exception as err:  # a failing batch fails its own requests; the engine keeps serving

@@ -88,9 +88,12 @@ class VLLMEngine:
         import asyncio
 
         steps = self._run(requests)
-        while (completions := await asyncio.to_thread(next, steps, None)) is not None:
-            for completion in completions:
-                yield completion
+        try:
+            while (completions := await asyncio.to_thread(next, steps, None)) is not None:
+                for completion in completions:
+                    yield completion
+        finally:
+            steps.close()  # releases the engine lock and aborts what is left if the consumer stopped early
 
     def update_weights(self, buckets: Sequence[WeightBucket], version: int) -> None:
         """Load HF-named tensors into vLLM's model in place (vLLM fuses q/k/v and gate/up itself)."""
@@ -139,10 +142,14 @@ class VLLMEngine:
                 self._ids += 1  # vLLM ids are unique per engine; callers' request ids need not be
                 names[str(self._ids)] = req
                 engine.add_request(str(self._ids), prompt, params)
-            while engine.has_unfinished_requests():
-                for output in engine.step():
-                    if output.finished and output.request_id in names:
-                        yield _completions(names.pop(output.request_id), output, version)
+            try:
+                while engine.has_unfinished_requests():
+                    for output in engine.step():
+                        if output.finished and output.request_id in names:
+                            yield _completions(names.pop(output.request_id), output, version)
+            finally:  # a stream abandoned early: its requests must not linger in the engine
+                if names:
+                    engine.abort_request(list(names))
 
     def _convert(self, req: GenerateRequest) -> tuple[Any, Any]:
         from vllm import SamplingParams

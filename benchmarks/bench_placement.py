@@ -149,7 +149,7 @@ def main() -> None:
         prompts = {"paper": 256, "single-judge": 64, "no-judge": 64}
         modes = modes_section(list(prompts), prompts, num_steps=2)
         sensitivity = sensitivity_section([60.0, 250.0], num_prompts=256)
-        drift = drift_section(num_prompts=32, num_steps=32)
+        drift = drift_section(num_prompts=64, num_steps=32)
     else:
         prompts = {"paper": 256, "single-judge": 128, "no-judge": 128}
         modes = modes_section(list(prompts), prompts, num_steps=4)

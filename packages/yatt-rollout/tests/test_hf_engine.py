@@ -101,6 +101,30 @@ def test_stop_ids_and_max_tokens(engine, tok):
     assert short.token_ids == greedy[:3] and short.finish_reason == "length"
 
 
+def test_rows_that_stop_early_leave_the_batch_without_changing_the_others(engine, model, tok):
+    prompts = [tok.encode(t) for t in ["12 + 7 =", "3", "25 + 25 = 50, 1 + 1 =", "6 + 1"]]
+    alone = [engine.generate([_req("x", p, temperature=0, max_new_tokens=12)])[0].token_ids for p in prompts]
+    stop = alone[3][2]  # row 3 stops at its third token (or earlier if that id came before)
+    reqs = [
+        _req("r0", prompts[0], temperature=0, max_new_tokens=2),
+        _req("r1", prompts[1], temperature=0, max_new_tokens=12),
+        _req("r2", prompts[2], temperature=0, max_new_tokens=7),
+        _req("r3", prompts[3], temperature=0, max_new_tokens=12, stop_token_ids=[stop]),
+    ]
+    out = engine.generate(reqs)  # rows leave the batch after 2, 7 and <= 3 steps; r1 runs on alone
+    assert [c.token_ids for c in out] == [
+        alone[0][:2],
+        alone[1],
+        alone[2][:7],
+        alone[3][: alone[3].index(stop) + 1],
+    ]
+    assert [c.finish_reason for c in out] == ["length", "length", "length", "stop"]
+    for prompt, c in zip(prompts, out, strict=True):
+        torch.testing.assert_close(
+            torch.tensor(c.logprobs), _forward_logprobs(model, prompt, c.token_ids), atol=1e-5, rtol=0
+        )
+
+
 def test_generation_stops_at_the_context(engine, tok):
     prompt = [5] * (CONTEXT - 3)  # room for 3 more tokens
     out = engine.generate([_req("c", prompt, temperature=0, max_new_tokens=10)])[0]

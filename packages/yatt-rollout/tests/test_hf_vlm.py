@@ -44,7 +44,7 @@ def _reference(model, image_processor, tok, req):
         input_ids=t,
         attention_mask=torch.ones_like(t),
         mm_token_type_ids=(t == model.config.image_token_id).long(),
-        max_new_tokens=6,
+        max_new_tokens=req.sampling.max_new_tokens,
         do_sample=False,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
@@ -76,7 +76,11 @@ def test_image_prompts_generate_like_the_model(setup):
             ),
             sampling=greedy,
         ),
-        GenerateRequest(request_id="text", prompt=Prompt(token_ids=tok.encode("12 + 30 =")), sampling=greedy),
+        GenerateRequest(
+            request_id="text",  # stops first: its row leaves the batch, the image rows go on
+            prompt=Prompt(token_ids=tok.encode("12 + 30 =")),
+            sampling=SamplingParams(temperature=0, max_new_tokens=2),
+        ),
         GenerateRequest(
             request_id="missing",
             prompt=Prompt(
@@ -87,7 +91,7 @@ def test_image_prompts_generate_like_the_model(setup):
     out = engine.generate(reqs)
     for req, c in zip(reqs[:3], out[:3], strict=True):
         assert c.token_ids == _reference(model, image_processor, tok, req), req.request_id
-        assert len(c.logprobs) == 6 and c.finish_reason == "length"
+        assert len(c.logprobs) == req.sampling.max_new_tokens and c.finish_reason == "length"
     assert out[3].finish_reason == "error"
     assert out[3].error == f"request missing: image file not found: {paths[0].parent / 'nope.png'}"
     assert engine.recent_batches[-1] == ["one", "text", "two"]  # one batch: images and text together

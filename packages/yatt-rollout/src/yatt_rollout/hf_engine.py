@@ -265,60 +265,70 @@ class HFEngine:
         if len(req.done) == req.req.sampling.n:
             req.future.set_result([req.done[i] for i in range(req.req.sampling.n)])
 
-    @torch.inference_mode()
-    def _decode(self, batch: list[_Row]) -> list[tuple[list[int], list[float], str]]:
-        """Prefill the left-padded batch, then one cached step per token until every row stops."""
-        b = len(batch)
+    def _left_pad(self, batch: list[_Row]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """input_ids [B, T] and attention mask [B, T], prompts right-aligned; each row's token budget."""
         lengths = [len(row.request.token_ids) for row in batch]
         width = max(lengths)
-        input_ids = torch.full((b, width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((b, width), dtype=torch.long)
+        input_ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
         for i, row in enumerate(batch):
             input_ids[i, width - lengths[i] :] = torch.tensor(row.request.token_ids)
             mask[i, width - lengths[i] :] = 1
+        # a row may not run past the model's context
         budget = [
             min(r.request.req.sampling.max_new_tokens, self.max_context - n)
             for r, n in zip(batch, lengths, strict=True)
         ]
+        return input_ids.to(self.device), mask.to(self.device), budget
+
+    @torch.inference_mode()
+    def _decode(self, batch: list[_Row]) -> list[tuple[list[int], list[float], str]]:
+        """Prefill the left-padded batch, then one cached step per token. A row that stops leaves the batch
+        (its KV cache rows too), so the others run at their own size."""
+        input_ids, mask, budget = self._left_pad(batch)
         stops = [set(self.eos_ids) | set(r.request.req.sampling.stop_token_ids) for r in batch]
         sp = [r.request.req.sampling for r in batch]
         params = sampling.row_params(
             [s.temperature for s in sp], [s.top_k for s in sp], [s.top_p for s in sp]
         )
         gens = [_row_generator(s.seed, r.index) for s, r in zip(sp, batch, strict=True)]
-
-        input_ids, mask = input_ids.to(self.device), mask.to(self.device)
         text_pos = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, T]; padding positions are never attended
         kwargs, deltas = self._prefill_inputs(batch, input_ids, mask, text_pos)
         out = self.model(input_ids=input_ids, attention_mask=mask, use_cache=True, logits_to_keep=1, **kwargs)
-        tokens_out: list[list[int]] = [[] for _ in range(b)]
-        logprobs_out: list[list[float]] = [[] for _ in range(b)]
-        reasons = ["length"] * b
-        active = list(range(b))  # rows still generating
-        pos = text_pos[:, -1:]  # [B, 1]
+        cache = out.past_key_values
+        tokens_out: list[list[int]] = [[] for _ in batch]
+        logprobs_out: list[list[float]] = [[] for _ in batch]
+        reasons = ["length"] * len(batch)
+        live = list(range(len(batch)))  # the batch rows that the tensors hold, in order
+        pos = text_pos[:, -1:]  # [L, 1]
         for step in itertools.count():
-            logits = out.logits[:, -1].float().cpu()  # [B, V]
+            logits = out.logits[:, -1].float().cpu()  # [L, V]
             tokens = sampling.sample(logits, params, gens, self._default_gen)
             token_list, logp_list = tokens.tolist(), sampling.raw_logprobs(logits, tokens).tolist()
-            still = []
-            for i in active:
-                tokens_out[i].append(token_list[i])
-                logprobs_out[i].append(logp_list[i])
-                if token_list[i] in stops[i]:
+            keep = []  # positions in `live` of the rows that go on
+            for j, i in enumerate(live):
+                tokens_out[i].append(token_list[j])
+                logprobs_out[i].append(logp_list[j])
+                if token_list[j] in stops[i]:
                     reasons[i] = "stop"
                 elif step + 1 < budget[i]:
-                    still.append(i)
-            active = still
-            if not active:
+                    keep.append(j)
+            if not keep:
                 break
-            mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=self.device)], dim=1)
+            if len(keep) < len(live):
+                idx, dev = torch.tensor(keep), torch.tensor(keep, device=self.device)
+                cache.batch_select_indices(dev)
+                mask, pos, tokens = mask[dev], pos[dev], tokens[idx]
+                params, gens = {k: v[idx] for k, v in params.items()}, [gens[j] for j in keep]
+                deltas = None if deltas is None else deltas[dev]
+                live = [live[j] for j in keep]
+            mask = torch.cat([mask, torch.ones((len(live), 1), dtype=mask.dtype, device=self.device)], dim=1)
             pos = pos + 1
-            position_ids = pos if deltas is None else _mrope_step(pos, deltas)
             out = self.model(
                 input_ids=tokens[:, None].to(self.device),
                 attention_mask=mask,
-                position_ids=position_ids,
-                past_key_values=out.past_key_values,
+                position_ids=pos if deltas is None else _mrope_step(pos, deltas),
+                past_key_values=cache,
                 use_cache=True,
             )
         return list(zip(tokens_out, logprobs_out, reasons, strict=True))

@@ -195,6 +195,17 @@ def test_stream_yields_every_completion(engine, tok):
     assert sorted(streamed, key=key) == sorted(batch, key=key) and len(streamed) == 6
 
 
+def test_a_cancelled_request_does_not_stop_the_engine(engine, tok):
+    futures = engine.submit(
+        [_req("c1", tok.encode("1 +"), max_new_tokens=30), _req("c2", tok.encode("2"), max_new_tokens=2)]
+    )
+    futures[0].cancel()  # the caller gave up (e.g. an abandoned stream); the worker must keep serving
+    assert (
+        len(engine.generate([_req("after", tok.encode("3"), temperature=0, max_new_tokens=3)])[0].token_ids)
+        == 3
+    )
+
+
 def test_update_weights_matches_a_fresh_engine(model, tok):
     new = tiny_causal_lm(len(tok), seed=7, max_position_embeddings=CONTEXT)
     buckets = make_buckets(list(new.state_dict().items()), max_bytes=32 * 1024, version=5)

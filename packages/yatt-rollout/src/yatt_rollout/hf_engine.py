@@ -13,12 +13,13 @@ M-RoPE positions come from the model's `get_rope_index` (prefill) plus its per-r
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import queue
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -262,8 +263,11 @@ class HFEngine:
     def _finish(row: _Row, completion: Completion) -> None:
         req = row.request
         req.done[row.index] = completion
-        if len(req.done) == req.req.sampling.n:
-            req.future.set_result([req.done[i] for i in range(req.req.sampling.n)])
+        if len(req.done) == req.req.sampling.n and not req.future.cancelled():
+            with contextlib.suppress(
+                InvalidStateError
+            ):  # cancelled meanwhile by its caller: nothing to deliver
+                req.future.set_result([req.done[i] for i in range(req.req.sampling.n)])
 
     def _left_pad(self, batch: list[_Row]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """input_ids [B, T] and attention mask [B, T], prompts right-aligned; each row's token budget."""

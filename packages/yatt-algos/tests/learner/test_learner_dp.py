@@ -10,6 +10,8 @@ import torch
 from yatt_algos.learner.torch_backend import TorchPolicyLearner
 from yatt_algos.types import LearnerConfig
 
+pytest.importorskip("transformers", reason="the tiny test models are HF models")
+
 WORKER = Path(__file__).with_name("dp_worker.py")
 
 

@@ -6,6 +6,7 @@ import torch
 from yatt_algos.types import AlgoConfig, OptimConfig
 
 pytest.importorskip("megatron.core", reason="needs the megatron extra")
+pytest.importorskip("transformers", reason="the tiny test models are HF models")
 
 # eps 1e-6: see test_learner_torch.OPTIM
 OPTIM = OptimConfig(lr=1e-3, eps=1e-6, micro_batch_size=3, clip_grad_norm=1.0)

@@ -9,6 +9,8 @@ from yatt_algos.learner.checkpoint import load_checkpoint, save_checkpoint
 from yatt_algos.learner.torch_backend import TorchPolicyLearner
 from yatt_algos.types import AlgoConfig, LearnerConfig, OptimConfig
 
+pytest.importorskip("transformers", reason="the tiny test models are HF models")
+
 # eps 1e-6: the gradient of the key-projection bias is analytically zero (softmax ignores a per-query shift),
 # so it is float noise of ~1e-10, which Adam's first step at eps 1e-8 would blow up to +-lr.
 OPTIM = OptimConfig(lr=1e-3, eps=1e-6, micro_batch_size=8, clip_grad_norm=1.0, weight_decay=0.01)
@@ -181,6 +183,7 @@ def test_export_weights_in_hf_naming(tiny, policy_batch):
 
 
 def test_lora_trains_adapters_and_exports_merged_weights(tiny, policy_batch):
+    pytest.importorskip("peft", reason="LoRA goes through peft")
     cfg = LearnerConfig(lora_rank=4, lora_alpha=8.0)
     learner = TorchPolicyLearner(tiny.lm(0), algo=AlgoConfig(), optim_config=OPTIM, learner=cfg)
     base_before = {k: v for k, v in tiny.params(learner.model).items() if "lora_" not in k}

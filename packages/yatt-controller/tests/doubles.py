@@ -27,10 +27,15 @@ class ScriptedEngine:
     """A rollout double: each prompt (an int) becomes one sample with `media_bytes` of generated media."""
 
     def __init__(
-        self, media_bytes: int = 0, crash_at_call: int = -1, hang_at_call: int = -1, marker: str | None = None
+        self,
+        media_bytes: int = 0,
+        crash_at_call: int = -1,
+        hang_at_call: int = -1,
+        marker: str | None = None,
+        version: int = 0,
     ):
         self.media_bytes, self.crash_at_call, self.hang_at_call = media_bytes, crash_at_call, hang_at_call
-        self.marker, self.calls, self.version = marker, 0, 0
+        self.marker, self.calls, self.version = marker, 0, version
 
     def generate(self, prompts: list[int]) -> list[dict]:
         call, self.calls = self.calls, self.calls + 1

@@ -4,6 +4,7 @@ checkpoint resume after a crash, and health (a killed worker, a hang). One Ray s
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -204,3 +205,12 @@ def test_an_error_in_the_step_function_fails_fast_without_restarts(cluster, tmp_
     job.step_fn = doubles.failing_step
     with pytest.raises(ControllerFailure, match=r"^controller-0 failed: ValueError: bad reward in row \d+$"):
         run(spec, job, cluster)
+
+
+def test_samples_of_an_unexpected_version_are_never_trained_on(cluster):
+    # the engines still hold version 4's weights while the controllers expect version 0
+    spec = ControllerSpec(num_controllers=2, heartbeat_interval_s=0.5, max_restarts=3)
+    with pytest.raises(
+        ControllerFailure, match=re.escape("samples of policy versions [4] in a step that expects version 0")
+    ):
+        run(spec, _job(num_steps=2, engine_kwargs={"version": 4}), cluster)

@@ -1,0 +1,160 @@
+"""Single controller against 1, 2 and 4 parallel controllers on a multimodal payload (yatt-controller).
+
+Each step generates one sample per prompt, each carrying an image-sized uint8 array (4 MiB by default, 64
+prompts: 256 MiB of media per step), and hands every sample to a learner rank, which touches its pixels. The
+rollout engines (4 replicas) are the same processes for every configuration. The single controller (the
+verl-style baseline) runs in the driver, fetches every sample and sends it on to the learners; parallel
+controllers each drive their share (learner data-parallel size = number of controllers) and the driver only
+watches. Measured side by side in one run: step time (median over the steps after a warm-up step), payload
+bytes through the driver, and dispatch overhead (every other step carries no media: its time is the cost of
+dispatching and collecting alone). Last line: one JSON object.
+
+    python benchmarks/bench_controller.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+import numpy as np
+import ray
+from yatt_controller.runner import Job, Services, run
+from yatt_controller.types import ControllerSpec
+from yatt_controller.worker_group import HostPool, WorkerGroup
+from yatt_placement.realize import realize, release
+from yatt_placement.types import PlacementPlan, RolePlacement
+
+NUM_ENGINES = 4
+MiB = 2**20
+
+
+class MediaEngine:
+    """A rollout stand-in: a sample per prompt with an image-sized array (a copy of one of a few images)."""
+
+    def __init__(self, media_bytes: int, seed: int):
+        rng = np.random.default_rng(seed)
+        self.images = [rng.integers(0, 256, size=media_bytes, dtype=np.uint8) for _ in range(4)]
+
+    def generate(self, prompts: list[int], with_media: bool) -> list[dict]:
+        return [
+            {"prompt": p, "reward": float(p % 3), "pixels": self.images[p % 4].copy() if with_media else None}
+            for p in prompts
+        ]
+
+
+class MediaLearner:
+    """A learner stand-in: reads every sample's pixels (one byte per page) and returns a checksum."""
+
+    def train(self, samples: list[dict]) -> float:
+        return float(sum(int(s["pixels"][::4096].sum()) for s in samples if s["pixels"] is not None))
+
+
+def media_step(ctx, batch: list[int]) -> dict[str, float]:
+    """Odd steps carry media, even steps none (step 0, the warm-up, included)."""
+    with ctx.phase("rollout"):
+        refs = ctx.services["rollout"].scatter("generate", batch, with_media=ctx.step % 2 == 1)
+        samples = [s for chunk in ctx.get(refs) for s in chunk]
+    mean = sum(s["reward"] for s in samples) / len(samples)
+    for sample in samples:  # the controller's own work on its samples: group-relative advantages
+        sample["advantage"] = sample["reward"] - mean
+    with ctx.phase("train"):
+        checksums = ctx.get(ctx.learner.gather(ctx.learner.scatter("train", samples)))
+    return ctx.all_reduce({"num_samples": len(samples), "checksum": sum(checksums)})
+
+
+def _measure(realized, engines: WorkerGroup, mode: str, num_controllers: int, args) -> dict:
+    def build(pool: HostPool) -> Services:  # engines outlive runs (another pool); learners are rebuilt
+        learner = WorkerGroup.create(pool, "actor", MediaLearner)
+        return Services(groups={"actor": learner, "rollout": engines}, learner="actor")
+
+    num_steps = 1 + 2 * args.steps  # a warm-up step, then media and empty steps alternating
+    job = Job(
+        build=build, step_fn=media_step, dataset=lambda: list(range(10_000)),
+        batch_size=args.batch_size, num_steps=num_steps,
+    )  # fmt: skip
+    spec = ControllerSpec(mode=mode, num_controllers=num_controllers, heartbeat_interval_s=1.0)
+    result = run(spec, job, realized[num_controllers if mode == "parallel" else NUM_ENGINES])
+
+    def step_s(step: int) -> float:  # a step lasts as long as its slowest controller
+        return max(r.timings_s["step"] for r in result.reports[step])
+
+    return {
+        "step_s": statistics.median(step_s(s) for s in range(1, num_steps, 2)),
+        "overhead_s": statistics.median(step_s(s) for s in range(2, num_steps, 2)),
+        "driver_mb_per_step": result.driver_bytes / args.steps / MiB,  # media steps carry (nearly) all
+        "checksum": result.reports[1][0].metrics["checksum"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="3 measured steps (under a minute)")
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--media-mb", type=float, default=4.0, help="media per sample, MiB")
+    args = parser.parse_args()
+    args.steps = args.steps or (3 if args.quick else 10)
+    media_bytes = int(args.media_mb * MiB)
+    if args.batch_size % 4:
+        raise ValueError(f"--batch-size must divide over 4 controllers, got {args.batch_size}")
+
+    ray.init(num_cpus=16, num_gpus=16, include_dashboard=False, object_store_memory=2048 * MiB)
+    roles = [RolePlacement(role="rollout", replicas=[[d] for d in range(NUM_ENGINES)])]
+    engine_plan = realize(PlacementPlan(mode="disaggregated", num_devices=NUM_ENGINES, roles=roles))
+    engine_pool = HostPool(engine_plan)
+    engines = WorkerGroup.create(
+        engine_pool, "rollout", MediaEngine, kwargs={"media_bytes": media_bytes, "seed": 0}
+    )
+    realized = {
+        n: realize(
+            PlacementPlan(
+                mode="disaggregated",
+                num_devices=n,
+                roles=[RolePlacement(role="actor", replicas=[[d] for d in range(n)])],
+            )
+        )
+        for n in (1, 2, 4)
+    }
+    configs = [("single", 1), ("parallel", 1), ("parallel", 2), ("parallel", 4)]
+    results = {}
+    started = time.perf_counter()
+    for mode, n in configs:
+        name = "single" if mode == "single" else f"parallel_{n}"
+        media = _measure(realized, engines, mode, n, args)
+        results[name] = {
+            "step_s": round(media["step_s"], 4),
+            "driver_mb_per_step": round(media["driver_mb_per_step"], 2),
+            "dispatch_overhead_ms": round(1000 * media["overhead_s"], 2),
+        }
+        print(f"{name:>11}: step {media['step_s']:.3f} s, driver {media['driver_mb_per_step']:.1f} MiB/step, "
+              f"dispatch overhead {1000 * media['overhead_s']:.1f} ms (checksum {media['checksum']:.0f})", file=sys.stderr)  # fmt: skip
+        assert media["checksum"] > 0, "the learners saw no pixels"
+    single = results["single"]["step_s"]
+    summary = {
+        "bench": "controller",
+        "media_mb_per_step": round(args.batch_size * media_bytes / MiB, 1),
+        "steps": args.steps,
+        "cpus": os.cpu_count(),
+        "results": results,
+        "speedup_vs_single": {
+            name: round(single / r["step_s"], 2) for name, r in results.items() if name != "single"
+        },
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
+    engine_pool.shutdown()
+    for plan in (*realized.values(), engine_plan):
+        release(plan)
+    ray.shutdown()
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

@@ -9,14 +9,12 @@ import sys
 from pathlib import Path
 
 import pytest
-
-ray = pytest.importorskip("ray")
-realize_mod = pytest.importorskip("yatt_placement.realize")
-
-from yatt_controller.runner import ControllerFailure, Job, Services, run  # noqa: E402
-from yatt_controller.types import ControllerSpec  # noqa: E402
-from yatt_controller.worker_group import HostPool, WorkerGroup  # noqa: E402
-from yatt_placement.types import PlacementPlan, RolePlacement  # noqa: E402
+import ray
+import yatt_placement.realize as realize_mod
+from yatt_controller.runner import ControllerFailure, Job, Services, run
+from yatt_controller.types import ControllerSpec
+from yatt_controller.worker_group import HostPool, WorkerGroup
+from yatt_placement.types import PlacementPlan, RolePlacement
 
 
 def _load_doubles():
@@ -214,3 +212,15 @@ def test_samples_of_an_unexpected_version_are_never_trained_on(cluster):
         ControllerFailure, match=re.escape("samples of policy versions [4] in a step that expects version 0")
     ):
         run(spec, _job(num_steps=2, engine_kwargs={"version": 4}), cluster)
+
+
+@pytest.mark.slow
+def test_single_controller_resumes_with_identical_batches(cluster, tmp_path):
+    spec = ControllerSpec(mode="single", heartbeat_interval_s=0.5, checkpoint_every=1)
+    whole = run(spec, _job(tmp_path / "a", num_steps=4), cluster)
+    run(spec, _job(tmp_path / "b", num_steps=2), cluster)
+    rest = run(spec, _job(tmp_path / "b", num_steps=4), cluster)
+    assert sorted(rest.reports) == [2, 3]
+    for step in (2, 3):
+        # same rows in the same order (signature), same learner state, same RNG draw, same buffers
+        assert rest.reports[step][0].metrics == whole.reports[step][0].metrics

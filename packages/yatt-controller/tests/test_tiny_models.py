@@ -11,16 +11,16 @@ from pathlib import Path
 
 import pytest
 
-ray = pytest.importorskip("ray")
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
-realize_mod = pytest.importorskip("yatt_placement.realize")
 
-from yatt_controller.runner import Job, Services, run  # noqa: E402
-from yatt_controller.sync import WeightSync  # noqa: E402
-from yatt_controller.types import ControllerSpec  # noqa: E402
-from yatt_controller.worker_group import HostPool, WorkerGroup  # noqa: E402
-from yatt_placement.types import PlacementPlan, RolePlacement  # noqa: E402
+import ray
+import yatt_placement.realize as realize_mod
+from yatt_controller.runner import Job, Services, run
+from yatt_controller.sync import WeightSync
+from yatt_controller.types import ControllerSpec
+from yatt_controller.worker_group import HostPool, WorkerGroup
+from yatt_placement.types import PlacementPlan, RolePlacement
 
 
 def _load(name: str):

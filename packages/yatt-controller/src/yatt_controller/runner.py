@@ -174,7 +174,10 @@ class _Attempt:
         self.rendezvous = Rendezvous.remote(world)
         for rank in range(world):
             routed = {
-                name: group.view([rank] if group is learner else route(group.dp_size, world, rank))
+                name: group.view(
+                    [rank] if group is learner else route(group.dp_size, world, rank),
+                    max_inflight=self.spec.max_inflight,
+                )
                 for name, group in services.groups.items()
             }
             mine = routed[services.learner] if learner is not None else None
@@ -191,10 +194,12 @@ class _Attempt:
         self.runs = [actor.run.remote(start, self.job.num_steps) for actor, _ in self.controllers]
 
     def _start_single(self, services: Services, path: str | None) -> None:
-        learner = services.groups.get(services.learner) if services.learner else None
-        self.core = ControllerCore(
-            self._plan(services, 0, 1, dict(services.groups), learner), label="controller-0"
-        )
+        inflight = self.spec.max_inflight
+        groups = {
+            name: g.view(range(g.dp_size), max_inflight=inflight) for name, g in services.groups.items()
+        }
+        learner = groups.get(services.learner) if services.learner else None
+        self.core = ControllerCore(self._plan(services, 0, 1, groups, learner), label="controller-0")
         self.controllers.append((None, _Watch("controller-0")))
 
         def body() -> None:
@@ -290,9 +295,9 @@ class _Attempt:
         return f"{record.label} ({', '.join(record.roles)})"
 
     def _seen(self, watch: _Watch, value: Any) -> None:
-        if isinstance(value, dict):  # a host's ping
-            self._nodes[watch.label] = value["node_id"]
-            self._busy[watch.label] = (value["busy"], value["busy_since"])
+        if isinstance(value, Heartbeat):  # a host's ping
+            self._nodes[watch.label] = value.node_id
+            self._busy[watch.label] = (value.phase, value.time_unix)
             return
         beat, reports = value
         assert isinstance(beat, Heartbeat)

@@ -19,7 +19,7 @@ from typing import Any
 import ray
 
 from yatt_controller import dispatch
-from yatt_controller.types import WorkerInfo
+from yatt_controller.types import Heartbeat, WorkerInfo
 
 
 @ray.remote(concurrency_groups={"health": 1})
@@ -45,15 +45,11 @@ class _Host:
             self._busy = None
 
     @ray.method(concurrency_group="health")
-    def ping(self) -> dict[str, Any]:
-        busy, since = self._busy or ("", 0.0)
-        return {
-            "actor": self._label,
-            "node_id": ray.get_runtime_context().get_node_id(),
-            "pid": os.getpid(),
-            "busy": busy,
-            "busy_since": since,
-        }
+    def ping(self) -> Heartbeat:
+        """Liveness, and the call this host is in (`phase`, since `time_unix`; "" when idle)."""
+        busy, since = self._busy or ("", time.time())
+        node = ray.get_runtime_context().get_node_id()
+        return Heartbeat(actor=self._label, node_id=node, step=0, phase=busy, time_unix=since)
 
     # Weight sync: the torch side lives in yatt_controller.weight_sync, imported only where it runs.
     def sync_open(self, group: str) -> tuple[str, int]:
@@ -221,8 +217,9 @@ class WorkerGroup:
     def dp_size(self) -> int:
         return 1 + max(w.dp_rank for w in self.workers)
 
-    def view(self, dp_ranks: Sequence[int]) -> WorkerGroup:
-        """The workers of some data-parallel ranks, renumbered from 0 (what one controller is routed to)."""
+    def view(self, dp_ranks: Sequence[int], *, max_inflight: int | None = None) -> WorkerGroup:
+        """The workers of some data-parallel ranks, renumbered from 0 (what one controller is routed to),
+        with a window of its own."""
         ranks = list(dp_ranks)
         if not ranks or any(not 0 <= r < self.dp_size for r in ranks):
             raise ValueError(f"view of {self.role!r} needs dp ranks in [0, {self.dp_size}), got {ranks}")
@@ -232,7 +229,7 @@ class WorkerGroup:
             for w in self.workers
             if w.dp_rank in renumber
         ]
-        return WorkerGroup(self.role, self.name, picked, self.max_inflight)
+        return WorkerGroup(self.role, self.name, picked, max_inflight or self.max_inflight)
 
     def broadcast(self, method: str, *args: Any, **kwargs: Any) -> list[ray.ObjectRef]:
         return dispatch.broadcast(self.workers, method, *args, **kwargs)

@@ -102,10 +102,8 @@ def run(spec: ControllerSpec, job: Job, realized: Any, *, startup_timeout_s: flo
             try:
                 attempt.start()
                 attempt.watch()
-                report_bytes += attempt.report_bytes
                 break
             except _AttemptFailed as failure:
-                report_bytes += attempt.report_bytes
                 failures.append(str(failure))
                 if not failure.restartable or spec.on_failure == "fail" or len(failures) > spec.max_restarts:
                     tail = (
@@ -115,7 +113,8 @@ def run(spec: ControllerSpec, job: Job, realized: Any, *, startup_timeout_s: flo
                     )
                     raise ControllerFailure(f"{failure}{tail}") from failure.__cause__
             finally:
-                attempt.teardown()
+                attempt.teardown()  # collects the last reports first
+                report_bytes += attempt.report_bytes
     finally:
         LEDGER.active = False
     ordered = {step: [by_rank[r] for r in sorted(by_rank)] for step, by_rank in sorted(reports.items())}

@@ -172,3 +172,17 @@ def test_weight_buckets_by_dtype_roundtrip_bit_exact():
         assert out[name].view(torch.uint8).equal(tensor.view(torch.uint8))  # bit for bit
     with pytest.raises(ValueError, match="bucket_bytes must be >= 1, got 0"):
         weight_sync.plan_buckets(named, 0)
+
+
+def test_the_runtime_imports_no_torch():
+    # controllers and the driver never load torch: only yatt_controller.weight_sync does, inside the hosts
+    import json
+    import subprocess
+    import sys
+
+    code = (
+        "import json, sys, yatt_controller.runner, yatt_controller.sync\n"
+        "print(json.dumps(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []

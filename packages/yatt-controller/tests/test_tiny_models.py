@@ -116,6 +116,7 @@ def test_broadcast_and_colocated_sync_are_bit_exact(cluster):
         pool.shutdown()
 
 
+@pytest.mark.slow
 def test_colocated_sync_is_in_process_and_bit_exact(cluster):
     plan = PlacementPlan(
         mode="colocated",

@@ -3,6 +3,7 @@ checkpoint resume after a crash, and health (a killed worker, a hang). One Ray s
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import re
 import sys
@@ -113,7 +114,12 @@ def test_worker_group_dispatch_and_colocation(cluster):
 
 
 def test_parallel_carries_no_samples_through_the_driver(cluster):
-    parallel = run(ControllerSpec(num_controllers=2, heartbeat_interval_s=0.5), _job(), cluster)
+    seen: list[tuple[int, list[int]]] = []  # on_step: once per step, with every controller's report
+    job = dataclasses.replace(
+        _job(), on_step=lambda step, reports: seen.append((step, [r.controller_rank for r in reports]))
+    )
+    parallel = run(ControllerSpec(num_controllers=2, heartbeat_interval_s=0.5), job, cluster)
+    assert seen == [(0, [0, 1]), (1, [0, 1]), (2, [0, 1])]
     single = run(ControllerSpec(mode="single", heartbeat_interval_s=0.5), _job(), cluster)
     assert parallel.driver_bytes == 0
     assert parallel.restarts == 0 and single.restarts == 0

@@ -206,7 +206,8 @@ def test_a_cancelled_request_does_not_stop_the_engine(engine, tok):
     )
 
 
-def test_update_weights_matches_a_fresh_engine(model, tok):
+@pytest.mark.parametrize("path", ["buckets", "in_process"])
+def test_update_weights_matches_a_fresh_engine(model, tok, path):
     new = tiny_causal_lm(len(tok), seed=7, max_position_embeddings=CONTEXT)
     buckets = make_buckets(list(new.state_dict().items()), max_bytes=32 * 1024, version=5)
     assert len(buckets) > 1  # several buckets really cross
@@ -217,7 +218,10 @@ def test_update_weights_matches_a_fresh_engine(model, tok):
     fresh = HFEngine(new, tok)
     try:
         before = eng.generate(reqs)
-        eng.update_weights(buckets, version=5)
+        if path == "buckets":
+            eng.update_weights(buckets, version=5)
+        else:  # colocated sync hands tensors over in process (the controller's receiver protocol)
+            eng.load_weights(list(new.state_dict().items()), version=5)
         after, expected = eng.generate(reqs), fresh.generate(reqs)
     finally:
         eng.close()

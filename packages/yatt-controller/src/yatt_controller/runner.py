@@ -61,6 +61,8 @@ class Job:
     batch_size: int  # global, per step
     num_steps: int
     checkpoint_dir: str | None = None
+    # called in the driver, once per step, when every controller's report of that step has arrived
+    on_step: Callable[[int, list[StepReport]], None] | None = None
 
 
 @dataclass
@@ -306,7 +308,11 @@ class _Attempt:
         self._busy[beat.actor] = (f"step {beat.step}, phase {beat.phase!r}", beat.time_unix)
         for report in reports:
             self.report_bytes += len(msgspec.msgpack.encode(report))
-            self.reports.setdefault(report.step, {})[report.controller_rank] = report
+            by_rank = self.reports.setdefault(report.step, {})
+            by_rank[report.controller_rank] = report
+            expected = 1 if self.spec.mode == "single" else self.spec.num_controllers
+            if self.job.on_step is not None and len(by_rank) == expected:
+                self.job.on_step(report.step, [by_rank[r] for r in sorted(by_rank)])
 
     def _node(self, label: str) -> str:
         return self._nodes.get(label, "?")

@@ -141,10 +141,14 @@ class HFEngine:
 
     def update_weights(self, buckets: Sequence[WeightBucket], version: int) -> None:
         """Copy named tensors into the model between batches; later batches report `version`."""
+        self.load_weights([pair for bucket in buckets for pair in bucket_tensors(bucket)], version)
+
+    def load_weights(self, named: Sequence[tuple[str, torch.Tensor]], version: int) -> None:
+        """`update_weights` for tensors already in this process (colocated sync: no bucket packing)."""
         with self._cv:
             while self._busy:
                 self._cv.wait()
-            self.slots.load([pair for bucket in buckets for pair in bucket_tensors(bucket)])
+            self.slots.load(named)
             self._version = version
 
     def sleep(self, level: int = 1) -> None:

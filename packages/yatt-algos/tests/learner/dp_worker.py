@@ -3,7 +3,8 @@
     python dp_worker.py RANK WORLD PORT {ddp,fsdp2} OUT_DIR
 
 It joins a gloo group on 127.0.0.1, builds the same tiny model and batch as the test, takes its contiguous
-shard of the batch, runs one update and writes (rank 0) the exported HF weights, stats and logprobs.
+shard of the batch, runs one update and writes (rank 0) the exported HF weights, stats and logprobs; then
+checks that a learner resumed from its state_dict continues exactly like it.
 """
 
 import importlib.util
@@ -49,6 +50,20 @@ def main() -> None:
     logprobs = learner.compute_logprobs(shard)
     weights = {k: v.clone() for bucket in learner.export_weights(1 << 16) for k, v in bucket}
     state = learner.state_dict()  # a collective under FSDP2
+    # resume: a learner from other initial weights loads the state; one more update on each must agree exactly
+    resumed = TorchPolicyLearner(
+        tiny.tiny_lm(7),
+        algo=tiny.DP_ALGO,
+        optim_config=tiny.DP_OPTIM,
+        learner=LearnerConfig(data_parallel=backend, max_tokens_per_micro_batch=40),
+        group=dist.group.WORLD,
+    )
+    resumed.load_state_dict(state)
+    learner.update(shard)
+    resumed.update(shard)
+    after = dict(pair for bucket in learner.export_weights(1 << 16) for pair in bucket)
+    again = dict(pair for bucket in resumed.export_weights(1 << 16) for pair in bucket)
+    resume_diff = max(float((after[k] - again[k]).abs().max()) for k in after)
     gathered = [None] * world
     dist.all_gather_object(gathered, logprobs)
     if rank == 0:
@@ -59,6 +74,7 @@ def main() -> None:
             "num_tokens": stats.num_tokens,
             "logprobs": torch.cat(gathered),
             "state_keys": sorted(state["model"]),
+            "resume_diff": resume_diff,
         }
         torch.save(result, out / "rank0.pt")
     dist.barrier()

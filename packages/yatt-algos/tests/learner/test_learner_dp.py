@@ -1,4 +1,5 @@
-"""Data parallel over gloo with two real processes: DP=2 gives the same update as DP=1 on the same global batch."""
+"""Data parallel over gloo with two real processes: DP=2 gives the same update as DP=1 on the same global batch,
+and a learner resumed from a state_dict under DP continues bit-exactly."""
 
 import socket
 import subprocess
@@ -65,6 +66,7 @@ def _check(result: dict, dp1: dict) -> None:
     assert result["grad_norm"] == pytest.approx(dp1["stats"].grad_norm, rel=1e-5)
     assert result["num_tokens"] == dp1["stats"].num_tokens
     assert torch.allclose(result["logprobs"], dp1["logprobs"], atol=1e-5, rtol=0)
+    assert result["resume_diff"] == 0.0  # state_dict -> load_state_dict under DP continues bit-exactly
 
 
 def test_ddp2_equals_dp1(dp1, tmp_path):

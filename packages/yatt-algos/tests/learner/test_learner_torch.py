@@ -54,6 +54,21 @@ def test_compute_logprobs_matches_log_softmax_gather(tiny, policy_batch):
         assert torch.equal(lp, got) and torch.allclose(ent, want_ent, atol=1e-5, rtol=0)
 
 
+def test_experience_messages_work_like_dicts(tiny, policy_batch):
+    """An `Experience` (zero-copy tensors, as it crosses process boundaries) gives the same results."""
+    import msgspec
+    from yatt_algos import tensor_codec
+    from yatt_algos.types import Experience
+
+    fields = ("input_ids", "attention_mask", "response_mask", "old_logprobs", "advantages", "ref_logprobs")
+    exp = Experience(**{k: tensor_codec.encode(policy_batch[k]) for k in fields}, policy_version=3)
+    exp = msgspec.msgpack.decode(msgspec.msgpack.encode(exp), type=Experience)
+    learners = [TorchPolicyLearner(tiny.lm(0), algo=AlgoConfig(), optim_config=OPTIM) for _ in range(2)]
+    assert torch.equal(learners[0].compute_logprobs(exp), learners[1].compute_logprobs(policy_batch))
+    assert learners[0].update(exp).loss == learners[1].update({k: policy_batch[k] for k in fields}).loss
+    assert tiny.diff(tiny.params(learners[0].model), tiny.params(learners[1].model)) == 0.0
+
+
 def test_one_update_matches_hand_written_ppo_step(tiny, policy_batch):
     """PPO-clip + k3 KL loss, token-mean, clip-grad 1.0, AdamW: written out by hand on the whole batch."""
     b = policy_batch

@@ -37,6 +37,19 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def snapshot(state: Any) -> Any:
+    """A copy of nested dicts, lists and tuples in which every tensor is cloned (detached), so the result does
+    not change when training goes on, and a learner loading it shares no storage with the source (torch's
+    optimizer `load_state_dict` keeps the given tensors when dtype and device already fit)."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().clone()
+    if isinstance(state, dict):
+        return {k: snapshot(v) for k, v in state.items()}
+    if isinstance(state, list | tuple):
+        return type(state)(snapshot(v) for v in state)
+    return state
+
+
 def save_checkpoint(state: dict[str, Any], path: str | os.PathLike) -> Path:
     """Write `state` to `path` atomically (temporary file in the same folder, fsync, rename)."""
     path = Path(path)

@@ -356,14 +356,16 @@ class MegatronPolicyLearner:
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard: model, optimizer, scheduler, counters and RNG (each rank saves its own)."""
         model = {k: v for k, v in self.model.state_dict().items() if not k.endswith("_extra_state")}
-        return {
-            "model": model,
-            "optimizer": self.optimizer.state_dict() if self.optimizer else {},
-            "scheduler": self.scheduler.state_dict() if self.scheduler else {},
-            "num_steps": self.num_steps,
-            "num_skipped_total": self.num_skipped_total,
-            "rng": checkpoint.rng_state(),
-        }
+        return checkpoint.snapshot(
+            {
+                "model": model,
+                "optimizer": self.optimizer.state_dict() if self.optimizer else {},
+                "scheduler": self.scheduler.state_dict() if self.scheduler else {},
+                "num_steps": self.num_steps,
+                "num_skipped_total": self.num_skipped_total,
+                "rng": checkpoint.rng_state(),
+            }
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for key in ("model", "optimizer", "scheduler", "num_steps", "num_skipped_total", "rng"):

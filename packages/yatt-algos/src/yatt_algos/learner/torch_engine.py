@@ -187,25 +187,32 @@ class TorchEngine:
         return outputs
 
     def state_dict(self) -> dict[str, Any]:
-        """Model, optimizer, scheduler, counters and RNG. Under FSDP2 a collective giving full tensors."""
+        """A snapshot (cloned tensors) of model, optimizer, scheduler, counters and RNG.
+
+        Under FSDP2 a collective, and every rank gets the full (unsharded) model and optimizer state, so any
+        rank's file restores the model; each rank saves its own for its RNG."""
         if self.fsdp:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-            opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            opts = StateDictOptions(
+                full_state_dict=True
+            )  # on every rank (cpu_offload would keep rank 0 only)
             model_state, optim_state = get_state_dict(
                 self.model, [self.optimizer] if self.optimizer else [], options=opts
             )
         else:
             model_state = export.unwrap(self.model).state_dict()
             optim_state = self.optimizer.state_dict() if self.optimizer else {}
-        return {
-            "model": model_state,
-            "optimizer": optim_state,
-            "scheduler": self.scheduler.state_dict() if self.scheduler else {},
-            "num_steps": self.num_steps,
-            "num_skipped_total": self.num_skipped_total,
-            "rng": checkpoint.rng_state(),
-        }
+        return checkpoint.snapshot(
+            {
+                "model": model_state,
+                "optimizer": optim_state,
+                "scheduler": self.scheduler.state_dict() if self.scheduler else {},
+                "num_steps": self.num_steps,
+                "num_skipped_total": self.num_skipped_total,
+                "rng": checkpoint.rng_state(),
+            }
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for key in ("model", "optimizer", "scheduler", "num_steps", "num_skipped_total", "rng"):

@@ -80,7 +80,10 @@ def _learners(tiny, algo, optim_config):
 
 @cpu_only
 def test_megatron_forward_matches_hf(tiny, megatron_world):
+    from yatt_algos.learner.interface import PolicyLearner
+
     megatron, hf = _learners(tiny, AlgoConfig(), None)
+    assert isinstance(megatron, PolicyLearner)
     batch = tiny.dp_batch()
     ids = batch["input_ids"]
     with torch.no_grad():

@@ -233,6 +233,15 @@ def test_gradient_checkpointing_changes_nothing(tiny, policy_batch):
     assert tiny.diff(out[0], out[1]) < 1e-5
 
 
+def test_learners_satisfy_the_interface(tiny):
+    from yatt_algos.learner.interface import CriticLearner, PolicyLearner
+    from yatt_algos.learner.torch_backend import TorchCriticLearner
+
+    assert isinstance(TorchPolicyLearner(tiny.lm(0), algo=AlgoConfig(), optim_config=None), PolicyLearner)
+    critic = TorchCriticLearner(tiny.critic(0), algo=AlgoConfig(), optim_config=OPTIM)
+    assert isinstance(critic, CriticLearner) and not isinstance(critic, PolicyLearner)
+
+
 def test_bad_input_is_named(tiny, policy_batch):
     ref = TorchPolicyLearner(tiny.lm(0), algo=AlgoConfig(), optim_config=None)
     with pytest.raises(ValueError, match="this learner has no optimizer"):

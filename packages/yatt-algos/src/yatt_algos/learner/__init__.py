@@ -9,6 +9,7 @@ Two backends with one interface (`interface.PolicyLearner`, `interface.CriticLea
 
 The pieces both use are plain modules: `packing` (mini- and micro-batches, token-budget packing), `optim`
 (AdamW, warmup + cosine, the non-finite guard), `update_loop` (one PPO-style update with global normalizers),
-`checkpoint` (state with RNG, atomic files) and `export` (named-tensor buckets for weight sync).
+`checkpoint` (state with RNG, atomic files), `export` (named-tensor buckets for weight sync) and `mismatch`
+(the rollout/train logprob mismatch metric).
 The learner knows nothing of Ray. This package file imports nothing heavy: import the backend module you use.
 """

@@ -8,7 +8,7 @@ and at padding).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -17,6 +17,7 @@ from yatt_algos.types import TrainStats
 NamedTensors = list[tuple[str, torch.Tensor]]
 
 
+@runtime_checkable
 class PolicyLearner(Protocol):
     def compute_logprobs(self, batch: Any) -> torch.Tensor:
         """Logprobs [B, T] without grad."""
@@ -41,6 +42,7 @@ class PolicyLearner(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
+@runtime_checkable
 class CriticLearner(Protocol):
     def compute_values(self, batch: Any) -> torch.Tensor:
         """Values [B, T] without grad."""

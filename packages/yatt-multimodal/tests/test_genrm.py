@@ -183,6 +183,9 @@ def test_combined_rule_and_genrm_from_specs():
         build_reward(RewardSpec(kind="genrm", name="judge"), codec=ByteCodec())
     with pytest.raises(ValueError, match=r"RewardSpec\.kind 'oracle' is not registered"):
         build_reward(RewardSpec(kind="oracle"))
+    # a seed resource makes the judge's sampling reproducible: call i of a batch samples from seed + i
+    assert build_reward(RewardSpec(kind="genrm"), engine=_engine(), codec=ByteCodec(), seed=7).seed == 7
+    assert build_reward(RewardSpec(kind="genrm"), engine=_engine(), codec=ByteCodec()).seed is None
 
 
 async def _collect(stream):

@@ -2,7 +2,7 @@
 for a weighted list of specs (the app's `rewards:` section).
 
 Rules need nothing; "genrm" needs `engine` (a yatt-rollout `Generator`) and `codec` (a `PromptCodec`), and
-takes `media_check` for VLM judges; "reward_model" needs `rm_model` and `rm_tokenizer` and reads the options
+takes `media_check` for VLM judges and `seed` for reproducible judgements; "reward_model" needs `rm_model` and `rm_tokenizer` and reads the options
 `batch_size`, `max_length`, `sigmoid`. A missing resource is a ValueError naming the spec and the resource.
 """
 
@@ -31,7 +31,12 @@ def _genrm(spec: RewardSpec, resources: dict[str, Any]) -> RewardFunction:
     engine, codec = _need(spec, resources, "engine", "codec")
     judge = spec.judge or JudgeSpec()
     return GenRMJudge(
-        engine, codec, judge, name=spec.name or "genrm", media_check=resources.get("media_check")
+        engine,
+        codec,
+        judge,
+        name=spec.name or "genrm",
+        seed=resources.get("seed"),
+        media_check=resources.get("media_check"),
     )
 
 

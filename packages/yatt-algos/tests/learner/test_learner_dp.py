@@ -69,7 +69,16 @@ def _check(result: dict, dp1: dict) -> None:
     assert result["resume_diff"] == 0.0  # state_dict -> load_state_dict under DP continues bit-exactly
 
 
-def test_ddp2_equals_dp1(dp1, tmp_path):
+def test_ddp2_equals_dp1(dp1, tiny, tmp_path):
+    from yatt_algos.learner.packing import pack_micro_batches, seq_lengths
+
+    # the two shards pack into different numbers of micro-batches (3 and 2): no per-forward collective allowed
+    lengths = seq_lengths(tiny.dp_batch()["attention_mask"]).tolist()
+    counts = [
+        len(pack_micro_batches(lengths[r * 4 : (r + 1) * 4], micro_batch_size=2, max_tokens=40))
+        for r in (0, 1)
+    ]
+    assert counts == [3, 2]
     result = _run_dp2("ddp", tmp_path)
     _check(result, dp1)
     assert result["state_keys"] == sorted(dp1["weights"])

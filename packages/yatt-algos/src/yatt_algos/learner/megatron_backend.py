@@ -371,7 +371,12 @@ class MegatronPolicyLearner:
         for key in ("model", "optimizer", "scheduler", "num_steps", "num_skipped_total", "rng"):
             if key not in state:
                 raise ValueError(f"learner state has no {key!r} entry (keys: {sorted(state)})")
-        self.model.load_state_dict(state["model"], strict=False)
+        missing, unexpected = self.model.load_state_dict(state["model"], strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise ValueError(
+                f"learner state does not fit the model: missing {missing}, unexpected {unexpected}"
+            )
         if self.optimizer:
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])

@@ -46,7 +46,9 @@ def wrap_data_parallel(model: torch.nn.Module, cfg: LearnerConfig, group: dist.P
     if group is None:
         return model
     if cfg.data_parallel == "ddp":
-        return torch.nn.parallel.DistributedDataParallel(model, process_group=group)
+        # no buffer broadcast: HF buffers are constants (RoPE), and a per-forward collective would tie ranks
+        # to equal micro-batch counts, which token-budget packing does not give
+        return torch.nn.parallel.DistributedDataParallel(model, process_group=group, broadcast_buffers=False)
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
@@ -175,8 +177,9 @@ class TorchEngine:
         )
         outputs: dict[str, torch.Tensor] = {}
         micros = self._equalize([mb for _, mb in parts])
+        model = self.model if self.fsdp else export.unwrap(self.model)  # DDP's forward is not needed here
         for i, mb in enumerate(micros):
-            result = forward(self.model, mb, False)
+            result = forward(model, mb, False)
             if i >= len(parts):
                 continue  # an FSDP2 filler
             idx, width = parts[i][0], mb["input_ids"].shape[1]

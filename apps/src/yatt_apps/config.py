@@ -1,0 +1,181 @@
+"""The typed config of a YATT job, and the named presets.
+
+A run is `RunConfig`: frozen msgspec data, validated on decode, unknown keys rejected. Presets are Python
+functions returning a `RunConfig` (`tiny_cpu`, the default, runs here in minutes; the production presets
+validate and plan but need a GPU cluster). A YAML file overlays a preset and `--set key=value` overrides a
+leaf (`yatt_apps.overlay`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+import msgspec
+from yatt_algos.types import AlgoConfig, LearnerConfig, OptimConfig
+from yatt_controller.types import ControllerSpec
+from yatt_multimodal.types import JudgeSpec, RewardSpec
+from yatt_placement.types import ClusterSpec, PlacementMode
+from yatt_rollout.types import SamplingParams
+
+
+class _Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Base of the app's configs: immutable, unknown fields are an error (kw_only stated per class)."""
+
+
+class ModelSpec(_Config, kw_only=True):
+    """A model: an HF directory (`path`), or, with `path` empty, a tiny one built from this config and a
+    tokenizer trained locally on the task's text (nothing is downloaded)."""
+
+    path: str = ""
+    arch: Literal["qwen2", "llama"] = "qwen2"
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 2
+    num_kv_heads: int = 1
+    head_dim: int = 32
+    vocab_size: int = 384
+    max_position_embeddings: int = 256
+    seed: int = 0
+    num_params: float = 0.0  # for placement planning; 0: counted from the model where it is built
+    tensor_parallel: int = 1
+    trust_remote_code: bool = False
+
+
+class DataSpec(_Config, kw_only=True):
+    """Prompts with answers. Empty `train` uses the embedded arithmetic task."""
+
+    train: str = ""
+    val: str = ""
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    image_key: str = "images"
+    num_train_rows: int = 512  # embedded task only
+    num_val_rows: int = 32
+    max_prompt_tokens: int = 64
+    system_prompt: str = ""
+
+    def __post_init__(self) -> None:
+        if self.max_prompt_tokens < 1:
+            raise ValueError(f"data.max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
+
+
+class PlacementConfig(_Config, kw_only=True):
+    """Where roles run. `num_devices` logical devices on one node for CPU runs; a `cluster` for real ones."""
+
+    mode: PlacementMode = "colocated"
+    cluster: ClusterSpec = ClusterSpec(num_nodes=1, devices_per_node=2, device_memory_gb=16.0)
+    cpus_per_device: float = 1.0
+
+
+class RunSpec(_Config, kw_only=True):
+    """The loop: how many steps, how many prompts each (global), evaluation, checkpoints, output."""
+
+    name: str = "grpo-tiny"
+    out_dir: str = "runs"
+    num_steps: int = 30
+    prompts_per_step: int = 16
+    eval_every: int = 10  # evaluate the validation split every k steps (0: never); checkpoints: controller
+    seed: int = 0
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.num_steps < 1 or self.prompts_per_step < 1:
+            raise ValueError("run.num_steps and run.prompts_per_step must be >= 1")
+        if self.eval_every < 0:
+            raise ValueError(f"run.eval_every must be >= 0, got {self.eval_every}")
+
+
+class RunConfig(_Config, kw_only=True):
+    """A whole job. `app` names the step function (grpo, dapo, ppo, capo, grpo-vlm)."""
+
+    app: str = "grpo"
+    run: RunSpec = RunSpec()
+    model: ModelSpec = ModelSpec()
+    judge: ModelSpec | None = None  # the GenRM model; None: no generative judge
+    data: DataSpec = DataSpec()
+    sampling: SamplingParams = SamplingParams(n=4, temperature=1.0, max_new_tokens=6)
+    rewards: list[RewardSpec] = []
+    algo: AlgoConfig = AlgoConfig()
+    optim: OptimConfig = OptimConfig()
+    learner: LearnerConfig = LearnerConfig()
+    controller: ControllerSpec = ControllerSpec()
+    placement: PlacementConfig = PlacementConfig()
+
+    def __post_init__(self) -> None:
+        if self.run.prompts_per_step % self.controller.num_controllers:
+            raise ValueError(
+                f"run.prompts_per_step ({self.run.prompts_per_step}) must divide evenly over "
+                f"controller.num_controllers ({self.controller.num_controllers})"
+            )
+        if any(spec.kind == "genrm" for spec in self.rewards) and self.judge is None:
+            raise ValueError("rewards has a 'genrm' term but judge (the judge model) is not set")
+
+
+# ---- presets --------------------------------------------------------------------------------------------
+
+TINY_JUDGE = JudgeSpec(num_samples=2, temperature=0.7, top_p=0.9, max_new_tokens=4, on_parse_error="zero")
+
+
+def tiny_cpu() -> RunConfig:
+    """The default: GRPO on the embedded arithmetic task, a tiny Qwen2 policy and a tiny Qwen2 judge built from
+    configs, two parallel controllers on two logical devices (colocated), a few minutes on a 2-core CPU.
+
+    Rewards: exact answer (math_verify), a format term (the response starts with an integer, which a random tiny
+    policy learns within tens of steps, so the reward visibly rises), and a GenRM judge with K=2 judgements
+    (the tiny judge's verdicts are noise; it exercises the real judging path and its status accounting)."""
+    return RunConfig(
+        judge=ModelSpec(seed=1),
+        rewards=[
+            RewardSpec(kind="math_verify", weight=1.0),
+            RewardSpec(
+                kind="regex",
+                name="format",
+                weight=0.5,
+                options={"pattern": r"^\s*-?\d+", "mode": "search"},
+            ),
+            RewardSpec(kind="genrm", weight=0.1, judge=TINY_JUDGE),
+        ],
+        algo=AlgoConfig(adv_estimator="grpo", kl_loss_coef=1e-3, adv_eps=1e-4),
+        optim=OptimConfig(
+            lr=2e-3, num_warmup_steps=2, num_training_steps=30, micro_batch_size=32, clip_grad_norm=1.0
+        ),
+        controller=ControllerSpec(
+            num_controllers=2,
+            heartbeat_interval_s=1.0,
+            hang_timeout_s=300.0,
+            checkpoint_every=10,
+            keep_checkpoints=2,
+        ),
+    )
+
+
+def qwen2_5_math_1_5b_genrm_72b() -> RunConfig:
+    """WeChat-YATT's flagship recipe (PAPERS.md): Qwen2.5-Math-1.5B policy, Qwen2.5-Math-72B-Instruct judge on
+    GSM8K, 64 devices, partial colocation; 4 samples per prompt at temperature 1.0, top-p 0.9; lr 5e-7 with 20
+    warmup steps, clip 0.2, KL loss 1e-2, 2 updates per batch; the judge samples 8 verdicts at temperature 0.7,
+    top-p 0.9, up to 512 tokens. Plans and validates here; runs on a GPU cluster with the model directories."""
+    return RunConfig(
+        run=RunSpec(name="grpo-genrm-1.5b-72b", num_steps=500, prompts_per_step=512, eval_every=20),
+        model=ModelSpec(path="/models/Qwen2.5-Math-1.5B-SFT", num_params=1.5e9),
+        judge=ModelSpec(path="/models/Qwen2.5-Math-72B-Instruct", num_params=72e9, tensor_parallel=8),
+        data=DataSpec(
+            train="/data/gsm8k/train.parquet", val="/data/gsm8k/test.parquet", max_prompt_tokens=512
+        ),
+        sampling=SamplingParams(n=4, temperature=1.0, top_p=0.9, max_new_tokens=1024),
+        rewards=[RewardSpec(kind="genrm", judge=JudgeSpec())],
+        algo=AlgoConfig(kl_loss_coef=1e-2, adv_eps=1e-4, num_updates_per_batch=2),
+        optim=OptimConfig(
+            lr=5e-7, num_warmup_steps=20, num_training_steps=500, micro_batch_size=8, clip_grad_norm=1.0
+        ),
+        controller=ControllerSpec(num_controllers=64, checkpoint_every=50),
+        placement=PlacementConfig(
+            mode="partial", cluster=ClusterSpec(num_nodes=8, devices_per_node=8, device_memory_gb=96.0)
+        ),
+    )
+
+
+PRESETS: dict[str, Callable[[], RunConfig]] = {
+    "tiny_cpu": tiny_cpu,
+    "qwen2_5_math_1_5b_genrm_72b": qwen2_5_math_1_5b_genrm_72b,
+}

@@ -88,6 +88,32 @@ def test_sampler_shards_partition_the_global_batch_and_resume():
         ShardSampler(3, 4, seed=0)
 
 
+def test_step_draws_extra_rows_from_its_own_shard_and_the_cursor_follows(tmp_path):
+    """ctx.next_batch() (a refill) takes the controller's next part of its shard; the loop's next batch comes
+    after it, and a checkpoint taken after the step resumes past both."""
+    from yatt_controller.controller import ControllerCore, ControllerPlan
+
+    drawn = []
+
+    def step(ctx, batch):
+        extra = ctx.next_batch() if ctx.step == 0 else []
+        drawn.append((batch, extra))
+        return {"n": float(len(batch) + len(extra))}
+
+    rows = [f"row{i}" for i in range(12)]
+    plan = ControllerPlan(rank=0, world_size=1, step_fn=step, dataset=lambda: rows, batch_size=4, shards=[0],
+                          num_shards=1, seed=5, services={}, checkpoint_dir=str(tmp_path), checkpoint_every=1)  # fmt: skip
+    core = ControllerCore(plan)
+    assert core.run(0, 2) == 2
+    reference = ShardSampler(12, 4, seed=5)
+    expected = [[rows[i] for i in reference.next()] for _ in range(3)]  # 3 steps per epoch of 12 rows
+    assert drawn == [(expected[0], expected[1]), (expected[2], [])]
+    assert core.sampler.state() == {"epoch": 0, "step_in_epoch": 3}
+    resumed = ControllerCore(plan)
+    assert resumed.prepare(checkpoint.latest(str(tmp_path))[0]) == 2
+    assert resumed.sampler.state() == {"epoch": 0, "step_in_epoch": 3}
+
+
 def _crash_while_writing(root: str) -> None:
     class Exploding(dict):
         def items(self):

@@ -70,6 +70,15 @@ class StepContext:
     policy_version: int = 0
     timings_s: dict[str, float] = field(default_factory=dict)
     on_progress: Callable[[str], None] = lambda phase: None
+    next_rows: Callable[[], list] | None = None  # the controller's own sampler (set by ControllerCore)
+
+    def next_batch(self) -> list:
+        """This controller's part of the next global batch, drawn from its own shard: extra prompts for a
+        refill (DAPO's dynamic sampling). The data cursor advances and is checkpointed, so a resumed run draws
+        the same rows; the step loop's next batch comes after the drawn one."""
+        if self.next_rows is None:
+            raise ValueError("next_batch: this StepContext has no data sampler")
+        return self.next_rows()
 
     def get(self, refs: Any) -> Any:
         """Values of object refs (counted against the driver when this controller is the driver)."""
@@ -128,11 +137,14 @@ class ControllerCore:
         self.ctx = StepContext(
             rank=plan.rank, world_size=plan.world_size, services=plan.services, learner=plan.learner,
             collective=collective, rng=random.Random(plan.seed * 7919 + plan.rank), state={},
-            weight_sync=plan.weight_sync, on_progress=self._progress,
+            weight_sync=plan.weight_sync, on_progress=self._progress, next_rows=self._next_rows,
         )  # fmt: skip
         self._lock = threading.Lock()
         self._beat = (0, "start", time.time())
         self._reports: list[StepReport] = []
+
+    def _next_rows(self) -> list:
+        return [self.rows[i] for i in self.sampler.next()]
 
     def _progress(self, phase: str) -> None:
         with self._lock:
@@ -151,7 +163,7 @@ class ControllerCore:
             self.ctx.step, self.ctx.timings_s = step, {}
             self._progress("data")
             started = time.perf_counter()
-            batch = [self.rows[i] for i in self.sampler.next()]
+            batch = self._next_rows()
             metrics = self.plan.step_fn(self.ctx, batch)
             self.ctx.timings_s["step"] = time.perf_counter() - started
             if not isinstance(metrics, dict):

@@ -1,6 +1,8 @@
 """From an `Experience` to mini-batches and micro-batches.
 
-A batch is a dict of tensors, every one [B, T] (right padded) except `group_ids` [B]. Mini-batches are
+A batch is a dict of tensors, every one [B, T] (right padded) except the per-row fields (`ROW_FIELDS`):
+`group_ids` [B], and for vision-language policies `pixel_values` [B, P, D] (row b's image patches, zero padded
+to P) and `image_grid_thw` [B, N, 3] (row b's images, all-zero rows as padding). Mini-batches are
 contiguous slices of B (one optimizer step each); micro-batches split a mini-batch for gradient accumulation,
 either `micro_batch_size` sequences at a time or packed by a token budget: sequences sorted by length and
 grouped so that each micro-batch's padded size (count x longest) stays within the budget, which puts long
@@ -22,6 +24,7 @@ Batch = dict[str, torch.Tensor]
 
 _FLOAT_FIELDS = ("old_logprobs", "advantages", "ref_logprobs", "rollout_logprobs", "returns", "old_values")
 _MASK_FIELDS = ("attention_mask", "response_mask")
+ROW_FIELDS = ("group_ids", "pixel_values", "image_grid_thw")  # leading dim B, not cut to a micro-batch's T
 
 
 def experience_to_batch(exp: Experience) -> Batch:
@@ -48,9 +51,11 @@ def as_batch(batch: Experience | Mapping[str, Any]) -> Batch:
     for name, value in batch.items():
         if name == "input_ids" or value is None:
             continue
-        want = ids.shape[:1] if name == "group_ids" else ids.shape
-        if tuple(value.shape) != tuple(want):
-            raise ValueError(f"{name} has shape {tuple(value.shape)}, expected {tuple(want)} like input_ids")
+        if name in ROW_FIELDS:
+            if value.dim() < 1 or value.shape[0] != ids.shape[0]:
+                raise ValueError(f"{name} has shape {tuple(value.shape)}, expected ({ids.shape[0]}, ...) rows")
+        elif tuple(value.shape) != tuple(ids.shape):
+            raise ValueError(f"{name} has shape {tuple(value.shape)}, expected {tuple(ids.shape)} like input_ids")
         if name in _MASK_FIELDS:
             out[name] = value.bool()
         elif name in _FLOAT_FIELDS:
@@ -108,7 +113,7 @@ def select(batch: Batch, rows: torch.Tensor | list[int], max_len: int | None = N
     out = {}
     for name, value in batch.items():
         picked = value[rows]
-        out[name] = picked if max_len is None or picked.dim() < 2 else picked[:, :max_len]
+        out[name] = picked if max_len is None or name in ROW_FIELDS else picked[:, :max_len]
     return out
 
 

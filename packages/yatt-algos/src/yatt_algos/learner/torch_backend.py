@@ -56,9 +56,28 @@ def token_outputs(
 def causal_lm_forward(
     model: torch.nn.Module, mb: Batch, *, chunk_size: int, temperature: float = 1.0, entropy: str = "none"
 ) -> dict[str, torch.Tensor]:
-    """`token_outputs` of an HF causal LM on the micro-batch."""
-    out = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"].long(), use_cache=False)
+    """`token_outputs` of an HF causal LM (or a Qwen2-VL style VLM, see `vision_kwargs`) on the micro-batch."""
+    out = model(
+        input_ids=mb["input_ids"], attention_mask=mb["attention_mask"].long(), use_cache=False, **vision_kwargs(mb)
+    )
     return token_outputs(out.logits, mb, chunk_size=chunk_size, temperature=temperature, entropy=entropy)
+
+
+def vision_kwargs(mb: Batch) -> dict[str, torch.Tensor]:
+    """The VLM inputs of a micro-batch in the model's flat form (none for a text batch).
+
+    Per row in the batch: pixel_values [b, P, D] (zero padded), image_grid_thw [b, N, 3] (all-zero rows pad).
+    Out: pixel_values [sum of patches, D] and image_grid_thw [num_images, 3], in row order, and
+    mm_token_type_ids [b, t] (0 text, 1 image) as the Qwen2-VL family in transformers 5 needs it."""
+    if "pixel_values" not in mb:
+        return {}
+    grids = mb["image_grid_thw"].long()  # [b, N, 3]
+    patches = grids.prod(dim=-1)  # [b, N]: patches per image, 0 for padding
+    pixels = [mb["pixel_values"][row, : int(patches[row].sum())] for row in range(grids.shape[0])]
+    out = {"pixel_values": torch.cat(pixels), "image_grid_thw": grids[patches > 0]}
+    if "mm_token_type_ids" in mb:
+        out["mm_token_type_ids"] = mb["mm_token_type_ids"].long()
+    return out
 
 
 def value_forward(model: torch.nn.Module, mb: Batch) -> dict[str, torch.Tensor]:

@@ -81,6 +81,7 @@ class TorchEngine:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model = wrap_data_parallel(model, learner, group)
         self.world_size = dist.get_world_size(group) if group is not None else 1
+        self.device = next(model.parameters()).device
         self.optimizer = self.scheduler = None
         if optim_config is not None:
             self.optimizer = optim.build_optimizer(self.model.parameters(), optim_config)
@@ -118,6 +119,7 @@ class TorchEngine:
         sums = MetricSums()
         micros = self._equalize(micros)
         for i, mb in enumerate(micros):
+            mb = {k: v.to(self.device) for k, v in mb.items()}
             with self._sync_context(last=i == len(micros) - 1):
                 loss, metrics = objective(forward(self.model, mb, True), mb, norm)
                 (loss * norm.world_size).backward()  # DP averages gradients over ranks; the loss is a share
@@ -167,7 +169,8 @@ class TorchEngine:
 
     @torch.no_grad()
     def infer(self, batch: Any, forward: ForwardFn, micro_batch_size: int) -> dict[str, torch.Tensor]:
-        """Per-token outputs [B, T] for the whole batch (0 at padding), in micro-batches, without grad."""
+        """Per-token outputs [B, T] for the whole batch (0 at padding), on the CPU, in micro-batches, without
+        grad. Micro-batches move to the model's device."""
         batch = as_batch(batch)
         self.model.eval()
         b, t = batch["input_ids"].shape
@@ -179,7 +182,7 @@ class TorchEngine:
         micros = self._equalize([mb for _, mb in parts])
         model = self.model if self.fsdp else export.unwrap(self.model)  # DDP's forward is not needed here
         for i, mb in enumerate(micros):
-            result = forward(model, mb, False)
+            result = forward(model, {k: v.to(self.device) for k, v in mb.items()}, False)
             if i >= len(parts):
                 continue  # an FSDP2 filler
             idx, width = parts[i][0], mb["input_ids"].shape[1]

@@ -53,9 +53,13 @@ def as_batch(batch: Experience | Mapping[str, Any]) -> Batch:
             continue
         if name in ROW_FIELDS:
             if value.dim() < 1 or value.shape[0] != ids.shape[0]:
-                raise ValueError(f"{name} has shape {tuple(value.shape)}, expected ({ids.shape[0]}, ...) rows")
+                raise ValueError(
+                    f"{name} has shape {tuple(value.shape)}, expected ({ids.shape[0]}, ...) rows"
+                )
         elif tuple(value.shape) != tuple(ids.shape):
-            raise ValueError(f"{name} has shape {tuple(value.shape)}, expected {tuple(ids.shape)} like input_ids")
+            raise ValueError(
+                f"{name} has shape {tuple(value.shape)}, expected {tuple(ids.shape)} like input_ids"
+            )
         if name in _MASK_FIELDS:
             out[name] = value.bool()
         elif name in _FLOAT_FIELDS:

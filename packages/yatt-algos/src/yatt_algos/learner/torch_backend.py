@@ -24,7 +24,7 @@ from yatt_algos.learner.packing import Batch
 from yatt_algos.learner.torch_engine import TorchEngine
 from yatt_algos.learner.update_loop import Normalizer, critic_objective, policy_objective
 from yatt_algos.types import AlgoConfig, Experience, LearnerConfig, OptimConfig, TrainStats
-from yatt_algos.value import entropy_from_logits, logprobs_from_logits
+from yatt_algos.value import logprobs_and_entropy_from_logits, logprobs_from_logits
 
 
 def _shift_right(x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -43,13 +43,12 @@ def token_outputs(
     if temperature != 1.0:
         logits = logits / temperature
     labels = mb["input_ids"][:, 1:]
-    result = {"logprobs": _shift_right(logprobs_from_logits(logits, labels, chunk_size=chunk_size), mask)}
-    if entropy == "grad":
-        result["entropy"] = _shift_right(entropy_from_logits(logits, chunk_size=chunk_size), mask)
-    elif entropy == "detached":
-        with torch.no_grad():
-            ent = entropy_from_logits(logits.detach(), chunk_size=chunk_size)
-        result["entropy"] = _shift_right(ent, mask)
+    if entropy == "none":
+        return {"logprobs": _shift_right(logprobs_from_logits(logits, labels, chunk_size=chunk_size), mask)}
+    # one pass over the logits for both; a "detached" entropy is a metric only
+    logprobs, ent = logprobs_and_entropy_from_logits(logits, labels, chunk_size=chunk_size)
+    result = {"logprobs": _shift_right(logprobs, mask)}
+    result["entropy"] = _shift_right(ent if entropy == "grad" else ent.detach(), mask)
     return result
 
 
@@ -58,7 +57,10 @@ def causal_lm_forward(
 ) -> dict[str, torch.Tensor]:
     """`token_outputs` of an HF causal LM (or a Qwen2-VL style VLM, see `vision_kwargs`) on the micro-batch."""
     out = model(
-        input_ids=mb["input_ids"], attention_mask=mb["attention_mask"].long(), use_cache=False, **vision_kwargs(mb)
+        input_ids=mb["input_ids"],
+        attention_mask=mb["attention_mask"].long(),
+        use_cache=False,
+        **vision_kwargs(mb),
     )
     return token_outputs(out.logits, mb, chunk_size=chunk_size, temperature=temperature, entropy=entropy)
 
@@ -73,11 +75,11 @@ def vision_kwargs(mb: Batch) -> dict[str, torch.Tensor]:
         return {}
     grids = mb["image_grid_thw"].long()  # [b, N, 3]
     patches = grids.prod(dim=-1)  # [b, N]: patches per image, 0 for padding
+    out = {"mm_token_type_ids": mb["mm_token_type_ids"].long()} if "mm_token_type_ids" in mb else {}
+    if int(patches.sum()) == 0:  # a micro-batch of text-only rows
+        return out
     pixels = [mb["pixel_values"][row, : int(patches[row].sum())] for row in range(grids.shape[0])]
-    out = {"pixel_values": torch.cat(pixels), "image_grid_thw": grids[patches > 0]}
-    if "mm_token_type_ids" in mb:
-        out["mm_token_type_ids"] = mb["mm_token_type_ids"].long()
-    return out
+    return out | {"pixel_values": torch.cat(pixels), "image_grid_thw": grids[patches > 0]}
 
 
 def value_forward(model: torch.nn.Module, mb: Batch) -> dict[str, torch.Tensor]:

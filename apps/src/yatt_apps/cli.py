@@ -23,17 +23,22 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
              "yatt_apps.cli:job_main", "job"),
     "plan": ("print the placement plan of a config as a table (or --json)", "yatt_apps.cli:plan_main", "job"),
     "resume": ("continue a run from its newest complete checkpoint", "yatt_apps.cli:resume_main", "resume"),
+    "merge": ("Bone Soup: merge saved backbones into one HF model for a preference over objectives",
+              "yatt_apps.merge:main", "plain"),
 }  # fmt: skip
 
 # app name -> "module:function" returning the step function for (cfg, policy_dir, val_rows)
 STEP_FACTORIES: dict[str, str] = {"grpo": "yatt_apps.grpo:step_function"}
 
 
-def _load(target: str) -> Callable:
+def _module(target: str):
     import importlib
 
-    module, func = target.split(":")
-    return getattr(importlib.import_module(module), func)
+    return importlib.import_module(target.split(":")[0])
+
+
+def _load(target: str) -> Callable:
+    return getattr(_module(target), target.split(":")[1])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
                 "--set", action="append", default=[], metavar="KEY=VALUE", help="override one field"
             )
             cmd.add_argument("--run-dir", help="where the run writes (default: run.out_dir/run.name-TIME)")
+        elif kind == "plain":  # a plain command's own options: its module's optional add_arguments(parser)
+            add_arguments = getattr(_module(COMMANDS[name][1]), "add_arguments", None)
+            if add_arguments is not None:
+                add_arguments(cmd)
         elif kind == "resume":
             cmd.add_argument("run_dir", help="a run directory written by a job command")
             cmd.add_argument(

@@ -21,6 +21,10 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
                "yatt_apps.doctor:main", "plain"),
     "grpo": ("GRPO with rule rewards and a generative reward model (default: the tiny CPU run)",
              "yatt_apps.cli:job_main", "job"),
+    "dapo": ("DAPO: GRPO with clip-higher, token-mean loss, overlong shaping and dynamic sampling (refill)",
+             "yatt_apps.cli:job_main", "job"),
+    "ppo": ("PPO with a critic (GAE, KL as a reward penalty, clipped value loss) on rule rewards",
+            "yatt_apps.cli:job_main", "job"),
     "plan": ("print the placement plan of a config as a table (or --json)", "yatt_apps.cli:plan_main", "job"),
     "resume": ("continue a run from its newest complete checkpoint", "yatt_apps.cli:resume_main", "resume"),
     "merge": ("Bone Soup: merge saved backbones into one HF model for a preference over objectives",
@@ -28,7 +32,14 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 }  # fmt: skip
 
 # app name -> "module:function" returning the step function for (cfg, policy_dir, val_rows)
-STEP_FACTORIES: dict[str, str] = {"grpo": "yatt_apps.grpo:step_function"}
+STEP_FACTORIES: dict[str, str] = {
+    "grpo": "yatt_apps.grpo:step_function",
+    "dapo": "yatt_apps.dapo:step_function",
+    "ppo": "yatt_apps.ppo:step_function",
+}
+
+# job command -> its preset when --preset is not given (otherwise tiny_cpu)
+DEFAULT_PRESETS: dict[str, str] = {"dapo": "tiny_cpu_dapo", "ppo": "tiny_cpu_ppo"}
 
 
 def _module(target: str):
@@ -49,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
         cmd.add_argument("--json", action="store_true", help="print only the JSON summary")
         if kind == "job":
             cmd.add_argument(
-                "--preset", default="tiny_cpu", help="a named preset (see yatt_apps.config.PRESETS)"
+                "--preset",
+                help="a named preset (see yatt_apps.config.PRESETS; default: tiny_cpu or tiny_cpu_APP)",
             )
             cmd.add_argument("--config", help="a YAML file overlaying the preset")
             cmd.add_argument(
@@ -76,9 +88,10 @@ def load_config(args: argparse.Namespace):
     from yatt_apps.config import PRESETS, RunConfig
     from yatt_apps.overlay import build_config
 
-    if args.preset not in PRESETS:
-        raise ValueError(f"--preset {args.preset!r} is not one of {sorted(PRESETS)}")
-    cfg = build_config(RunConfig, PRESETS[args.preset](), args.config, args.set)
+    preset = args.preset or DEFAULT_PRESETS.get(args.command, "tiny_cpu")
+    if preset not in PRESETS:
+        raise ValueError(f"--preset {preset!r} is not one of {sorted(PRESETS)}")
+    cfg = build_config(RunConfig, PRESETS[preset](), args.config, args.set)
     if args.command in STEP_FACTORIES and cfg.app != args.command:
         cfg = build_config(RunConfig, cfg, None, [f"app={args.command}"])
     return cfg

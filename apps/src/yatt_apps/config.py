@@ -86,6 +86,26 @@ class RunSpec(_Config, kw_only=True):
             raise ValueError(f"run.eval_every must be >= 0, got {self.eval_every}")
 
 
+class DynamicSamplingSpec(_Config, kw_only=True):
+    """DAPO's dynamic sampling (filter-and-refill, PAPERS.md), used by `yatt dapo`: at most 1 + max_refill
+    waves per step, ceil(gap x expansion x safety) prompts per refill, the expansion an EMA of total/valid
+    groups (start 1.0) capped at max_expansion; surplus valid prompts buffered (0: 4 x prompts per controller)."""
+
+    max_refill: int = 3
+    safety: float = 1.2
+    ema_decay: float = 0.9
+    max_expansion: float = 10.0
+    max_buffer: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_refill < 0 or self.max_buffer < 0:
+            raise ValueError("dynamic_sampling.max_refill and max_buffer must be >= 0")
+        if self.safety < 1.0 or self.max_expansion < 1.0:
+            raise ValueError("dynamic_sampling.safety and max_expansion must be >= 1")
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise ValueError(f"dynamic_sampling.ema_decay must be in [0, 1), got {self.ema_decay}")
+
+
 class RunConfig(_Config, kw_only=True):
     """A whole job. `app` names the step function (grpo, dapo, ppo, capo, grpo-vlm)."""
 
@@ -101,6 +121,8 @@ class RunConfig(_Config, kw_only=True):
     learner: LearnerConfig = LearnerConfig()
     controller: ControllerSpec = ControllerSpec()
     placement: PlacementConfig = PlacementConfig()
+    dynamic_sampling: DynamicSamplingSpec = DynamicSamplingSpec()  # dapo
+    critic_optim: OptimConfig | None = None  # ppo's critic; None: the policy's `optim`
 
     def __post_init__(self) -> None:
         if self.run.prompts_per_step % self.controller.num_controllers:
@@ -152,6 +174,41 @@ def tiny_cpu() -> RunConfig:
     )
 
 
+def tiny_cpu_dapo() -> RunConfig:
+    """`yatt dapo` on the tiny task (DAPO, arXiv 2503.14476): the rule terms of `tiny_cpu` without the judge (a
+    noisy judge would make every group vary, leaving dynamic sampling nothing to filter), clip-higher 0.28,
+    token-mean loss, no KL term, responses up to 8 tokens with the overlong penalty over the last 2 (down to
+    -0.5), and dynamic sampling with up to 3 refill waves."""
+    base = tiny_cpu()
+    return msgspec.structs.replace(
+        base,
+        app="dapo",
+        run=msgspec.structs.replace(base.run, name="dapo-tiny"),
+        judge=None,
+        rewards=[spec for spec in base.rewards if spec.kind != "genrm"],
+        sampling=msgspec.structs.replace(base.sampling, max_new_tokens=8),
+        algo=AlgoConfig(adv_estimator="grpo", loss_agg_mode="token-mean", clip_ratio_low=0.2, clip_ratio_high=0.28,
+                        kl_loss_coef=0.0, adv_eps=1e-4, overlong_buffer_len=2, overlong_penalty_factor=0.5),
+    )  # fmt: skip
+
+
+def tiny_cpu_ppo() -> RunConfig:
+    """`yatt ppo` on the tiny task: the rule terms of `tiny_cpu` (no judge), a critic built from the policy's
+    config (a one-label token-classification head) with its own learning rate, GAE (gamma 1, lambda 0.95),
+    the k1 KL to the reference as a reward penalty (0.01 per token) and no KL loss term."""
+    base = tiny_cpu()
+    return msgspec.structs.replace(
+        base,
+        app="ppo",
+        run=msgspec.structs.replace(base.run, name="ppo-tiny"),
+        judge=None,
+        rewards=[spec for spec in base.rewards if spec.kind != "genrm"],
+        algo=AlgoConfig(adv_estimator="gae", gamma=1.0, lam=0.95, kl_reward_coef=0.01, kl_estimator="k1",
+                        kl_loss_coef=0.0),
+        critic_optim=msgspec.structs.replace(base.optim, lr=5e-3, num_warmup_steps=0),
+    )  # fmt: skip
+
+
 def qwen2_5_math_1_5b_genrm_72b() -> RunConfig:
     """WeChat-YATT's flagship recipe (PAPERS.md): Qwen2.5-Math-1.5B policy, Qwen2.5-Math-72B-Instruct judge on
     GSM8K, 64 devices, partial colocation; 4 samples per prompt at temperature 1.0, top-p 0.9; lr 5e-7 with 20
@@ -179,5 +236,7 @@ def qwen2_5_math_1_5b_genrm_72b() -> RunConfig:
 
 PRESETS: dict[str, Callable[[], RunConfig]] = {
     "tiny_cpu": tiny_cpu,
+    "tiny_cpu_dapo": tiny_cpu_dapo,
+    "tiny_cpu_ppo": tiny_cpu_ppo,
     "qwen2_5_math_1_5b_genrm_72b": qwen2_5_math_1_5b_genrm_72b,
 }

@@ -77,38 +77,17 @@ def grpo_step(
     """One GRPO step on this controller's `rows`; returns metrics already reduced over controllers."""
     import torch
     from yatt_algos.advantages import ADVANTAGE_ESTIMATORS
-    from yatt_multimodal.types import RewardRequest
 
     tok = tokenizer(policy_dir)
-    rollout, reward = ctx.services["rollout"], ctx.services["reward"]
 
     with ctx.phase("rollout"):  # n completions per prompt, on this controller's rollout replicas
         prompt_ids = [render_prompt(tok, row, cfg.data.system_prompt) for row in rows]
-        seed = (
-            cfg.run.seed * 1_000_003 + ctx.step * 10_007 + ctx.rank * 1_009
-        ) * 1_000  # disjoint per prompt
-        requests = make_requests(rows, prompt_ids, cfg.sampling, f"s{ctx.step}-c{ctx.rank}", seed)
-        completions = flat(ctx.get(rollout.scatter("generate", requests)))
-    ctx.check_versions([c.policy_version for c in completions])  # never train on another policy's samples
-    errors = [c.error for c in completions if c.finish_reason == "error"]
-    if errors:
-        raise ValueError(f"rollout failed for {len(errors)} completion(s): {errors[0]}")
-    owner = [int(c.request_id.rsplit("-p", 1)[1]) for c in completions]  # prompt index = GRPO group id
+        tag = f"s{ctx.step}-c{ctx.rank}"
+        completions, owner = generate(ctx, rows, prompt_ids, cfg.sampling, tag, sample_seed(cfg, ctx))
 
     with ctx.phase("reward"):  # rule terms + K GenRM judgements per completion, failure policy applied
-        texts = [tok.decode(c.token_ids, skip_special_tokens=True) for c in completions]
-        reward_requests = [
-            RewardRequest(
-                request_id=c.request_id + f"-r{c.index}",
-                prompt=rows[g].prompt,
-                response=text,
-                reference=rows[g].answer,
-            )
-            for c, g, text in zip(completions, owner, texts, strict=True)
-        ]
-        parts = ctx.get(reward.scatter("score", reward_requests))
-        scores, keep = flat([p["scores"] for p in parts]), flat([p["keep"] for p in parts])
-        statuses = flat([p["statuses"] for p in parts])
+        scored = score(ctx, rows, completions, owner, tok)
+        scores, keep = scored["scores"], scored["keep"]
 
     with ctx.phase("advantages"):  # a prompt's group never leaves this controller
         kept = [i for i, k in enumerate(keep) if k]
@@ -121,10 +100,7 @@ def grpo_step(
         )
 
     with ctx.phase("logprobs"):  # old (this policy) and reference logprobs, on this controller's learner rank
-        lp = ctx.get(ctx.learner.rank_zero("logprobs", batch))
-        rollout_lp = torch.zeros_like(lp["old_logprobs"])
-        for row, i in enumerate(kept):
-            rollout_lp[row, batch["response_mask"][row]] = torch.tensor(completions[i].logprobs)
+        lp, rollout_lp = old_logprobs(ctx, batch, [completions[i] for i in kept])
 
     with ctx.phase("train"):  # SPMD: every controller's learner rank updates together (gradient all-reduce)
         logprobs = {k: v for k, v in lp.items() if k != "entropy"}
@@ -135,23 +111,88 @@ def grpo_step(
     with ctx.phase("weight_sync"):  # rank 0 pushes version v+1 to every rollout engine; all wait
         ctx.sync_weights()
 
-    mask = batch["response_mask"]
-    sums = {
-        "reward/sum": sum(scores[i] for i in kept), "samples": float(len(kept)),
-        "samples_dropped": float(len(keep) - len(kept)), "prompts": float(len(rows)),
-        "response_tokens": float(mask.sum()), "truncated": float(sum(c.finish_reason == "length" for c in completions)),
-        "entropy/sum": float((lp["entropy"] * mask).sum()),
-        "mismatch/sum": float(((lp["old_logprobs"] - rollout_lp).abs() * mask).sum()),
-        **{f"reward/{k}/sum": v for p in parts for k, v in p["components"].items()},
-        **{f"reward_status/{s}": float(statuses.count(s)) for s in ("ok", "parse_error", "timeout", "error")},
-    }  # fmt: skip
-    if "ref_logprobs" in lp:
-        sums["kl/sum"] = float(((lp["old_logprobs"] - lp["ref_logprobs"]) * mask).sum())
+    sums = sample_sums(
+        [scores[i] for i in kept], len(keep) - len(kept), len(rows), completions, batch["response_mask"],
+        lp, rollout_lp, scored,
+    )  # fmt: skip
     if val_rows is not None and cfg.run.eval_every and ctx.step % cfg.run.eval_every == 0:
         with ctx.phase("eval"):
             sums.update(evaluate(ctx, val_rows, cfg, tok))
     total = ctx.all_reduce(sums)
     return summarize(total, stats, ctx.world_size)
+
+
+def sample_seed(cfg: RunConfig, ctx, wave: int = 0) -> int:
+    """The base sampling seed of this controller's step; prompt i of a wave samples from base + i (< 1000
+    prompts per wave). Refill waves (wave > 0, DAPO) draw from disjoint seeds: wave << 40."""
+    return (cfg.run.seed * 1_000_003 + ctx.step * 10_007 + ctx.rank * 1_009) * 1_000 + (wave << 40)
+
+
+def generate(ctx, rows: list[PromptRow], prompt_ids: list[list[int]], sampling, tag: str, seed: int | None):
+    """n completions per prompt on this controller's rollout replicas, all made by the current policy
+    version, and the prompt index (the GRPO group) of each completion."""
+    requests = make_requests(rows, prompt_ids, sampling, tag, seed)
+    completions = flat(ctx.get(ctx.services["rollout"].scatter("generate", requests)))
+    ctx.check_versions([c.policy_version for c in completions])  # never train on another policy's samples
+    errors = [c.error for c in completions if c.finish_reason == "error"]
+    if errors:
+        raise ValueError(f"rollout failed for {len(errors)} completion(s): {errors[0]}")
+    return completions, [int(c.request_id.rsplit("-p", 1)[1]) for c in completions]
+
+
+def score(ctx, rows: list[PromptRow], completions: list, owner: list[int], tok) -> dict[str, Any]:
+    """Every completion scored on this controller's reward replicas, failure policy applied: `scores` [N],
+    `keep` [N] (False: a failed score the policy drops), `statuses` [N], `components` summed over N."""
+    from yatt_multimodal.types import RewardRequest
+
+    texts = [tok.decode(c.token_ids, skip_special_tokens=True) for c in completions]
+    reward_requests = [
+        RewardRequest(
+            request_id=c.request_id + f"-r{c.index}",
+            prompt=rows[g].prompt,
+            response=text,
+            reference=rows[g].answer,
+        )
+        for c, g, text in zip(completions, owner, texts, strict=True)
+    ]
+    parts = ctx.get(ctx.services["reward"].scatter("score", reward_requests))
+    components: dict[str, float] = {}
+    for part in parts:
+        for name, value in part["components"].items():
+            components[name] = components.get(name, 0.0) + value
+    return {"scores": flat([p["scores"] for p in parts]), "keep": flat([p["keep"] for p in parts]),
+            "statuses": flat([p["statuses"] for p in parts]), "components": components}  # fmt: skip
+
+
+def old_logprobs(ctx, batch: dict[str, Any], responses: list) -> tuple[dict[str, Any], Any]:
+    """Old (this policy) and reference logprobs and entropy [B, T] from this controller's learner rank, and
+    the rollout engine's own logprobs of `responses` (one per row of `batch`) on the same tokens [B, T]."""
+    import torch
+
+    lp = ctx.get(ctx.learner.rank_zero("logprobs", batch))
+    rollout_lp = torch.zeros_like(lp["old_logprobs"])
+    for row, completion in enumerate(responses):
+        rollout_lp[row, batch["response_mask"][row]] = torch.tensor(completion.logprobs)
+    return lp, rollout_lp
+
+
+def sample_sums(kept_scores: list[float], num_dropped: int, num_prompts: int, completions: list, mask,
+                lp: dict[str, Any], rollout_lp, scored: dict[str, Any]) -> dict[str, float]:  # fmt: skip
+    """This controller's sums for `summarize` (all-reduced first): rewards of the trained samples, counts,
+    tokens under `mask` [B, T], entropy, rollout/train mismatch, KL to the reference, reward components and
+    statuses of every scored completion."""
+    sums = {
+        "reward/sum": sum(kept_scores), "samples": float(len(kept_scores)), "samples_dropped": float(num_dropped),
+        "prompts": float(num_prompts), "response_tokens": float(mask.sum()),
+        "truncated": float(sum(c.finish_reason == "length" for c in completions)),
+        "entropy/sum": float((lp["entropy"] * mask).sum()),
+        "mismatch/sum": float(((lp["old_logprobs"] - rollout_lp).abs() * mask).sum()),
+        **{f"reward/{k}/sum": v for k, v in scored["components"].items()},
+        **{f"reward_status/{s}": float(scored["statuses"].count(s)) for s in ("ok", "parse_error", "timeout", "error")},
+    }  # fmt: skip
+    if "ref_logprobs" in lp:
+        sums["kl/sum"] = float(((lp["old_logprobs"] - lp["ref_logprobs"]) * mask).sum())
+    return sums
 
 
 def evaluate(ctx, val_rows, cfg: RunConfig, tok) -> dict[str, float]:

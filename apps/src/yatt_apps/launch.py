@@ -58,6 +58,12 @@ def placement_plan(cfg: RunConfig):
         RoleSpec(role="actor", num_params=policy, trainable=True, tensor_parallel=cfg.model.tensor_parallel),
         RoleSpec(role="rollout", num_params=policy, tensor_parallel=cfg.model.tensor_parallel),
     ]
+    if cfg.app == "ppo":  # the value model: the policy's backbone with a one-label head, trained beside it
+        roles.append(
+            RoleSpec(
+                role="critic", num_params=policy, trainable=True, tensor_parallel=cfg.model.tensor_parallel
+            )
+        )
     if cfg.judge is not None:
         roles.append(
             RoleSpec(
@@ -87,11 +93,16 @@ def _build(pool, *, cfg: RunConfig, policy_dir: str, judge_dir: str):
     )
     rollout = WorkerGroup.create(pool, "rollout", RolloutWorker, args=(cfg, policy_dir))
     reward = WorkerGroup.create(pool, "genrm" if judge_dir else "reward", RewardWorker, args=(cfg, judge_dir))
+    groups = {"actor": actor, "rollout": rollout, "reward": reward}
+    if cfg.app == "ppo":
+        from yatt_apps.ppo import CriticWorker
+
+        groups["critic"] = WorkerGroup.create(
+            pool, "critic", CriticWorker, args=(cfg, policy_dir, _free_port()), pass_worker_info=True
+        )
     mode = "colocated" if cfg.placement.mode == "colocated" else "broadcast"
     sync = WeightSync(actor, [rollout], mode=mode)
-    return Services(
-        groups={"actor": actor, "rollout": rollout, "reward": reward}, learner="actor", weight_sync=sync
-    )
+    return Services(groups=groups, learner="actor", weight_sync=sync)
 
 
 class StepLogger:

@@ -1,0 +1,178 @@
+"""PPO with a learned critic (Schulman et al., arXiv 1707.06347; the RLHF recipe of Ouyang et al., arXiv
+2203.02155), run by every controller on its own shard: generate, score with the rule rewards, old and
+reference logprobs and the critic's values, the KL to the reference as a per-token reward penalty, GAE
+advantages (arXiv 1506.02438) whitened over the whole batch (all controllers), then the clipped policy update
+and the clipped value update, both SPMD across controllers, and the versioned weight push.
+
+The critic is `CriticWorker`: an HF token-classification model with one label, built from the policy's
+directory (same backbone weights, a fresh value head), trained by yatt_algos' `TorchCriticLearner`, hosted
+beside the policy learner rank on each device (the "critic" role of the placement plan).
+
+Departures: the KL coefficient is fixed (`algo.kl_reward_coef`; the adaptive controller of Ziegler et al. is
+not wired here); n completions per prompt are sampled as in the tiny GRPO run, each its own PPO sample.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+from typing import Any
+
+from yatt_apps.config import RunConfig
+from yatt_apps.data import PromptRow
+from yatt_apps.grpo import (
+    evaluate,
+    generate,
+    old_logprobs,
+    pad_batch,
+    render_prompt,
+    sample_seed,
+    sample_sums,
+    score,
+    summarize,
+    tokenizer,
+)
+
+
+class CriticWorker:
+    """One data-parallel rank of the critic. Colocated with the policy learner rank, it shares that host
+    process's torch.distributed group (calls on one host run one at a time, in the same order on every rank,
+    so the two learners' collectives never interleave); alone on its device it opens its own at `port`."""
+
+    def __init__(self, cfg: RunConfig, model_dir: str, port: int, *, worker_info: Any) -> None:
+        import torch
+        import torch.distributed as dist
+        from transformers import AutoModelForTokenClassification
+        from yatt_algos.learner.torch_backend import TorchCriticLearner
+
+        torch.set_num_threads(1)  # several hosted roles share a CPU core on the tiny preset
+        torch.manual_seed(cfg.run.seed + 1)  # the value head's init; identical on every rank
+        group = None
+        if worker_info.dp_size > 1:
+            if not dist.is_initialized():
+                backend = "nccl" if torch.cuda.is_available() else "gloo"
+                dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=worker_info.dp_rank,
+                                        world_size=worker_info.dp_size)  # fmt: skip
+            if dist.get_world_size() != worker_info.dp_size:
+                raise ValueError(
+                    f"the critic has {worker_info.dp_size} data-parallel ranks but its host's process group has "
+                    f"{dist.get_world_size()}: colocate the critic with the actor, one rank per actor rank"
+                )
+            group = dist.group.WORLD
+        model = AutoModelForTokenClassification.from_pretrained(
+            model_dir, num_labels=1, dtype=torch.float32, local_files_only=True,
+            trust_remote_code=cfg.model.trust_remote_code,
+        )  # fmt: skip
+        self.learner = TorchCriticLearner(
+            model, algo=cfg.algo, optim_config=cfg.critic_optim or cfg.optim, learner=cfg.learner, group=group
+        )
+
+    def values(self, batch: dict[str, Any]) -> Any:
+        """V(s_t) [B, T], aligned like logprobs (0 at position 0 and padding)."""
+        return self.learner.compute_values(batch)
+
+    def train(self, experience: dict[str, Any]) -> dict[str, float]:
+        stats = self.learner.update(experience)
+        return {"loss": stats.loss, "grad_norm": stats.grad_norm, **stats.metrics}
+
+    def checkpoint_state(self) -> bytes:
+        import torch
+
+        buf = io.BytesIO()
+        torch.save(self.learner.state_dict(), buf)
+        return buf.getvalue()
+
+    def load_checkpoint_state(self, data: bytes) -> None:
+        import torch
+
+        self.learner.load_state_dict(torch.load(io.BytesIO(data), weights_only=True))
+
+
+def whiten_across(ctx, advantages, mask):
+    """PPO's advantage normalization over every response token of every controller's batch. [B, T]."""
+    import torch
+
+    local = torch.where(mask, advantages, 0.0).double()
+    sums = ctx.all_reduce(
+        {"n": float(mask.sum()), "s": float(local.sum()), "ss": float(local.square().sum())}
+    )
+    n = max(sums["n"], 1.0)
+    mean = sums["s"] / n
+    var = max(sums["ss"] / n - mean * mean, 0.0) * n / max(n - 1.0, 1.0)  # unbiased, as masked_whiten
+    return torch.where(mask, (advantages - mean) / (var**0.5 + 1e-8), 0.0).float()
+
+
+def ppo_step(
+    ctx, rows: list[PromptRow], *, cfg: RunConfig, policy_dir: str, val_rows=None
+) -> dict[str, float]:
+    """One PPO step on this controller's `rows`; returns metrics already reduced over controllers."""
+    import torch
+    from yatt_algos.advantages import ADVANTAGE_ESTIMATORS
+    from yatt_algos.kl import apply_kl_penalty
+
+    tok = tokenizer(policy_dir)
+    critic = ctx.services["critic"]
+
+    with ctx.phase("rollout"):
+        prompt_ids = [render_prompt(tok, row, cfg.data.system_prompt) for row in rows]
+        tag = f"s{ctx.step}-c{ctx.rank}"
+        completions, owner = generate(ctx, rows, prompt_ids, cfg.sampling, tag, sample_seed(cfg, ctx))
+
+    with ctx.phase("reward"):
+        scored = score(ctx, rows, completions, owner, tok)
+        kept = [i for i, k in enumerate(scored["keep"]) if k]
+        samples = [completions[i] for i in kept]
+        batch = pad_batch(
+            [prompt_ids[owner[i]] for i in kept], [c.token_ids for c in samples], tok.pad_token_id
+        )
+        mask = batch["response_mask"]
+
+    with ctx.phase(
+        "logprobs"
+    ):  # policy and reference on the learner rank, values on the critic rank beside it
+        values_ref = critic.rank_zero("values", batch)
+        lp, rollout_lp = old_logprobs(ctx, batch, samples)
+        values = ctx.get(values_ref)
+
+    with ctx.phase("advantages"):  # score on the last token, minus coef * KL on every token; GAE
+        scores = torch.tensor([scored["scores"][i] for i in kept], dtype=torch.float32)
+        token_rewards = torch.zeros(mask.shape)
+        last = mask.long().cumsum(-1).argmax(-1)  # [B] position of each row's last response token
+        token_rewards[torch.arange(len(kept)), last] = scores
+        reference = lp.get("ref_logprobs", lp["old_logprobs"])
+        token_rewards, mean_kl = apply_kl_penalty(token_rewards, lp["old_logprobs"], reference, mask,
+                                                  coef=cfg.algo.kl_reward_coef, estimator=cfg.algo.kl_estimator)  # fmt: skip
+        advantages, returns = ADVANTAGE_ESTIMATORS[cfg.algo.adv_estimator](
+            token_rewards, mask, cfg.algo, values=values
+        )
+        advantages = whiten_across(ctx, advantages, mask)
+
+    with ctx.phase("train"):  # the policy and the critic, each SPMD across controllers
+        logprobs = {k: v for k, v in lp.items() if k != "entropy"}
+        experience = {**batch, **logprobs, "advantages": advantages, "rollout_logprobs": rollout_lp}
+        critic_batch = {**batch, "returns": returns, "old_values": values}
+        refs = [ctx.learner.rank_zero("train", experience), critic.rank_zero("train", critic_batch)]
+        stats, critic_stats = ctx.get(refs)
+
+    with ctx.phase("weight_sync"):
+        ctx.sync_weights()
+
+    sums = sample_sums(scores.tolist(), len(completions) - len(kept), len(rows), samples, mask, lp, rollout_lp,
+                       scored)  # fmt: skip
+    sums.update({"ppo/values/sum": float((values * mask).sum()), "ppo/returns/sum": float((returns * mask).sum()),
+                 "ppo/kl_reward/sum": float(mean_kl) * float(mask.sum())})  # fmt: skip
+    if val_rows is not None and cfg.run.eval_every and ctx.step % cfg.run.eval_every == 0:
+        with ctx.phase("eval"):
+            sums.update(evaluate(ctx, val_rows, cfg, tok))
+    total = ctx.all_reduce(sums)
+    out = summarize({k: v for k, v in total.items() if not k.startswith("ppo/")}, stats, ctx.world_size)
+    tokens = max(total["response_tokens"], 1.0)
+    out.update({f"critic/{k}": v for k, v in critic_stats.items()})
+    out.update({"critic/values_mean": total["ppo/values/sum"] / tokens,
+                "critic/returns_mean": total["ppo/returns/sum"] / tokens,
+                "ppo/kl_reward": total["ppo/kl_reward/sum"] / tokens})  # fmt: skip
+    return out
+
+
+def step_function(cfg: RunConfig, policy_dir: str, val_rows=None):
+    return functools.partial(ppo_step, cfg=cfg, policy_dir=policy_dir, val_rows=val_rows)

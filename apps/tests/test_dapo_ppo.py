@@ -1,0 +1,245 @@
+"""`yatt dapo` and `yatt ppo`.
+
+Quick: DAPO's filter-and-refill arithmetic and its wave loop with hand-worked numbers (pure functions and a
+scripted step-context double, no Ray), and config errors. Slow: each app runs 2 steps through the CLI in a
+subprocess (real Ray, two parallel controllers, tiny HF models), and PPO's critic value loss falls.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+from yatt_apps.cli import main
+from yatt_apps.config import PRESETS, DynamicSamplingSpec
+from yatt_apps.dapo import (
+    Group,
+    draw_prompts,
+    dynamic_sample,
+    push_surplus,
+    refill_size,
+    select_groups,
+    update_expansion,
+)
+from yatt_apps.data import PromptRow
+
+SPEC = DynamicSamplingSpec()  # max_refill 3, safety 1.2, decay 0.9, max expansion 10
+
+
+def _row(name: str) -> PromptRow:
+    return PromptRow(prompt=name, answer="0")
+
+
+def test_expansion_ema_hand_worked():
+    # 8 groups, 2 valid: ratio 4 -> 0.9 * 1.0 + 0.1 * 4 = 1.3
+    assert update_expansion(1.0, 8, 2, SPEC) == pytest.approx(1.3)
+    # no valid group counts as the maximum 10: 0.9 * 1.3 + 0.1 * 10 = 2.17
+    assert update_expansion(1.3, 5, 0, SPEC) == pytest.approx(2.17)
+    # the ratio is capped before averaging: 100 / 1 -> 10; 0.9 * 9.5 + 1.0 = 9.55
+    assert update_expansion(9.5, 100, 1, SPEC) == pytest.approx(9.55)
+    # a wave with no group at all (every controller already full) leaves the EMA alone
+    assert update_expansion(1.7, 0, 0, SPEC) == 1.7
+
+
+def test_refill_size_rounds_float_noise_before_ceil():
+    assert 25 * 8.3 * 1.2 > 249  # 249.00000000000003: a bare ceil would ask for 250
+    assert refill_size(25, 8.3, 1.2) == 249
+    assert refill_size(5, 1.0, 1.2) == 6
+    assert refill_size(3, 1.3, 1.2) == 5  # ceil(4.68)
+    assert refill_size(1, 10.0, 1.2) == 12
+    assert refill_size(0, 3.0, 1.2) == 0
+
+
+def test_draw_select_and_push_surplus():
+    parts = iter([[_row("f0"), _row("f1"), _row("f2"), _row("f3")]])
+    drawn, rest = draw_prompts([_row("b0")], 3, lambda: next(parts))
+    assert [r.prompt for r in drawn] == ["b0", "f0", "f1"] and [r.prompt for r in rest] == ["f2", "f3"]
+    with pytest.raises(ValueError, match="the controller's shard returned no rows for a refill"):
+        draw_prompts([], 1, lambda: [])
+    assert select_groups(["v1", "v2", "v3"], ["i1", "i2"], 2) == (["v1", "v2"], [], ["v3"])
+    assert select_groups(["v1"], ["i1", "i2", "i3"], 3) == (["v1"], ["i1", "i2"], [])
+    assert push_surplus(["b1", "b2"], ["s1"], 2) == ["s1", "b1"]  # surplus first, capped
+
+
+class ScriptedContext:
+    """A test double of yatt_controller's StepContext for one controller: `state`, `next_batch` from a list
+    of shard parts, and `all_reduce` adding a scripted peer controller's counts, one dict per wave."""
+
+    def __init__(self, parts: list[list[PromptRow]], peer: list[dict[str, float]], state: dict | None = None):
+        self.parts, self.peer, self.state = iter(parts), iter(peer), state if state is not None else {}
+        self.reduced: list[dict[str, float]] = []
+
+    def next_batch(self) -> list[PromptRow]:
+        return next(self.parts)
+
+    def all_reduce(self, values: dict[str, float]) -> dict[str, float]:
+        peer = next(self.peer)
+        self.reduced.append({k: v + peer[k] for k, v in values.items()})
+        return self.reduced[-1]
+
+
+def _waves(valid_names: set[str], calls: list):
+    """A scripted wave: one group per prompt, valid (scores 0 and 1) when its prompt is in valid_names."""
+
+    def wave(rows: list[PromptRow], index: int) -> list[Group]:
+        calls.append((index, [r.prompt for r in rows]))
+        return [
+            Group(
+                row=r,
+                prompt_ids=[1],
+                completions=[],
+                scores=[0.0, 1.0] if r.prompt in valid_names else [0.0, 0.0],
+                varied=r.prompt in valid_names,
+            )
+            for r in rows
+        ]
+
+    return wave
+
+
+def test_refill_waves_hand_worked():
+    """need 4. Wave 0: 1 of 4 valid here, the peer 1 of 4 and short: EMA 0.9 + 0.1 * 8/2 = 1.3; gap 3 asks
+    ceil(3 * 1.3 * 1.2) = ceil(4.68) = 5 prompts: the buffered b0, then the shard part f0..f3. Wave 1: b0, f0,
+    f2, f3 valid (5 in all, the peer full): EMA 0.9 * 1.3 + 0.1 * 11/7 = 1.32714; stop. Trained: r1, b0,
+    f0, f2; f3 is surplus and goes back to the buffer."""
+    rows = [_row(f"r{i}") for i in range(4)]
+    fresh = [_row(f"f{i}") for i in range(4)]
+    state = {"dapo": {"expansion": 1.0, "buffer": [msgspec.structs.asdict(_row("b0"))]}}
+    ctx = ScriptedContext([fresh], [{"total": 4, "valid": 1, "short": 1}, {"total": 6, "valid": 3, "short": 0}],
+                          msgspec.msgpack.decode(msgspec.msgpack.encode(state)))  # fmt: skip
+    calls: list = []
+    picked = dynamic_sample(ctx, rows, _waves({"r1", "b0", "f0", "f2", "f3"}, calls), SPEC)
+    assert calls == [(0, ["r0", "r1", "r2", "r3"]), (1, ["b0", "f0", "f1", "f2", "f3"])]
+    assert ctx.reduced == [{"total": 8, "valid": 2, "short": 2}, {"total": 11, "valid": 7, "short": 0}]
+    assert [g.row.prompt for g in picked["trained"]] == ["r1", "b0", "f0", "f2"]
+    assert picked["padded"] == [] and picked["surplus"] == 1 and picked["waves"] == 2
+    assert ctx.state["dapo"]["expansion"] == pytest.approx(0.9 * 1.3 + 0.1 * 11 / 7)  # 1.32714...
+    assert ctx.state["dapo"]["buffer"] == [{"prompt": "f3", "answer": "0", "images": []}]
+    # the state is what the controller checkpoints: it survives msgpack
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(ctx.state)) == ctx.state
+
+
+def test_still_short_after_the_last_wave_pads_with_masked_groups():
+    """max_refill 1, alone (the peer adds nothing). Wave 0: r0 valid of 4: EMA 1.3; 5 prompts from two shard
+    parts (f0..f3, g0; g1..g3 stay buffered). Wave 1: none valid: EMA 0.9 * 1.3 + 0.1 * 10 = 2.17. Waves are
+    spent: r0 is trained, padded with the first invalid groups r1, r2, r3."""
+    spec = DynamicSamplingSpec(max_refill=1)
+    rows = [_row(f"r{i}") for i in range(4)]
+    parts = [[_row(f"f{i}") for i in range(4)], [_row(f"g{i}") for i in range(4)]]
+    zero = {"total": 0, "valid": 0, "short": 0}
+    ctx = ScriptedContext(parts, [zero, zero])
+    calls: list = []
+    picked = dynamic_sample(ctx, rows, _waves({"r0"}, calls), spec)
+    assert calls == [(0, ["r0", "r1", "r2", "r3"]), (1, ["f0", "f1", "f2", "f3", "g0"])]
+    assert [g.row.prompt for g in picked["trained"]] == ["r0"]
+    assert [g.row.prompt for g in picked["padded"]] == ["r1", "r2", "r3"]
+    assert ctx.state["dapo"]["expansion"] == pytest.approx(2.17)
+    assert [r["prompt"] for r in ctx.state["dapo"]["buffer"]] == ["g1", "g2", "g3"]
+
+
+def test_a_full_controller_joins_the_peers_waves_with_empty_ones():
+    """This controller is full after wave 0; its peer is short, so it runs an empty wave 1 (no generation,
+    zero counts) to keep the collectives in step."""
+    rows = [_row(f"r{i}") for i in range(2)]
+    ctx = ScriptedContext([], [{"total": 2, "valid": 0, "short": 1}, {"total": 3, "valid": 2, "short": 0}])
+    calls: list = []
+    picked = dynamic_sample(ctx, rows, _waves({"r0", "r1"}, calls), SPEC)
+    assert calls == [(0, ["r0", "r1"])]
+    assert ctx.reduced[1] == {"total": 3, "valid": 2, "short": 0} and picked["waves"] == 2
+    assert len(picked["trained"]) == 2 and picked["surplus"] == 0
+
+
+def test_dapo_preset_and_config_errors(capsys, tmp_path):
+    cfg = PRESETS["tiny_cpu_dapo"]()
+    assert (cfg.app, cfg.judge, cfg.algo.clip_ratio_high, cfg.algo.loss_agg_mode) == (
+        "dapo",
+        None,
+        0.28,
+        "token-mean",
+    )
+    assert cfg.algo.overlong_buffer_len == 2 and cfg.algo.kl_loss_coef == 0.0
+    run = ["--run-dir", str(tmp_path / "run")]
+    assert main(["dapo", "--set", "dynamic_sampling.ema_decay=1.0", *run]) == 2
+    assert "dynamic_sampling.ema_decay must be in [0, 1), got 1.0" in capsys.readouterr().err
+    assert main(["dapo", "--set", "dynamic_sampling.safety=0.5", *run]) == 2
+    assert "dynamic_sampling.safety and max_expansion must be >= 1" in capsys.readouterr().err
+
+
+class SummingContext:
+    """A test double of StepContext.all_reduce across controllers: adds the sums another controller would
+    contribute (`peer`)."""
+
+    def __init__(self, peer: dict[str, float]):
+        self.peer = peer
+
+    def all_reduce(self, values: dict[str, float]) -> dict[str, float]:
+        return {k: v + self.peer.get(k, 0.0) for k, v in values.items()}
+
+
+def test_ppo_whitening_spans_every_controller():
+    """Two controllers' halves whitened together equal yatt_algos' masked_whiten of the whole batch."""
+    torch = pytest.importorskip("torch")
+    from yatt_algos.advantages import masked_whiten
+    from yatt_apps.ppo import whiten_across
+
+    adv = torch.tensor(
+        [[0.0, 1.0, 2.0, 9.0], [3.0, -1.0, 0.0, 0.0], [4.0, 4.0, 1.0, 0.0], [0.5, 2.0, 0.0, 7.0]]
+    )
+    mask = torch.tensor([[0, 1, 1, 0], [1, 1, 1, 0], [0, 1, 1, 1], [1, 1, 0, 0]], dtype=torch.bool)
+    whole = masked_whiten(adv, mask, eps=1e-8)
+    halves = []
+    for mine, other in ((slice(0, 2), slice(2, 4)), (slice(2, 4), slice(0, 2))):
+        theirs = torch.where(mask[other], adv[other], 0.0).double()
+        peer = {"n": float(mask[other].sum()), "s": float(theirs.sum()), "ss": float(theirs.square().sum())}
+        halves.append(whiten_across(SummingContext(peer), adv[mine], mask[mine]))
+    assert torch.allclose(torch.cat(halves), whole, atol=1e-6)
+    # hand-worked on one controller: tokens 1, 2, 3 -> mean 2, unbiased std 1 -> -1, 0, 1
+    one = whiten_across(
+        SummingContext({}), torch.tensor([[1.0, 2.0, 3.0]]), torch.ones(1, 3, dtype=torch.bool)
+    )
+    assert one[0].tolist() == pytest.approx([-1.0, 0.0, 1.0], abs=1e-6)
+
+
+def test_ppo_preset_plans_a_critic_beside_the_actor(capsys):
+    cfg = PRESETS["tiny_cpu_ppo"]()
+    assert (cfg.app, cfg.algo.adv_estimator, cfg.algo.kl_reward_coef, cfg.judge) == ("ppo", "gae", 0.01, None)
+    assert main(["plan", "--preset", "tiny_cpu_ppo", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    roles = {r["role"]: r["replicas"] for r in plan["roles"]}
+    assert roles["critic"] == roles["actor"] == [[0], [1]]  # one critic rank per learner rank, same device
+
+
+# ---- end to end (slow) -----------------------------------------------------------------------------------
+
+
+def _yatt(*argv: str, cwd: Path) -> dict:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "YATT_DEBUG": "1"}
+    out = subprocess.run([sys.executable, "-m", "yatt_apps.cli", *argv, "--json"], cwd=cwd, env=env,
+                         capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_dapo_runs_two_steps(tmp_path):
+    run_dir = tmp_path / "dapo"
+    summary = _yatt("dapo", "--run-dir", str(run_dir), "--set", "run.num_steps=2", "--set", "run.eval_every=0",
+                    cwd=tmp_path)  # fmt: skip
+    assert summary["driver_bytes"] == 0 and summary["restarts"] == 0
+    rows = _metrics(run_dir)
+    assert [r["step"] for r in rows] == [0, 1]
+    for row in rows:
+        # every controller ends with its 8 prompts' groups: valid ones trained, the shortfall padded
+        assert row["dapo/trained_groups"] + row["dapo/padded_groups"] == 16
+        assert 1 <= row["dapo/waves"] <= 4 and 1.0 <= row["dapo/expansion"] <= 10.0
+        assert row["dapo/waves"] > 1 or row["dapo/padded_groups"] == 0  # refilled unless full at once
+        assert row["train/num_skipped_steps"] == 0 and "time/rollout" in row and "train/kl" not in row

@@ -15,12 +15,14 @@ def _jsonl(tmp_path, rows, name="train.jsonl"):
 
 
 def test_jsonl_and_parquet(tmp_path):
-    (tmp_path / "img.png").write_bytes(b"\x89PNG")
+    from PIL import Image
+
+    Image.new("RGB", (4, 4), "red").save(tmp_path / "img.png")
     path = _jsonl(tmp_path, [{"q": "1 + 1 =", "a": "2"}, {"q": "look", "a": "cat", "pics": ["img.png"]}])
     rows = load_rows(path, prompt_key="q", answer_key="a", image_key="pics")
     assert rows == [
         PromptRow(prompt="1 + 1 =", answer="2"),
-        PromptRow(prompt="look", answer="cat", images=["img.png"]),
+        PromptRow(prompt="look", answer="cat", images=[str((tmp_path / "img.png").resolve())]),
     ]
     table = tmp_path / "train.parquet"
     pq.write_table(pa.Table.from_pylist([{"prompt": "2 + 2 =", "answer": "4"}]), table)
@@ -41,11 +43,16 @@ def test_jsonl_and_parquet(tmp_path):
             r"train.jsonl:2: field 'images': image not found",
         ),
         ({"prompt": "  ", "answer": "2"}, r"train.jsonl:2: field 'prompt' is empty"),
+        (
+            {"prompt": "x", "answer": "2", "images": ["bad.png"]},
+            r"train.jsonl:2: field 'images': image .*bad.png cannot be decoded",
+        ),
         ("{not json", r"train.jsonl:2: not valid JSON"),
         ([1, 2], r"train.jsonl:2: expected an object"),
     ],
 )
 def test_bad_rows_name_file_row_field(tmp_path, row, message):
+    (tmp_path / "bad.png").write_bytes(b"\x89PNG\r\n\x1a\n truncated")  # a PNG signature, then garbage
     path = _jsonl(tmp_path, [{"prompt": "ok", "answer": "1"}, row])
     with pytest.raises(ValueError, match=message):
         load_rows(path)

@@ -25,6 +25,10 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
              "yatt_apps.cli:job_main", "job"),
     "ppo": ("PPO with a critic (GAE, KL as a reward penalty, clipped value loss) on rule rewards",
             "yatt_apps.cli:job_main", "job"),
+    "capo": ("CAPO: token-level credit from K step critiques of a GenPRM judge, rule verifier, PPO-clip",
+             "yatt_apps.cli:job_main", "job"),
+    "grpo-vlm": ("GRPO on a vision-language policy with image prompts (default: tiny Qwen2-VL, counting squares)",
+                 "yatt_apps.vlm:job_main", "job"),
     "plan": ("print the placement plan of a config as a table (or --json)", "yatt_apps.cli:plan_main", "job"),
     "resume": ("continue a run from its newest complete checkpoint", "yatt_apps.cli:resume_main", "resume"),
     "merge": ("Bone Soup: merge saved backbones into one HF model for a preference over objectives",
@@ -36,10 +40,17 @@ STEP_FACTORIES: dict[str, str] = {
     "grpo": "yatt_apps.grpo:step_function",
     "dapo": "yatt_apps.dapo:step_function",
     "ppo": "yatt_apps.ppo:step_function",
+    "capo": "yatt_apps.capo:step_function",
+    "grpo-vlm": "yatt_apps.vlm:step_function",
 }
 
 # job command -> its preset when --preset is not given (otherwise tiny_cpu)
-DEFAULT_PRESETS: dict[str, str] = {"dapo": "tiny_cpu_dapo", "ppo": "tiny_cpu_ppo"}
+DEFAULT_PRESETS: dict[str, str] = {
+    "dapo": "tiny_cpu_dapo",
+    "ppo": "tiny_cpu_ppo",
+    "capo": "tiny_cpu_capo",
+    "grpo-vlm": "tiny_cpu_vlm",
+}
 
 
 def _module(target: str):

@@ -28,7 +28,7 @@ class ModelSpec(_Config, kw_only=True):
     tokenizer trained locally on the task's text (nothing is downloaded)."""
 
     path: str = ""
-    arch: Literal["qwen2", "llama"] = "qwen2"
+    arch: Literal["qwen2", "llama", "qwen2_vl"] = "qwen2"  # qwen2_vl: a vision-language policy (grpo-vlm)
     hidden_size: int = 64
     num_layers: int = 2
     num_heads: int = 2
@@ -106,6 +106,21 @@ class DynamicSamplingSpec(_Config, kw_only=True):
             raise ValueError(f"dynamic_sampling.ema_decay must be in [0, 1), got {self.ema_decay}")
 
 
+class CapoSpec(_Config, kw_only=True):
+    """CAPO's credit assignment (arXiv 2508.02298, PAPERS.md), used by `yatt capo`: the judge model critiques
+    each response `critic.num_samples` (K) times with the step-critique template; the K wrong-step sets are
+    voted (`voting`) and each token gets R_t = r_v * w_whole - 1[t in a wrong step] * w_process."""
+
+    voting: Literal["intersection", "majority", "union", "average"] = "intersection"
+    w_whole: float = 2.0
+    w_process: float = 1.0
+    critic: JudgeSpec = JudgeSpec(template_name="step_critique", num_samples=4)
+
+    def __post_init__(self) -> None:
+        if self.w_whole < 0 or self.w_process < 0:
+            raise ValueError("capo.w_whole and capo.w_process must be >= 0")
+
+
 class RunConfig(_Config, kw_only=True):
     """A whole job. `app` names the step function (grpo, dapo, ppo, capo, grpo-vlm)."""
 
@@ -121,6 +136,7 @@ class RunConfig(_Config, kw_only=True):
     learner: LearnerConfig = LearnerConfig()
     controller: ControllerSpec = ControllerSpec()
     placement: PlacementConfig = PlacementConfig()
+    capo: CapoSpec = CapoSpec()  # capo
     dynamic_sampling: DynamicSamplingSpec = DynamicSamplingSpec()  # dapo
     critic_optim: OptimConfig | None = None  # ppo's critic; None: the policy's `optim`
 
@@ -209,6 +225,43 @@ def tiny_cpu_ppo() -> RunConfig:
     )  # fmt: skip
 
 
+def tiny_cpu_capo() -> RunConfig:
+    """`yatt capo` on the tiny task (CAPO, arXiv 2508.02298): a rule verifier r_v in {0, 1} as the only reward
+    term, the tiny judge as the step critic (K = 2 critiques of up to 8 tokens; its critiques are noise that
+    rarely parse, so the process penalty seldom applies, but every path is real), intersection voting,
+    W_whole = 2, W_process = 1, token advantages normalized per prompt, PPO-clip.
+
+    The verifier here is the format check (the response starts with an integer): a random tiny policy almost
+    never hits the exact answer in a few steps, and with r_v = 0 everywhere and no penalty the advantages
+    are all zero. A real run verifies the answer (`math_verify`)."""
+    base = tiny_cpu()
+    critic = JudgeSpec(template_name="step_critique", num_samples=2, temperature=0.7, max_new_tokens=8)
+    return msgspec.structs.replace(
+        base,
+        app="capo",
+        run=msgspec.structs.replace(base.run, name="capo-tiny"),
+        judge=ModelSpec(seed=1, max_position_embeddings=1024),  # the critique prompt is long
+        rewards=[msgspec.structs.replace(spec, weight=1.0) for spec in base.rewards if spec.name == "format"],
+        capo=CapoSpec(critic=critic),
+    )
+
+
+def tiny_cpu_vlm() -> RunConfig:
+    """`yatt grpo-vlm` on the embedded image task ("how many red squares?", small PNGs generated into the run
+    directory): a tiny Qwen2-VL policy built from a config (vision tower included), rule rewards only (exact
+    count, and a format term: the response starts with an integer), GRPO with a small KL loss."""
+    base = tiny_cpu()
+    return msgspec.structs.replace(
+        base,
+        app="grpo-vlm",
+        run=msgspec.structs.replace(base.run, name="grpo-vlm-tiny", prompts_per_step=8),
+        model=ModelSpec(arch="qwen2_vl", max_position_embeddings=1024),
+        judge=None,
+        data=DataSpec(num_train_rows=64, num_val_rows=8, max_prompt_tokens=64),
+        rewards=[spec for spec in base.rewards if spec.kind != "genrm"],
+    )
+
+
 def qwen2_5_math_1_5b_genrm_72b() -> RunConfig:
     """WeChat-YATT's flagship recipe (PAPERS.md): Qwen2.5-Math-1.5B policy, Qwen2.5-Math-72B-Instruct judge on
     GSM8K, 64 devices, partial colocation; 4 samples per prompt at temperature 1.0, top-p 0.9; lr 5e-7 with 20
@@ -238,5 +291,7 @@ PRESETS: dict[str, Callable[[], RunConfig]] = {
     "tiny_cpu": tiny_cpu,
     "tiny_cpu_dapo": tiny_cpu_dapo,
     "tiny_cpu_ppo": tiny_cpu_ppo,
+    "tiny_cpu_capo": tiny_cpu_capo,
+    "tiny_cpu_vlm": tiny_cpu_vlm,
     "qwen2_5_math_1_5b_genrm_72b": qwen2_5_math_1_5b_genrm_72b,
 }

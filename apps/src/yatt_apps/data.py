@@ -42,13 +42,28 @@ def _row(raw: object, where: str, keys: dict[str, str], base: Path) -> PromptRow
     for image in row.images:
         if not (base / image).is_file():
             raise ValueError(f"{where}: field {keys['images']!r}: image not found: {base / image}")
+        _check_decodes(base / image, f"{where}: field {keys['images']!r}")
+    if row.images:  # resolved here: controllers and engines need not share the reader's folder
+        row = msgspec.structs.replace(row, images=[str((base / image).resolve()) for image in row.images])
     return row
+
+
+def _check_decodes(path: Path, where: str) -> None:
+    """A corrupt image fails here, naming the row, not later inside a rollout engine."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as image:
+            image.load()
+    except (UnidentifiedImageError, OSError, SyntaxError) as err:
+        raise ValueError(f"{where}: image {path} cannot be decoded: {err}") from None
 
 
 def load_rows(
     path: str | Path, *, prompt_key: str = "prompt", answer_key: str = "answer", image_key: str = "images"
 ) -> list[PromptRow]:
-    """Read and validate a jsonl or parquet file. Image paths are relative to the file's folder."""
+    """Read and validate a jsonl or parquet file. Image paths are relative to the file's folder; each image
+    must decode, and the rows hold them as absolute paths."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"dataset not found: {path}")

@@ -26,9 +26,11 @@ def tokenizer(path: str):
 
 
 def render_prompt(tok, row: PromptRow, system_prompt: str) -> list[int]:
-    """The chat-templated prompt token ids of one row."""
+    """The chat-templated prompt token ids of one row; a row with images opens its user turn with one
+    Qwen2-VL placeholder per image (one pad token each: the engine expands it to the image's size)."""
+    placeholders = "<|vision_start|><|image_pad|><|vision_end|>" * len(row.images)
     messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
-        {"role": "user", "content": row.prompt}
+        {"role": "user", "content": placeholders + row.prompt}
     ]
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
@@ -40,12 +42,14 @@ def make_requests(
     """One request per prompt. With `seed`, request i samples from seed + i: a resumed run draws the same
     completions as one that never stopped, whatever the engine did before."""
     import msgspec
-    from yatt_rollout.types import GenerateRequest, Prompt
+    from yatt_rollout.types import GenerateRequest, MediaRef, Prompt
 
     return [
         GenerateRequest(
             request_id=f"{tag}-p{i}",
-            prompt=Prompt(token_ids=ids, text=row.prompt),
+            prompt=Prompt(
+                token_ids=ids, text=row.prompt, media=[MediaRef(kind="image", uri=p) for p in row.images]
+            ),
             sampling=sampling if seed is None else msgspec.structs.replace(sampling, seed=seed + i),
         )
         for i, (row, ids) in enumerate(zip(rows, prompt_ids, strict=True))

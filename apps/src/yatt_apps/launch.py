@@ -92,7 +92,14 @@ def _build(pool, *, cfg: RunConfig, policy_dir: str, judge_dir: str):
         pool, "actor", PolicyWorker, args=(cfg, policy_dir, _free_port()), pass_worker_info=True
     )
     rollout = WorkerGroup.create(pool, "rollout", RolloutWorker, args=(cfg, policy_dir))
-    reward = WorkerGroup.create(pool, "genrm" if judge_dir else "reward", RewardWorker, args=(cfg, judge_dir))
+    if cfg.app == "capo":  # the reward service also hosts the step critic on the judge model
+        from yatt_apps.capo import CritiqueWorker
+
+        reward = WorkerGroup.create(pool, "genrm", CritiqueWorker, args=(cfg, judge_dir, policy_dir))
+    else:
+        reward = WorkerGroup.create(
+            pool, "genrm" if judge_dir else "reward", RewardWorker, args=(cfg, judge_dir)
+        )
     groups = {"actor": actor, "rollout": rollout, "reward": reward}
     if cfg.app == "ppo":
         from yatt_apps.ppo import CriticWorker

@@ -27,6 +27,8 @@ def prepare_model(spec: ModelSpec, out: Path, corpus: list[str]) -> Path:
         return path
     if (out / "config.json").is_file():
         return out
+    if spec.arch == "qwen2_vl":
+        return _prepare_tiny_vlm(spec, out, corpus)
     from yatt_rollout.tiny import save_tiny, tiny_causal_lm, train_tokenizer
 
     tok = train_tokenizer(corpus, vocab_size=spec.vocab_size)
@@ -42,14 +44,44 @@ def prepare_model(spec: ModelSpec, out: Path, corpus: list[str]) -> Path:
     return out
 
 
-def load_causal_lm(path: str | Path, *, trust_remote_code: bool = False):
-    """An HF causal LM in float32 on CPU, from a local directory only."""
-    import torch
-    from transformers import AutoModelForCausalLM
+def _prepare_tiny_vlm(spec: ModelSpec, out: Path, corpus: list[str]) -> Path:
+    """A tiny Qwen2-VL (vision tower included) with a tokenizer that has the vision tokens and the image
+    processor beside it, written atomically like the text models."""
+    from yatt_rollout.tiny import VISION_TOKENS, save_tiny, tiny_qwen2_vl, train_tokenizer
 
-    return AutoModelForCausalLM.from_pretrained(
+    tok = train_tokenizer(corpus, vocab_size=spec.vocab_size, extra_special_tokens=VISION_TOKENS)
+    model, processor = tiny_qwen2_vl(
+        tok, hidden_size=spec.hidden_size, num_layers=spec.num_layers, num_heads=spec.num_heads,
+        num_kv_heads=spec.num_kv_heads, seed=spec.seed,
+    )  # fmt: skip
+    tmp = out.with_name(out.name + ".tmp")
+    save_tiny(model, tok, tmp)
+    processor.save_pretrained(tmp)
+    tmp.replace(out)
+    return out
+
+
+def is_vlm(path: str | Path) -> bool:
+    """Whether the HF directory holds a vision-language model (it has an image processor config)."""
+    return (Path(path) / "preprocessor_config.json").is_file()
+
+
+def load_causal_lm(path: str | Path, *, trust_remote_code: bool = False):
+    """An HF causal LM (or an image-text-to-text VLM) in float32 on CPU, from a local directory only."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    auto = AutoModelForImageTextToText if is_vlm(path) else AutoModelForCausalLM
+    return auto.from_pretrained(
         str(path), dtype=torch.float32, local_files_only=True, trust_remote_code=trust_remote_code
     )
+
+
+def load_image_processor(path: str | Path):
+    """The image processor saved beside a VLM (the PIL one: torchvision is deliberately absent)."""
+    from transformers import AutoImageProcessor
+
+    return AutoImageProcessor.from_pretrained(str(path), local_files_only=True)
 
 
 def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False):

@@ -86,11 +86,14 @@ class RolloutWorker:
     def __init__(self, cfg: RunConfig, model_dir: str) -> None:
         from yatt_rollout.hf_engine import HFEngine
 
+        from yatt_apps.models import is_vlm, load_image_processor
+
         _one_thread()
         trust = cfg.model.trust_remote_code
+        processor = load_image_processor(model_dir) if is_vlm(model_dir) else None  # image prompts
         self.engine = HFEngine(
             load_causal_lm(model_dir, trust_remote_code=trust), load_tokenizer(model_dir, trust_remote_code=trust),
-            max_batch_size=256, seed=cfg.run.seed,
+            processor=processor, max_batch_size=256, seed=cfg.run.seed,
         )  # fmt: skip
 
     def generate(self, requests: list) -> list:

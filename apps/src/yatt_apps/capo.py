@@ -1,0 +1,188 @@
+"""CAPO (arXiv 2508.02298): token-level credit from an LLM's step critiques (`yatt capo`).
+
+Every controller, on its own shard: generate n responses per prompt; the rule verifier gives r_v in {0, 1};
+the judge model, as a GenPRM critic (yatt_multimodal.genprm), critiques each response K times in one pass
+each (-> K wrong-step sets, and each step's token span through the policy's tokenizer); the sets are voted
+(yatt_algos.capo, intersection by default); each response token gets R_t = r_v * W_whole -
+1[t in a wrong step] * W_process; R is normalized over all tokens of all responses of the same prompt; then
+the PPO-clip update and the versioned weight push.
+
+The critic runs in the reward service: `CritiqueWorker` is the rule-reward worker plus the critic's engine.
+
+Decision (the paper is silent): a response whose critiques all fail (unparseable, timeout, error) or that has
+no steps gets no process penalty, only r_v * W_whole; such responses are counted (`capo/critique_failed_frac`),
+never hidden.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from typing import Any
+
+from yatt_apps.config import CapoSpec, RunConfig
+from yatt_apps.data import PromptRow
+from yatt_apps.grpo import (
+    evaluate,
+    flat,
+    generate,
+    old_logprobs,
+    pad_batch,
+    render_prompt,
+    sample_seed,
+    sample_sums,
+    score,
+    summarize,
+    tokenizer,
+)
+from yatt_apps.workers import RewardWorker
+
+
+class CritiqueWorker(RewardWorker):
+    """CAPO's reward service: `score` gives the rule terms (the verifier r_v); `critique` runs the GenPRM
+    critic on the judge model's own engine in this process, mapping steps to tokens with the policy's
+    tokenizer."""
+
+    def __init__(self, cfg: RunConfig, judge_dir: str, policy_dir: str) -> None:
+        from yatt_multimodal.genprm import GenPRM
+        from yatt_multimodal.prompt_codecs import HFChatCodec
+        from yatt_rollout.hf_engine import HFEngine
+
+        from yatt_apps.models import load_causal_lm, load_tokenizer
+
+        super().__init__(cfg)  # the rule terms only: the judge model serves the critic
+        trust = cfg.judge.trust_remote_code
+        judge_tok = load_tokenizer(judge_dir, trust_remote_code=trust)
+        engine = HFEngine(load_causal_lm(judge_dir, trust_remote_code=trust), judge_tok, max_batch_size=256,
+                          seed=cfg.run.seed + 1)  # fmt: skip
+        self.critic = GenPRM(
+            engine, HFChatCodec(judge_tok), cfg.capo.critic, tokenizer=load_tokenizer(policy_dir)
+        )
+
+    def critique(self, requests: list) -> list[dict[str, Any]]:
+        """One `StepCritique` per request, as plain data."""
+        import msgspec
+
+        return [msgspec.to_builtins(c) for c in asyncio.run(self.critic.critique(requests))]
+
+
+def critique(ctx, rows: list[PromptRow], completions: list, owner: list[int], tok) -> list:
+    """A `StepCritique` per completion from this controller's reward replicas (K critiques each)."""
+    import msgspec
+    from yatt_multimodal.types import RewardRequest, StepCritique
+
+    requests = [
+        RewardRequest(
+            request_id=c.request_id + f"-r{c.index}",
+            prompt=rows[g].prompt,
+            response=tok.decode(c.token_ids, skip_special_tokens=True),
+            reference=rows[g].answer,
+            response_token_ids=list(c.token_ids),
+        )
+        for c, g in zip(completions, owner, strict=True)
+    ]
+    parts = ctx.get(ctx.services["reward"].scatter("critique", requests))
+    return [msgspec.convert(d, StepCritique) for d in flat(parts)]
+
+
+def capo_credit(verifier, critiques: list, prompt_lens: list[int], response_mask, group_ids, spec: CapoSpec,
+                *, eps: float) -> tuple[Any, Any, dict[str, float]]:  # fmt: skip
+    """Token rewards R [B, T], advantages [B, T] and counts, for rows laid out as prompt then response.
+
+    verifier [B] r_v in {0, 1}; critiques[b] row b's `StepCritique` (token spans relative to the response,
+    shifted here by prompt_lens[b] into columns); response_mask [B, T]; group_ids [B] the prompt of each row.
+    """
+    from yatt_algos.capo import capo_advantages, capo_token_rewards, vote_wrong_steps
+
+    if not bool(((verifier == 0) | (verifier == 1)).all()):
+        raise ValueError(
+            f"CAPO needs a verifier reward of 0 or 1 per response, got {sorted(set(verifier.tolist()))[:5]}: "
+            "use one rule term of weight 1 (e.g. math_verify)"
+        )
+    spans, votes, failed = [], [], 0
+    for crit, offset in zip(critiques, prompt_lens, strict=True):
+        spans.append([(offset + s, offset + e) for s, e in crit.token_spans])
+        usable = crit.status == "ok" and len(crit.wrong_steps) > 0
+        failed += not usable and len(crit.token_spans) > 0
+        votes.append(
+            vote_wrong_steps(crit.wrong_steps, spec.voting, num_steps=len(spans[-1])) if usable else {}
+        )
+    rewards = capo_token_rewards(
+        verifier, spans, votes, response_mask, w_whole=spec.w_whole, w_process=spec.w_process
+    )
+    advantages = capo_advantages(rewards, response_mask, group_ids, eps=eps)
+    whole = verifier.float()[:, None] * spec.w_whole
+    penalized = (rewards < whole) & response_mask.bool()
+    counts = {"capo/critique_failed": float(failed), "capo/penalized_tokens": float(penalized.sum()),
+              "capo/wrong_steps": float(sum(len(v) for v in votes))}  # fmt: skip
+    return rewards, advantages, counts
+
+
+def capo_step(
+    ctx, rows: list[PromptRow], *, cfg: RunConfig, policy_dir: str, val_rows=None
+) -> dict[str, float]:
+    """One CAPO step on this controller's `rows`; returns metrics already reduced over controllers."""
+    import torch
+
+    tok = tokenizer(policy_dir)
+
+    with ctx.phase("rollout"):  # n completions per prompt, on this controller's rollout replicas
+        prompt_ids = [render_prompt(tok, row, cfg.data.system_prompt) for row in rows]
+        tag = f"s{ctx.step}-c{ctx.rank}"
+        completions, owner = generate(ctx, rows, prompt_ids, cfg.sampling, tag, sample_seed(cfg, ctx))
+
+    with ctx.phase("reward"):  # the verifier r_v, then K step critiques per response
+        scored = score(ctx, rows, completions, owner, tok)
+        critiques = critique(ctx, rows, completions, owner, tok)
+
+    with ctx.phase("advantages"):  # vote, token rewards, normalize over each prompt's tokens
+        kept = [i for i, k in enumerate(scored["keep"]) if k]
+        batch = pad_batch([prompt_ids[owner[i]] for i in kept], [completions[i].token_ids for i in kept],
+                          tok.pad_token_id)  # fmt: skip
+        group_ids = torch.tensor([owner[i] for i in kept])
+        verifier = torch.tensor([scored["scores"][i] for i in kept], dtype=torch.float32)
+        _, advantages, counts = capo_credit(
+            verifier, [critiques[i] for i in kept], [len(prompt_ids[owner[i]]) for i in kept],
+            batch["response_mask"], group_ids, cfg.capo, eps=cfg.algo.adv_eps,
+        )  # fmt: skip
+
+    with ctx.phase("logprobs"):  # old (this policy) and reference logprobs, on this controller's learner rank
+        lp, rollout_lp = old_logprobs(ctx, batch, [completions[i] for i in kept])
+
+    with ctx.phase("train"):  # PPO-clip, SPMD across controllers
+        logprobs = {k: v for k, v in lp.items() if k != "entropy"}
+        experience = {**batch, **logprobs, "advantages": advantages, "rollout_logprobs": rollout_lp,
+                      "group_ids": group_ids}  # fmt: skip
+        stats = ctx.get(ctx.learner.rank_zero("train", experience))
+
+    with ctx.phase("weight_sync"):
+        ctx.sync_weights()
+
+    sums = sample_sums(
+        verifier.tolist(), len(completions) - len(kept), len(rows), completions,
+        batch["response_mask"], lp, rollout_lp, scored,
+    )  # fmt: skip
+    sums |= counts
+    if val_rows is not None and cfg.run.eval_every and ctx.step % cfg.run.eval_every == 0:
+        with ctx.phase("eval"):
+            sums.update(evaluate(ctx, val_rows, cfg, tok))
+    total = ctx.all_reduce(sums)
+    return summarize(total, stats, ctx.world_size) | capo_metrics(total)
+
+
+def capo_metrics(total: dict[str, float]) -> dict[str, float]:
+    """Means of the summed CAPO counts: per trained sample and per response token."""
+    samples, tokens = max(total["samples"], 1.0), max(total["response_tokens"], 1.0)
+    return {
+        "capo/critique_failed_frac": total["capo/critique_failed"] / samples,
+        "capo/penalized_token_frac": total["capo/penalized_tokens"] / tokens,
+        "capo/wrong_steps_mean": total["capo/wrong_steps"] / samples,
+    }
+
+
+def step_function(cfg: RunConfig, policy_dir: str, val_rows=None):
+    if cfg.judge is None:
+        raise ValueError("capo needs judge (the critic model): set judge.path or use --preset tiny_cpu_capo")
+    if any(spec.kind == "genrm" for spec in cfg.rewards):
+        raise ValueError("capo's rewards must be rule terms (the verifier r_v): remove the 'genrm' term")
+    return functools.partial(capo_step, cfg=cfg, policy_dir=policy_dir, val_rows=val_rows)

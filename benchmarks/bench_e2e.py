@@ -1,0 +1,252 @@
+"""End-to-end benchmark: YATT's GRPO job against TRL's GRPOTrainer, on the same tiny model, batch and machine.
+
+What is compared. One GRPO step = generate G completions for each of P prompts, score them, compute logprobs
+(policy and a frozen reference, KL coefficient 1e-3 in both), group-normalised advantages, one optimizer step
+(AdamW, clip 1.0) over the whole batch. Both sides use:
+- the same model directory: a tiny Qwen2 (hidden 64, 2 layers, head_dim 32, fp32) with a tokenizer trained
+  locally on the embedded arithmetic task, built once by `yatt_apps.models.prepare_model`;
+- the same prompts (the embedded arithmetic task, chat-templated by the tokenizer's ChatML template), P prompts
+  x G samples per step, at most L new tokens, temperature 1.0, top-p 1.0, no top-k;
+- the same reward: math_verify against the answer (weight 1) + a format regex `^\\s*-?\\d+` (weight 0.5), both
+  computed by `yatt_multimodal.rules` (in TRL as two reward functions with reward_weights [1, 0.5]); no judge;
+- the same update size: the whole batch in one forward/backward per rank (one optimizer step per batch).
+
+YATT runs the real app: `yatt_apps.launch.run_job` with the `tiny_cpu` preset minus the judge (two parallel
+controllers on two logical devices, colocated; per device a policy learner rank with its reference (gloo DDP),
+an HF rollout engine and a reward worker, under Ray). Its step time is the lead controller's `time/step` (data,
+rollout, reward, advantages, logprobs, train, weight sync; not checkpoints, which are off). TRL runs
+`GRPOTrainer(use_cpu=True, use_vllm=False)` in this process; its step time is the wall time between the
+trainer's `on_step_begin` and `on_step_end` callbacks (generation, reward, logprobs, loss, optimizer step).
+Throughput = completion tokens (up to and including EOS, as each side counts them: YATT's response mask,
+TRL's `completions/mean_length` x P x G) / step seconds, summed over the steps after the warm-up steps.
+Start-up (Ray, worker processes, model loads) is excluded on both sides.
+
+Differences that cannot be removed: YATT spreads the step over processes (two DP ranks over gloo, one
+thread each, rollout in its own engine with a KV cache, weights pushed to it after each update); TRL runs one
+process with torch's default threads and generates with `model.generate` on the training model. YATT computes
+old-policy logprobs in a separate forward (TRL reuses the training forward when one update is made per batch)
+and records sampling logprobs. Sampling differs in RNG streams, so response lengths differ somewhat: tokens/s
+normalises for that. The machine is shared with other work, so figures are noisy: compare the ratio within
+one run, not across runs.
+
+    python benchmarks/bench_e2e.py --quick
+
+The last printed line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+FORMAT_PATTERN = r"^\s*-?\d+"
+KL_COEF, LR = 1e-3, 2e-3
+
+
+def build_policy(root: Path, num_rows: int) -> str:
+    """The shared model directory: the tiny preset's policy, built once (tokenizer trained on the task)."""
+    from yatt_apps.config import ModelSpec
+    from yatt_apps.data import arithmetic_task
+    from yatt_apps.models import prepare_model, tokenizer_corpus
+
+    corpus = tokenizer_corpus(arithmetic_task(num_rows, seed=0))
+    return str(prepare_model(ModelSpec(), root / "policy", corpus))
+
+
+# ---- YATT ------------------------------------------------------------------------------------------------
+
+
+def yatt_config(policy_dir: str, args: argparse.Namespace, num_steps: int):
+    """`tiny_cpu` with the shared model, no judge (rule rewards only), the benchmark's batch and lengths."""
+    import msgspec
+    from yatt_apps.config import RunConfig, tiny_cpu
+    from yatt_apps.overlay import build_config
+
+    base = tiny_cpu()
+    rules = [spec for spec in base.rewards if spec.kind != "genrm"]
+    assert [s.kind for s in rules] == ["math_verify", "regex"] and rules[1].options[
+        "pattern"
+    ] == FORMAT_PATTERN
+    base = msgspec.structs.replace(base, judge=None, rewards=rules)
+    per_rank = args.prompts * args.group_size // base.controller.num_controllers
+    sets = [
+        f"model.path={policy_dir}", f"run.num_steps={num_steps}", f"run.prompts_per_step={args.prompts}",
+        f"data.num_train_rows={args.num_rows}", "run.eval_every=0", "run.progress=false",
+        f"sampling.n={args.group_size}", f"sampling.max_new_tokens={args.max_new_tokens}",
+        "sampling.temperature=1.0", "sampling.top_p=1.0", f"optim.micro_batch_size={per_rank}",
+        f"optim.lr={LR}", "optim.num_warmup_steps=0", f"algo.kl_loss_coef={KL_COEF}",
+        "controller.checkpoint_every=0",
+    ]  # fmt: skip
+    return build_config(RunConfig, base, None, sets)
+
+
+def run_yatt(policy_dir: str, root: Path, args: argparse.Namespace) -> dict:
+    from yatt_apps.grpo import step_function
+    from yatt_apps.launch import run_job
+
+    cfg = yatt_config(policy_dir, args, args.warmup + args.steps)
+    started = time.perf_counter()
+    summary = run_job(cfg, root / "yatt-run", step_function)
+    rows = [json.loads(line) for line in (root / "yatt-run" / "metrics.jsonl").read_text().splitlines()]
+    timed = [row for row in rows if row["step"] >= args.warmup]
+    assert len(timed) == args.steps, f"YATT logged {len(rows)} steps, expected {args.warmup + args.steps}"
+    phases = sorted({k for row in timed for k in row if k.startswith("time/") and k != "time/step"})
+    return {
+        "tokens": sum(row["rollout/response_tokens"] for row in timed),
+        "seconds": sum(row["time/step"] for row in timed),
+        "step_s": [row["time/step"] for row in timed],
+        "phases_s": {k.removeprefix("time/"): statistics.median(row.get(k, 0.0) for row in timed) for k in phases},
+        "reward_mean": [row["reward/mean"] for row in rows],
+        "driver_bytes": summary["driver_bytes"],
+        "wall_s": time.perf_counter() - started,
+    }  # fmt: skip
+
+
+# ---- TRL -------------------------------------------------------------------------------------------------
+
+
+def _requests(completions, answer):
+    from yatt_multimodal.types import RewardRequest
+
+    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+    return [RewardRequest(request_id=str(i), prompt="", response=t, reference=a)
+            for i, (t, a) in enumerate(zip(texts, answer, strict=True))]  # fmt: skip
+
+
+def math_verify_reward(prompts, completions, answer, **_) -> list[float]:
+    from yatt_multimodal.rules import math_reward
+
+    return [math_reward(r) for r in _requests(completions, answer)]
+
+
+def format_reward(prompts, completions, answer, **_) -> list[float]:
+    from yatt_multimodal.rules import regex_reward
+
+    return [regex_reward(r, pattern=FORMAT_PATTERN, mode="search") for r in _requests(completions, answer)]
+
+
+def _step_timer(batch_completions: int):
+    """A TrainerCallback recording each optimizer step's wall time and completion tokens."""
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        def __init__(self) -> None:
+            self.step_s, self.tokens, self._start = [], [], 0.0
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self._start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.step_s.append(time.perf_counter() - self._start)
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "completions/mean_length" in logs:
+                self.tokens.append(logs["completions/mean_length"] * batch_completions)
+
+    return StepTimer()
+
+
+def run_trl(policy_dir: str, root: Path, args: argparse.Namespace, threads: int) -> dict:
+    import torch
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+    from yatt_apps.data import arithmetic_task
+
+    rows = arithmetic_task(args.num_rows, seed=0)
+    data = Dataset.from_list([{"prompt": [{"role": "user", "content": r.prompt}], "answer": r.answer}
+                              for r in rows])  # fmt: skip
+    batch = args.prompts * args.group_size
+    config = GRPOConfig(
+        output_dir=str(root / f"trl-run-{threads}"), use_cpu=True, use_vllm=False, bf16=False, fp16=False,
+        per_device_train_batch_size=batch, gradient_accumulation_steps=1, steps_per_generation=1,
+        num_generations=args.group_size, max_completion_length=args.max_new_tokens, temperature=1.0,
+        top_p=1.0, top_k=0, beta=KL_COEF, num_iterations=1, learning_rate=LR, max_grad_norm=1.0,
+        max_steps=args.warmup + args.steps, logging_steps=1, save_strategy="no", report_to="none",
+        seed=0, model_init_kwargs={"dtype": torch.float32}, dataloader_num_workers=0,
+        disable_tqdm=True, log_completions=False, reward_weights=[1.0, 0.5],
+    )  # fmt: skip
+    timer = _step_timer(batch)
+    torch.set_num_threads(threads)
+    started = time.perf_counter()
+    trainer = GRPOTrainer(model=policy_dir, reward_funcs=[math_verify_reward, format_reward], args=config,
+                          train_dataset=data, callbacks=[timer])  # fmt: skip
+    trainer.train()
+    assert len(timer.step_s) == len(timer.tokens) == args.warmup + args.steps, (timer.step_s, timer.tokens)
+    timed = slice(args.warmup, None)
+    return {
+        "tokens": sum(timer.tokens[timed]),
+        "seconds": sum(timer.step_s[timed]),
+        "step_s": timer.step_s[timed],
+        "torch_threads": threads,
+        "wall_s": time.perf_counter() - started,
+    }
+
+
+# ---- the run ---------------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a small run, under two minutes on 2 cores")
+    parser.add_argument("--prompts", type=int, help="prompts per step (P)")
+    parser.add_argument("--group-size", type=int, help="completions per prompt (G)")
+    parser.add_argument("--max-new-tokens", type=int, help="response length cap (L)")
+    parser.add_argument("--warmup", type=int, help="untimed steps first")
+    parser.add_argument("--steps", type=int, help="timed steps")
+    parser.add_argument("--num-rows", type=int, default=256, help="rows of the arithmetic task")
+    args = parser.parse_args(argv)
+    defaults = dict(prompts=16, group_size=4, max_new_tokens=16, warmup=1, steps=3) if args.quick else \
+        dict(prompts=32, group_size=8, max_new_tokens=32, warmup=2, steps=8)  # fmt: skip
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.prompts % 2:
+        raise SystemExit("--prompts must be even (two YATT controllers)")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    for key, value in {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1",
+                       "TOKENIZERS_PARALLELISM": "false"}.items():  # fmt: skip
+        os.environ.setdefault(key, value)
+    with tempfile.TemporaryDirectory(prefix="bench-e2e-") as tmp:
+        root = Path(tmp)
+        policy_dir = build_policy(root, args.num_rows)
+        # TRL is one process: it runs at 1 thread and at one per core, and the faster counts (on a busy
+        # machine, two OpenMP threads can be much slower than one)
+        trls = [run_trl(policy_dir, root, args, n) for n in sorted({1, os.cpu_count() or 1})]
+        yatt = run_yatt(policy_dir, root, args)
+    trl = max(trls, key=lambda res: res["tokens"] / res["seconds"])
+    yatt_tps, trl_tps = yatt["tokens"] / yatt["seconds"], trl["tokens"] / trl["seconds"]
+    print(f"P={args.prompts} prompts x G={args.group_size}, L<={args.max_new_tokens} new tokens, "
+          f"{args.steps} timed steps after {args.warmup} warm-up")  # fmt: skip
+    runs = [("yatt", yatt), *((f"trl/{res['torch_threads']}t", res) for res in trls)]
+    for name, res in runs:
+        steps, tps = ", ".join(f"{s:.2f}" for s in res["step_s"]), res["tokens"] / res["seconds"]
+        print(f"  {name:7} {tps:9.1f} tokens/s  ({res['tokens']:.0f} tokens in {res['seconds']:.2f} s; "
+              f"steps {steps}; wall {res['wall_s']:.1f} s)")  # fmt: skip
+    print(f"  yatt phases (median s): {json.dumps({k: round(v, 3) for k, v in yatt['phases_s'].items()})}")
+    result = {
+        "benchmark": "e2e_grpo_step", "quick": args.quick, "prompts": args.prompts,
+        "group_size": args.group_size, "max_new_tokens": args.max_new_tokens, "warmup_steps": args.warmup,
+        "timed_steps": args.steps, "yatt_tokens_per_s": round(yatt_tps, 2), "trl_tokens_per_s": round(trl_tps, 2),
+        "ratio_yatt_over_trl": round(yatt_tps / trl_tps, 3),
+        "yatt_step_s_median": round(statistics.median(yatt["step_s"]), 4),
+        "trl_step_s_median": round(statistics.median(trl["step_s"]), 4),
+        "yatt_phases_s": {k: round(v, 4) for k, v in yatt["phases_s"].items()},
+        "trl_tokens_per_s_by_threads": {str(r["torch_threads"]): round(r["tokens"] / r["seconds"], 2) for r in trls},
+        "yatt_driver_bytes": yatt["driver_bytes"], "trl_torch_threads": trl["torch_threads"],
+        "cpu_count": os.cpu_count(), "python": sys.version.split()[0],
+    }  # fmt: skip
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -183,6 +183,36 @@ def test_bad_input_exits_2_naming_the_argument(models, tmp_path, capsys, argv, m
     assert not out.exists() and not (tmp_path / "merged.tmp").exists()
 
 
+def test_broken_weights_exit_2_naming_the_file(models, tmp_path, capsys):
+    import shutil
+
+    torn = shutil.copytree(models["a_sharded"], tmp_path / "torn")  # an index whose last shard is gone
+    last = sorted(torn.glob("*.safetensors"))[-1]
+    last.unlink()
+    corrupt = shutil.copytree(models["b"], tmp_path / "corrupt")  # a truncated header
+    (corrupt / "model.safetensors").write_bytes(b"\x10\x00\x00")
+    for bad, message in ((torn, f"--backbones[1] {torn}/model.safetensors.index.json: lists shard(s) that "
+                                f"are not there: ['{last.name}']"),
+                         (corrupt, f"--backbones[1] {corrupt}/model.safetensors: not a readable safetensors")):  # fmt: skip
+        out = tmp_path / "merged"
+        assert main(["merge", "--backbones", str(models["a"]), str(bad), "--beta", "0.7",
+                     "--preference", "1", "0", "--out", str(out)]) == 2  # fmt: skip
+        assert message in capsys.readouterr().err
+        assert not out.exists() and not (tmp_path / "merged.tmp").exists()
+
+
+def test_parser_stays_light():
+    # `yatt --help` builds every subcommand's parser, merge's options included, without loading torch
+    import subprocess
+    import sys
+
+    code = ("import sys, yatt_apps.cli as c; p = c.build_parser(); "
+            "a = p.parse_args(['merge', '--backbones', 'x', 'y', '--beta', '0.7', '--preference', '1', '0', "
+            "'--out', 'z']); assert a.preference == [1.0, 0.0] and a.alpha is None, a; "
+            "assert 'torch' not in sys.modules and 'safetensors' not in sys.modules")  # fmt: skip
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
 def test_existing_output_and_non_model_directory_exit_2(models, tmp_path, capsys):
     taken = tmp_path / "taken"
     taken.mkdir()

@@ -61,12 +61,12 @@ def weight_map(path: Path, label: str) -> dict[str, Path]:
             index = json.loads((path / INDEX).read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as err:
             raise ValueError(f"{label} {path / INDEX}: not a safetensors index ({err})") from None
+        missing = sorted({file for file in index.values() if not (path / file).is_file()})
+        if missing:
+            raise ValueError(f"{label} {path / INDEX}: lists shard(s) that are not there: {missing[:3]}")
         return {name: path / file for name, file in index.items()}
     if (path / WEIGHTS).is_file():
-        from safetensors import safe_open
-
-        with safe_open(path / WEIGHTS, "pt") as f:
-            return dict.fromkeys(f.keys(), path / WEIGHTS)
+        return dict.fromkeys(tensor_specs({"": path / WEIGHTS}, label), path / WEIGHTS)
     raise ValueError(f"{label} {path}: no {WEIGHTS} or {INDEX} (save with safetensors)")
 
 
@@ -78,16 +78,19 @@ def model_config(path: Path, label: str) -> dict[str, Any]:
     return {k: v for k, v in config.items() if k not in BOOKKEEPING_KEYS}
 
 
-def tensor_specs(files: dict[str, Path]) -> dict[str, tuple[str, tuple[int, ...]]]:
+def tensor_specs(files: dict[str, Path], label: str) -> dict[str, tuple[str, tuple[int, ...]]]:
     """name -> (dtype, shape), read from the safetensors headers only."""
     from safetensors import safe_open
 
     specs = {}
     for file in sorted(set(files.values())):
-        with safe_open(file, "pt") as f:
-            for name in f.keys():  # noqa: SIM118 (a safe_open handle is not iterable)
-                sliced = f.get_slice(name)
-                specs[name] = (sliced.get_dtype(), tuple(sliced.get_shape()))
+        try:
+            with safe_open(file, "pt") as f:
+                for name in f.keys():  # noqa: SIM118 (a safe_open handle is not iterable)
+                    sliced = f.get_slice(name)
+                    specs[name] = (sliced.get_dtype(), tuple(sliced.get_shape()))
+        except Exception as err:  # safetensors raises its own error type for a bad header
+            raise ValueError(f"{label} {file}: not a readable safetensors file ({err})") from None
     return specs
 
 
@@ -95,7 +98,7 @@ def check_compatible(inputs: list[tuple[str, Path]]) -> list[dict[str, Path]]:
     """The weight maps of `inputs` ((label, dir) pairs), after checking every config and tensor against the
     first input's; errors name the argument, the file and the first differences."""
     (label0, path0), maps = inputs[0], [weight_map(p, label) for label, p in inputs]
-    config0, specs0 = model_config(path0, label0), tensor_specs(maps[0])
+    config0, specs0 = model_config(path0, label0), tensor_specs(maps[0], label0)
     for (label, path), files in zip(inputs[1:], maps[1:], strict=True):
         config = model_config(path, label)
         differ = sorted(k for k in config0.keys() | config.keys() if config0.get(k) != config.get(k))
@@ -104,7 +107,7 @@ def check_compatible(inputs: list[tuple[str, Path]]) -> list[dict[str, Path]]:
             raise ValueError(
                 f"{label} {path / 'config.json'}: architecture differs from {label0} {path0}: {shown}"
             )
-        specs = tensor_specs(files)
+        specs = tensor_specs(files, label)
         missing, extra = sorted(specs0.keys() - specs.keys()), sorted(specs.keys() - specs0.keys())
         if missing or extra:
             raise ValueError(
@@ -200,11 +203,15 @@ def merge_directories(
     shutil.rmtree(tmp, ignore_errors=True)  # a previous merge that died half-way
     tmp.mkdir(parents=True)
     started = time.perf_counter()
-    count = _merge_into(maps, coefs, tmp)
-    template = inputs[0][1]  # config, index and tokenizer files, as saved
-    for file in template.iterdir():
-        if file.is_file() and file.name != RECORD and not file.name.endswith(OTHER_WEIGHTS):
-            shutil.copy2(file, tmp / file.name)
+    try:
+        count = _merge_into(maps, coefs, tmp)
+        template = inputs[0][1]  # config, index and tokenizer files, as saved
+        for file in template.iterdir():
+            if file.is_file() and file.name != RECORD and not file.name.endswith(OTHER_WEIGHTS):
+                shutil.copy2(file, tmp / file.name)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     record = {
         "out": str(out), "lambda": lam, "coefficients": coefs, "inputs": [str(p) for _, p in inputs],
         "beta": beta, "preference": preference, "alphas": alphas, "num_tensors": count,

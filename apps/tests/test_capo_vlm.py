@@ -199,9 +199,10 @@ def _yatt(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=900)  # fmt: skip
 
 
-def test_grpo_vlm_corrupt_image_exits_2(tmp_path):
+def test_grpo_vlm_corrupt_image_exits_2(tmp_path, capsys):
     """Checked when the file is read, before any model or Ray starts: the file, row and image are named."""
     from PIL import Image
+    from yatt_apps.cli import main
 
     Image.new("RGB", (56, 56), "red").save(tmp_path / "ok.png")
     (tmp_path / "bad.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\x00" * 20)
@@ -209,9 +210,10 @@ def test_grpo_vlm_corrupt_image_exits_2(tmp_path):
             {"prompt": "How many?", "answer": "0", "images": ["bad.png"]}]  # fmt: skip
     data = tmp_path / "train.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    out = _yatt("grpo-vlm", "--set", f"data.train={data}", "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
-    assert out.returncode == 2, out.stderr[-2000:]
-    assert f"{data}:2: field 'images': image {tmp_path / 'bad.png'} cannot be decoded" in out.stderr
+    code = main(["grpo-vlm", "--set", f"data.train={data}", "--run-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert f"{data}:2: field 'images': image {tmp_path / 'bad.png'} cannot be decoded" in err
 
 
 # ---- 2-step runs of both apps through the CLI ----------------------------------------------------------

@@ -109,6 +109,14 @@ def media_step(ctx, batch: list[int]) -> dict[str, float]:
     return {**counts, "seen": ctx.state["seen"], "draw": ctx.rng.random()}
 
 
+def critic_step(ctx, batch: list[int]) -> dict[str, float]:
+    """media_step, then a second stateful service ("critic", a CountingLearner) trains on the batch rows."""
+    metrics = media_step(ctx, batch)
+    critic = ctx.services["critic"]
+    totals = ctx.get(critic.gather(critic.scatter("train", [{"x": row, "media": b""} for row in batch])))
+    return {**metrics, "critic_total": ctx.all_reduce({"t": float(sum(totals))})["t"]}
+
+
 def failing_step(ctx, batch: list[int]) -> dict[str, float]:
     """A step with a bug at step 1: an error of the job's own code, which no restart can fix."""
     if ctx.step == 1:

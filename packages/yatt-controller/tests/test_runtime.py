@@ -44,8 +44,9 @@ def cluster():
         mode="colocated",
         num_devices=2,
         roles=[
-            RolePlacement(role="actor", replicas=[[0], [1]], colocated_with=["rollout"]),
-            RolePlacement(role="rollout", replicas=[[0], [1]], colocated_with=["actor"]),
+            RolePlacement(role="actor", replicas=[[0], [1]], colocated_with=["rollout", "critic"]),
+            RolePlacement(role="rollout", replicas=[[0], [1]], colocated_with=["actor", "critic"]),
+            RolePlacement(role="critic", replicas=[[0], [1]], colocated_with=["actor", "rollout"]),
         ],
     )
     realized = realize_mod.realize(plan, cpus_per_device=1.0)
@@ -107,8 +108,8 @@ def test_worker_group_dispatch_and_colocation(cluster):
         assert view.workers[0].window.num_pending <= 2
         with pytest.raises(ValueError, match="unknown dispatch mode 'shuffle'"):
             rollout.dispatch("shuffle", "generate", [1])
-        with pytest.raises(ValueError, match="role 'critic' \\(name ''\\) is not in the placement plan"):
-            WorkerGroup.create(pool, "critic", doubles.CountingLearner)
+        with pytest.raises(ValueError, match="role 'reference' \\(name ''\\) is not in the placement plan"):
+            WorkerGroup.create(pool, "reference", doubles.CountingLearner)
     finally:
         pool.shutdown()
 
@@ -230,3 +231,43 @@ def test_single_controller_resumes_with_identical_batches(cluster, tmp_path):
     for step in (2, 3):
         # same rows in the same order (signature), same learner state, same RNG draw, same buffers
         assert rest.reports[step][0].metrics == whole.reports[step][0].metrics
+
+
+def _critic_job(tmp_path, num_steps: int) -> Job:
+    """The media job plus a second stateful service, "critic" (a CountingLearner double), checkpointed."""
+
+    def build(pool: HostPool) -> Services:
+        services = _build()(pool)
+        critic = WorkerGroup.create(pool, "critic", doubles.CountingLearner, pass_worker_info=True)
+        return dataclasses.replace(
+            services, groups={**services.groups, "critic": critic}, checkpointed=("critic",)
+        )
+
+    return Job(build=build, step_fn=doubles.critic_step, dataset=_rows, batch_size=8, num_steps=num_steps,
+               checkpoint_dir=str(tmp_path / "ckpt"))  # fmt: skip
+
+
+@pytest.mark.slow
+def test_checkpointed_services_resume_with_their_state(cluster, tmp_path):
+    """A critic's running total survives a stop after step 1 and a resume: steps 2-3 match a straight run."""
+    spec = ControllerSpec(num_controllers=2, heartbeat_interval_s=0.5, checkpoint_every=2)
+    straight = run(spec, _critic_job(tmp_path / "a", 4), cluster)
+    run(spec, _critic_job(tmp_path / "b", 2), cluster)
+    resumed = run(spec, _critic_job(tmp_path / "b", 4), cluster)
+    assert sorted(resumed.reports) == [2, 3]
+    for step in (2, 3):
+        assert [r.metrics for r in resumed.reports[step]] == [r.metrics for r in straight.reports[step]]
+    assert straight.reports[3][0].metrics["critic_total"] > straight.reports[1][0].metrics["critic_total"] > 0
+    names = sorted(p.name for p in next((tmp_path / "b" / "ckpt").iterdir()).iterdir())
+    assert "critic-0.0.bin" in names and "critic-1.0.bin" in names
+
+
+def test_checkpointed_service_must_exist(cluster, tmp_path):
+    def build(pool: HostPool) -> Services:
+        return dataclasses.replace(_build()(pool), checkpointed=("critic",))
+
+    job = Job(build=build, step_fn=doubles.media_step, dataset=_rows, batch_size=8, num_steps=1)
+    with pytest.raises(
+        ValueError, match=r"Services.checkpointed names \['critic'\], not among \['actor', 'rollout'\]"
+    ):
+        run(ControllerSpec(num_controllers=2, heartbeat_interval_s=0.5), job, cluster)

@@ -52,6 +52,13 @@ class ControllerPlan:
     checkpoint_every: int = 0
     keep_checkpoints: int = 2
     collective_timeout_s: float = 600.0
+    # other stateful services (a PPO critic): name -> this controller's view; checkpointed like the learner
+    checkpointed: dict[str, WorkerGroup] = field(default_factory=dict)
+
+    def stateful(self) -> list[tuple[str, WorkerGroup]]:
+        """(file prefix, view) of every group whose workers' state goes into a checkpoint."""
+        learner = [("learner", self.learner)] if self.learner is not None else []
+        return learner + sorted(self.checkpointed.items())
 
 
 @dataclass
@@ -206,11 +213,11 @@ class ControllerCore:
                 staging, f"controller-{self.plan.rank}.msgpack", self._state_bytes()
             )
         }
-        if self.plan.learner is not None:
-            parts = fetch(self.plan.learner.broadcast("checkpoint_state"))
-            for worker, data in zip(self.plan.learner.workers, parts, strict=True):
+        for prefix, group in self.plan.stateful():
+            parts = fetch(group.broadcast("checkpoint_state"))
+            for worker, data in zip(group.workers, parts, strict=True):
                 if data:
-                    name = f"learner-{worker.group_dp_rank}.{worker.tp_rank}.bin"
+                    name = f"{prefix}-{worker.group_dp_rank}.{worker.tp_rank}.bin"
                     files[name] = checkpoint.write_file(staging, name, data)
         everything = {k: v for part in col.all_gather(files) for k, v in part.items()}
         if self.plan.rank == 0:
@@ -244,13 +251,13 @@ class ControllerCore:
         version, internal, gauss = state["rng"]
         self.ctx.rng.setstate((version, tuple(internal), gauss))
         self.ctx.state = state["state"]
-        if self.plan.learner is not None:
-            loads = []
-            for worker in self.plan.learner.workers:
-                part = f"learner-{worker.group_dp_rank}.{worker.tp_rank}.bin"
+        loads = []
+        for prefix, group in self.plan.stateful():
+            for worker in group.workers:
+                part = f"{prefix}-{worker.group_dp_rank}.{worker.tp_rank}.bin"
                 data = (path / part).read_bytes() if part in manifest.files else b""
                 loads.append(worker.submit("load_checkpoint_state", (data,), {}))
-            ray.get(loads)
+        ray.get(loads)
         return manifest.step + 1
 
 

@@ -51,6 +51,9 @@ class Services:
     groups: dict[str, WorkerGroup]
     learner: str | None = None  # parallel mode runs one controller per data-parallel rank of this group
     weight_sync: WeightSync | None = None
+    # other groups whose workers' state (checkpoint_state / load_checkpoint_state) every checkpoint holds,
+    # like the learner's (a PPO critic); in parallel mode each needs one data-parallel rank per controller
+    checkpointed: tuple[str, ...] = ()
 
 
 @dataclass
@@ -144,6 +147,9 @@ class _Attempt:
 
     def start(self) -> None:
         services = self.job.build(self.pool)
+        unknown = [name for name in services.checkpointed if name not in services.groups]
+        if unknown:
+            raise ValueError(f"Services.checkpointed names {unknown}, not among {sorted(services.groups)}")
         if services.weight_sync is not None:
             services.weight_sync.setup()
         found = checkpoint.latest(self.job.checkpoint_dir) if self.job.checkpoint_dir else None
@@ -161,6 +167,7 @@ class _Attempt:
             weight_sync=services.weight_sync, checkpoint_dir=job.checkpoint_dir,
             checkpoint_every=spec.checkpoint_every, keep_checkpoints=spec.keep_checkpoints,
             collective_timeout_s=spec.hang_timeout_s,
+            checkpointed={name: groups[name] for name in services.checkpointed},
         )  # fmt: skip
 
     def _start_parallel(self, services: Services, path: str | None) -> None:
@@ -172,6 +179,12 @@ class _Attempt:
             raise ValueError(
                 f"num_controllers is {world} but the learner has {learner.dp_size} data-parallel ranks"
             )
+        for name in services.checkpointed:
+            if services.groups[name].dp_size != world:
+                raise ValueError(
+                    f"Services.checkpointed group {name!r} has {services.groups[name].dp_size} data-parallel "
+                    f"ranks; checkpointing it needs one per controller ({world})"
+                )
         self.rendezvous = Rendezvous.remote(world)
         for rank in range(world):
             routed = {

@@ -15,8 +15,10 @@ YATT runs the real app: `yatt_apps.launch.run_job` with the `tiny_cpu` preset mi
 controllers on two logical devices, colocated; per device a policy learner rank with its reference (gloo DDP),
 an HF rollout engine and a reward worker, under Ray). Its step time is the lead controller's `time/step` (data,
 rollout, reward, advantages, logprobs, train, weight sync; not checkpoints, which are off). TRL runs
-`GRPOTrainer(use_cpu=True, use_vllm=False)` in this process; its step time is the wall time between the
-trainer's `on_step_begin` and `on_step_end` callbacks (generation, reward, logprobs, loss, optimizer step).
+`GRPOTrainer(use_cpu=True, use_vllm=False)` in this process, once with one torch thread and once with one per
+core; the faster is the peer (on a busy 2-core machine two OpenMP threads can be many times slower than one).
+Its step time is the wall time between the trainer's `on_step_begin` and `on_step_end` callbacks (generation,
+reward, logprobs, loss, optimizer step).
 Throughput = completion tokens (up to and including EOS, as each side counts them: YATT's response mask,
 TRL's `completions/mean_length` x P x G) / step seconds, summed over the steps after the warm-up steps.
 Start-up (Ray, worker processes, model loads) is excluded on both sides.

@@ -221,7 +221,7 @@ def tiny_cpu_ppo() -> RunConfig:
         rewards=[spec for spec in base.rewards if spec.kind != "genrm"],
         algo=AlgoConfig(adv_estimator="gae", gamma=1.0, lam=0.95, kl_reward_coef=0.01, kl_estimator="k1",
                         kl_loss_coef=0.0),
-        critic_optim=msgspec.structs.replace(base.optim, lr=5e-3, num_warmup_steps=0),
+        critic_optim=msgspec.structs.replace(base.optim, lr=1e-3, num_warmup_steps=0),
     )  # fmt: skip
 
 

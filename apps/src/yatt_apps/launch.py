@@ -109,7 +109,8 @@ def _build(pool, *, cfg: RunConfig, policy_dir: str, judge_dir: str):
         )
     mode = "colocated" if cfg.placement.mode == "colocated" else "broadcast"
     sync = WeightSync(actor, [rollout], mode=mode)
-    return Services(groups=groups, learner="actor", weight_sync=sync)
+    stateful = ("critic",) if "critic" in groups else ()  # its weights and optimizer go into every checkpoint
+    return Services(groups=groups, learner="actor", weight_sync=sync, checkpointed=stateful)
 
 
 class StepLogger:

@@ -159,18 +159,16 @@ def ppo_step(
 
     sums = sample_sums(scores.tolist(), len(completions) - len(kept), len(rows), samples, mask, lp, rollout_lp,
                        scored)  # fmt: skip
-    sums.update({"ppo/values/sum": float((values * mask).sum()), "ppo/returns/sum": float((returns * mask).sum()),
-                 "ppo/kl_reward/sum": float(mean_kl) * float(mask.sum())})  # fmt: skip
+    sums["ppo/kl_reward/sum"] = float(mean_kl) * float(mask.sum())  # KL per token x tokens
     if val_rows is not None and cfg.run.eval_every and ctx.step % cfg.run.eval_every == 0:
         with ctx.phase("eval"):
             sums.update(evaluate(ctx, val_rows, cfg, tok))
     total = ctx.all_reduce(sums)
     out = summarize({k: v for k, v in total.items() if not k.startswith("ppo/")}, stats, ctx.world_size)
     tokens = max(total["response_tokens"], 1.0)
+    # the critic's stats are global (reduced in its learner): vf_loss, value_mean, return_mean, explained var
     out.update({f"critic/{k}": v for k, v in critic_stats.items()})
-    out.update({"critic/values_mean": total["ppo/values/sum"] / tokens,
-                "critic/returns_mean": total["ppo/returns/sum"] / tokens,
-                "ppo/kl_reward": total["ppo/kl_reward/sum"] / tokens})  # fmt: skip
+    out["ppo/kl_reward"] = total["ppo/kl_reward/sum"] / tokens
     return out
 
 

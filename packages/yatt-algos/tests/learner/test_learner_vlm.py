@@ -91,6 +91,8 @@ def test_per_row_fields_are_checked_and_kept_whole(vlm_batch):
         ValueError, match=r"pixel_values has shape \(2, 32, 1176\), expected \(3, \.\.\.\) rows"
     ):
         as_batch({**batch, "pixel_values": batch["pixel_values"][:2]})
+    with pytest.raises(ValueError, match=r"group_ids has shape \(3, 2\), expected \(3,\)"):
+        as_batch({**batch, "group_ids": torch.zeros(3, 2, dtype=torch.long)})
 
 
 @pytest.mark.parametrize("micro_batch_size", [1, 3])

@@ -51,7 +51,10 @@ def as_batch(batch: Experience | Mapping[str, Any]) -> Batch:
     for name, value in batch.items():
         if name == "input_ids" or value is None:
             continue
-        if name in ROW_FIELDS:
+        if name == "group_ids":
+            if tuple(value.shape) != tuple(ids.shape[:1]):
+                raise ValueError(f"group_ids has shape {tuple(value.shape)}, expected ({ids.shape[0]},)")
+        elif name in ROW_FIELDS:
             if value.dim() < 1 or value.shape[0] != ids.shape[0]:
                 raise ValueError(
                     f"{name} has shape {tuple(value.shape)}, expected ({ids.shape[0]}, ...) rows"

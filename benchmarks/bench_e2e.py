@@ -20,7 +20,8 @@ core; the faster is the peer (on a busy 2-core machine two OpenMP threads can be
 Its step time is the wall time between the trainer's `on_step_begin` and `on_step_end` callbacks (generation,
 reward, logprobs, loss, optimizer step).
 Throughput = completion tokens (up to and including EOS, as each side counts them: YATT's response mask,
-TRL's `completions/mean_length` x P x G) / step seconds, summed over the steps after the warm-up steps.
+TRL's `completions/mean_length` x P x G) / step seconds: the median over the timed steps after the warm-up
+(robust to a step slowed by other work on a shared machine), and the overall figure (sums) beside it.
 Start-up (Ray, worker processes, model loads) is excluded on both sides.
 
 Differences that cannot be removed: YATT spreads the step over processes (two DP ranks over gloo, one
@@ -59,6 +60,15 @@ def build_policy(root: Path, num_rows: int) -> str:
 
     corpus = tokenizer_corpus(arithmetic_task(num_rows, seed=0))
     return str(prepare_model(ModelSpec(), root / "policy", corpus))
+
+
+def throughput(tokens: list[float], step_s: list[float]) -> dict:
+    """Tokens per second of the timed steps: the median of the per-step figures, and the overall one."""
+    return {
+        "tokens": sum(tokens), "seconds": sum(step_s), "step_s": step_s,
+        "tokens_per_s": statistics.median(n / s for n, s in zip(tokens, step_s, strict=True)),
+        "tokens_per_s_overall": sum(tokens) / sum(step_s),
+    }  # fmt: skip
 
 
 # ---- YATT ------------------------------------------------------------------------------------------------
@@ -100,9 +110,7 @@ def run_yatt(policy_dir: str, root: Path, args: argparse.Namespace) -> dict:
     assert len(timed) == args.steps, f"YATT logged {len(rows)} steps, expected {args.warmup + args.steps}"
     phases = sorted({k for row in timed for k in row if k.startswith("time/") and k != "time/step"})
     return {
-        "tokens": sum(row["rollout/response_tokens"] for row in timed),
-        "seconds": sum(row["time/step"] for row in timed),
-        "step_s": [row["time/step"] for row in timed],
+        **throughput([row["rollout/response_tokens"] for row in timed], [row["time/step"] for row in timed]),
         "phases_s": {k.removeprefix("time/"): statistics.median(row.get(k, 0.0) for row in timed) for k in phases},
         "reward_mean": [row["reward/mean"] for row in rows],
         "driver_bytes": summary["driver_bytes"],
@@ -182,9 +190,7 @@ def run_trl(policy_dir: str, root: Path, args: argparse.Namespace, threads: int)
     assert len(timer.step_s) == len(timer.tokens) == args.warmup + args.steps, (timer.step_s, timer.tokens)
     timed = slice(args.warmup, None)
     return {
-        "tokens": sum(timer.tokens[timed]),
-        "seconds": sum(timer.step_s[timed]),
-        "step_s": timer.step_s[timed],
+        **throughput(timer.tokens[timed], timer.step_s[timed]),
         "torch_threads": threads,
         "wall_s": time.perf_counter() - started,
     }
@@ -225,14 +231,14 @@ def main(argv=None) -> None:
         # machine, two OpenMP threads can be much slower than one)
         trls = [run_trl(policy_dir, root, args, n) for n in sorted({1, os.cpu_count() or 1})]
         yatt = run_yatt(policy_dir, root, args)
-    trl = max(trls, key=lambda res: res["tokens"] / res["seconds"])
-    yatt_tps, trl_tps = yatt["tokens"] / yatt["seconds"], trl["tokens"] / trl["seconds"]
+    trl = max(trls, key=lambda res: res["tokens_per_s"])
+    yatt_tps, trl_tps = yatt["tokens_per_s"], trl["tokens_per_s"]
     print(f"P={args.prompts} prompts x G={args.group_size}, L<={args.max_new_tokens} new tokens, "
           f"{args.steps} timed steps after {args.warmup} warm-up")  # fmt: skip
     runs = [("yatt", yatt), *((f"trl/{res['torch_threads']}t", res) for res in trls)]
     for name, res in runs:
-        steps, tps = ", ".join(f"{s:.2f}" for s in res["step_s"]), res["tokens"] / res["seconds"]
-        print(f"  {name:7} {tps:9.1f} tokens/s  ({res['tokens']:.0f} tokens in {res['seconds']:.2f} s; "
+        steps, tps = ", ".join(f"{s:.2f}" for s in res["step_s"]), res["tokens_per_s"]
+        print(f"  {name:7} {tps:9.1f} tokens/s median  ({res['tokens']:.0f} tokens in {res['seconds']:.2f} s; "
               f"steps {steps}; wall {res['wall_s']:.1f} s)")  # fmt: skip
     print(f"  yatt phases (median s): {json.dumps({k: round(v, 3) for k, v in yatt['phases_s'].items()})}")
     result = {
@@ -240,10 +246,11 @@ def main(argv=None) -> None:
         "group_size": args.group_size, "max_new_tokens": args.max_new_tokens, "warmup_steps": args.warmup,
         "timed_steps": args.steps, "yatt_tokens_per_s": round(yatt_tps, 2), "trl_tokens_per_s": round(trl_tps, 2),
         "ratio_yatt_over_trl": round(yatt_tps / trl_tps, 3),
+        "ratio_overall": round(yatt["tokens_per_s_overall"] / trl["tokens_per_s_overall"], 3),
         "yatt_step_s_median": round(statistics.median(yatt["step_s"]), 4),
         "trl_step_s_median": round(statistics.median(trl["step_s"]), 4),
         "yatt_phases_s": {k: round(v, 4) for k, v in yatt["phases_s"].items()},
-        "trl_tokens_per_s_by_threads": {str(r["torch_threads"]): round(r["tokens"] / r["seconds"], 2) for r in trls},
+        "trl_tokens_per_s_by_threads": {str(r["torch_threads"]): round(r["tokens_per_s"], 2) for r in trls},
         "yatt_driver_bytes": yatt["driver_bytes"], "trl_torch_threads": trl["torch_threads"],
         "cpu_count": os.cpu_count(), "python": sys.version.split()[0],
     }  # fmt: skip

@@ -9,7 +9,9 @@ What is compared. One GRPO step = generate G completions for each of P prompts, 
   x G samples per step, at most L new tokens, temperature 1.0, top-p 1.0, no top-k;
 - the same reward: math_verify against the answer (weight 1) + a format regex `^\\s*-?\\d+` (weight 0.5), both
   computed by `yatt_multimodal.rules` (in TRL as two reward functions with reward_weights [1, 0.5]); no judge;
-- the same update size: the whole batch in one forward/backward per rank (one optimizer step per batch).
+- the same update: one optimizer step per batch (YATT `algo.num_updates_per_batch=1`, whole-batch mini- and
+  micro-batches; TRL `num_iterations=1`, `steps_per_generation=1`), the whole batch in one forward/backward
+  per rank.
 
 YATT runs the real app: `yatt_apps.launch.run_job` with the `tiny_cpu` preset minus the judge (two parallel
 controllers on two logical devices, colocated; per device a policy learner rank with its reference (gloo DDP),
@@ -75,7 +77,9 @@ def throughput(tokens: list[float], step_s: list[float]) -> dict:
 
 
 def yatt_config(policy_dir: str, args: argparse.Namespace, num_steps: int):
-    """`tiny_cpu` with the shared model, no judge (rule rewards only), the benchmark's batch and lengths."""
+    """`tiny_cpu` with the shared model, no judge (rule rewards only), the benchmark's batch and lengths, and
+    every setting that changes the amount of work pinned to TRL's (one optimizer step per batch, whole batch
+    per micro-batch, KL loss 1e-3), whatever the preset says."""
     import msgspec
     from yatt_apps.config import RunConfig, tiny_cpu
     from yatt_apps.overlay import build_config
@@ -91,9 +95,10 @@ def yatt_config(policy_dir: str, args: argparse.Namespace, num_steps: int):
         f"model.path={policy_dir}", f"run.num_steps={num_steps}", f"run.prompts_per_step={args.prompts}",
         f"data.num_train_rows={args.num_rows}", "run.eval_every=0", "run.progress=false",
         f"sampling.n={args.group_size}", f"sampling.max_new_tokens={args.max_new_tokens}",
-        "sampling.temperature=1.0", "sampling.top_p=1.0", f"optim.micro_batch_size={per_rank}",
-        f"optim.lr={LR}", "optim.num_warmup_steps=0", f"algo.kl_loss_coef={KL_COEF}",
-        "controller.checkpoint_every=0",
+        "sampling.temperature=1.0", "sampling.top_p=1.0", "sampling.top_k=0", f"optim.micro_batch_size={per_rank}",
+        "optim.mini_batch_size=0", "learner.max_tokens_per_micro_batch=0", f"optim.lr={LR}",
+        "optim.num_warmup_steps=0", "optim.clip_grad_norm=1.0", f"algo.kl_loss_coef={KL_COEF}",
+        "algo.num_updates_per_batch=1", "controller.checkpoint_every=0",
     ]  # fmt: skip
     return build_config(RunConfig, base, None, sets)
 

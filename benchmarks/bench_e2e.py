@@ -28,9 +28,10 @@ Start-up (Ray, worker processes, model loads) is excluded on both sides.
 
 Differences that cannot be removed: YATT spreads the step over processes (two DP ranks over gloo, one
 thread each, rollout in its own engine with a KV cache, weights pushed to it after each update); TRL runs one
-process with torch's default threads and generates with `model.generate` on the training model. YATT computes
-old-policy logprobs in a separate forward (TRL reuses the training forward when one update is made per batch)
-and records sampling logprobs. Sampling differs in RNG streams, so response lengths differ somewhat: tokens/s
+process and generates with `model.generate` on the training model. YATT computes old-policy logprobs and
+entropy in a separate forward (TRL reuses the training forward when one update is made per batch) and records
+sampling logprobs; the loss aggregation (YATT's preset default vs TRL's "dapo" token mean) and learning-rate
+schedules differ, which does not change the amount of compute. Sampling differs in RNG streams, so response lengths differ somewhat: tokens/s
 normalises for that. The machine is shared with other work, so figures are noisy: compare the ratio within
 one run, not across runs.
 

@@ -26,6 +26,9 @@ def ray_session():
     # No auth token under $HOME, no usage stats (also set by the workspace conftest; this package runs alone too).
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # A session left by an earlier module (e.g. one Ray auto-started on a bare ray.put) has other resources.
+    if ray.is_initialized():
+        ray.shutdown()
     # Generous logical CPUs: a placement group cannot take CPUs that live actors hold.
     ray.init(num_cpus=32, num_gpus=8, include_dashboard=False, object_store_memory=512 * 2**20)
     yield

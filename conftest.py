@@ -11,6 +11,8 @@ for _key, _value in {
     "TRANSFORMERS_OFFLINE": "1",
     "RAY_AUTH_MODE": "disabled",
     "RAY_USAGE_STATS_ENABLED": "0",
+    # under `uv run`, Ray would package the whole checkout as every worker's working directory
+    "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
 }.items():
     os.environ.setdefault(_key, _value)
 

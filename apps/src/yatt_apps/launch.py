@@ -15,10 +15,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from yatt_apps.config import ModelSpec, RunConfig
 from yatt_apps.data import PromptRow, arithmetic_task, check_prompt_lengths, load_rows
 from yatt_apps.models import load_tokenizer, prepare_model, tokenizer_corpus
 from yatt_apps.rundir import RunDir
+
+# Set before Ray is imported. RAY_ENABLE_UV_RUN_RUNTIME_ENV=0: under `uv run`, Ray would otherwise package the
+# working directory (the whole checkout, .venv included) as every worker's runtime env and start them in a copy.
+ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
+       "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
 
 StepFactory = Callable[[RunConfig, str, Callable[[], list[PromptRow]] | None], Callable]
 
@@ -152,12 +159,25 @@ def _init_ray(cfg: RunConfig) -> None:
              object_store_memory=512 * 2**20, log_to_driver=False)  # fmt: skip
 
 
+def absolute_paths(cfg: RunConfig) -> RunConfig:
+    """The config with its data and model paths made absolute (workers may start in another directory)."""
+    replace = msgspec.structs.replace
+
+    def absolute(path: str) -> str:
+        return str(Path(path).resolve()) if path else path
+
+    data = replace(cfg.data, train=absolute(cfg.data.train), val=absolute(cfg.data.val))
+    model = replace(cfg.model, path=absolute(cfg.model.path))
+    judge = None if cfg.judge is None else replace(cfg.judge, path=absolute(cfg.judge.path))
+    return replace(cfg, data=data, model=model, judge=judge)
+
+
 def run_job(cfg: RunConfig, run_dir: str | Path, step_factory: StepFactory) -> dict[str, Any]:
     """Run (or resume, when `run_dir` holds checkpoints) `cfg` and return the last step's metrics."""
-    for key, value in {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1",
-                       "TOKENIZERS_PARALLELISM": "false"}.items():  # fmt: skip
+    for key, value in ENV.items():
         os.environ.setdefault(key, value)
-    run = RunDir(run_dir)
+    run = RunDir(Path(run_dir).resolve())  # absolute: workers do not share the driver's working directory
+    cfg = absolute_paths(cfg)
     run.write_config(cfg)
     rows = train_rows(cfg)  # read once here to fail fast on bad data; controllers read their own shards
     judge_text = ["Verify the solution step by step. Is the answer correct? Yes No"]

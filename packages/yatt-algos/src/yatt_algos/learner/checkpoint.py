@@ -50,6 +50,32 @@ def snapshot(state: Any) -> Any:
     return state
 
 
+STATE_KEYS = ("model", "optimizer", "scheduler", "num_steps", "num_skipped_total", "rng")
+
+
+def learner_state(
+    engine: Any, model_state: dict[str, Any], optimizer_state: dict[str, Any]
+) -> dict[str, Any]:
+    """The checkpoint layout both backends write: model, optimizer, scheduler, counters and RNG (a snapshot)."""
+    return snapshot(
+        {
+            "model": model_state,
+            "optimizer": optimizer_state,
+            "scheduler": engine.scheduler.state_dict() if engine.scheduler else {},
+            "num_steps": engine.num_steps,
+            "num_skipped_total": engine.num_skipped_total,
+            "rng": rng_state(),
+        }
+    )
+
+
+def check_learner_state(state: dict[str, Any]) -> None:
+    """ValueError naming the first missing entry of a learner checkpoint."""
+    for key in STATE_KEYS:
+        if key not in state:
+            raise ValueError(f"learner state has no {key!r} entry (keys: {sorted(state)})")
+
+
 def save_checkpoint(state: dict[str, Any], path: str | os.PathLike) -> Path:
     """Write `state` to `path` atomically (temporary file in the same folder, fsync, rename)."""
     path = Path(path)

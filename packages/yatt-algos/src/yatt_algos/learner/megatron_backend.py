@@ -356,21 +356,10 @@ class MegatronPolicyLearner:
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard: model, optimizer, scheduler, counters and RNG (each rank saves its own)."""
         model = {k: v for k, v in self.model.state_dict().items() if not k.endswith("_extra_state")}
-        return checkpoint.snapshot(
-            {
-                "model": model,
-                "optimizer": self.optimizer.state_dict() if self.optimizer else {},
-                "scheduler": self.scheduler.state_dict() if self.scheduler else {},
-                "num_steps": self.num_steps,
-                "num_skipped_total": self.num_skipped_total,
-                "rng": checkpoint.rng_state(),
-            }
-        )
+        return checkpoint.learner_state(self, model, self.optimizer.state_dict() if self.optimizer else {})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for key in ("model", "optimizer", "scheduler", "num_steps", "num_skipped_total", "rng"):
-            if key not in state:
-                raise ValueError(f"learner state has no {key!r} entry (keys: {sorted(state)})")
+        checkpoint.check_learner_state(state)
         missing, unexpected = self.model.load_state_dict(state["model"], strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:

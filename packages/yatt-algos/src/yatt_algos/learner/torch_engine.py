@@ -209,21 +209,10 @@ class TorchEngine:
         else:
             model_state = export.unwrap(self.model).state_dict()
             optim_state = self.optimizer.state_dict() if self.optimizer else {}
-        return checkpoint.snapshot(
-            {
-                "model": model_state,
-                "optimizer": optim_state,
-                "scheduler": self.scheduler.state_dict() if self.scheduler else {},
-                "num_steps": self.num_steps,
-                "num_skipped_total": self.num_skipped_total,
-                "rng": checkpoint.rng_state(),
-            }
-        )
+        return checkpoint.learner_state(self, model_state, optim_state)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for key in ("model", "optimizer", "scheduler", "num_steps", "num_skipped_total", "rng"):
-            if key not in state:
-                raise ValueError(f"learner state has no {key!r} entry (keys: {sorted(state)})")
+        checkpoint.check_learner_state(state)
         if self.fsdp:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 

@@ -167,7 +167,7 @@ def capo_step(
         with ctx.phase("eval"):
             sums.update(evaluate(ctx, val_rows, cfg, tok))
     total = ctx.all_reduce(sums)
-    return summarize(total, stats, ctx.world_size) | capo_metrics(total)
+    return summarize(total, stats) | capo_metrics(total)
 
 
 def capo_metrics(total: dict[str, float]) -> dict[str, float]:

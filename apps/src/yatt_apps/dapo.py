@@ -225,7 +225,7 @@ def dapo_step(
         with ctx.phase("eval"):
             sums.update(evaluate(ctx, val_rows, cfg, tok))
     total = ctx.all_reduce(sums)
-    out = summarize({k: v for k, v in total.items() if not k.startswith("dapo/")}, stats, ctx.world_size)
+    out = summarize({k: v for k, v in total.items() if not k.startswith("dapo/")}, stats)
     return {**out, **dapo_metrics(total, picked["waves"], ctx.state["dapo"]["expansion"])}
 
 

@@ -123,7 +123,7 @@ def grpo_step(
         with ctx.phase("eval"):
             sums.update(evaluate(ctx, val_rows, cfg, tok))
     total = ctx.all_reduce(sums)
-    return summarize(total, stats, ctx.world_size)
+    return summarize(total, stats)
 
 
 def sample_seed(cfg: RunConfig, ctx, wave: int = 0) -> int:
@@ -224,7 +224,7 @@ def evaluate(ctx, val_rows, cfg: RunConfig, tok) -> dict[str, float]:
     return {"val/correct": float(correct), "val/total": float(len(mine))}
 
 
-def summarize(total: dict[str, float], stats: dict[str, float], world: int) -> dict[str, float]:
+def summarize(total: dict[str, float], stats: dict[str, float]) -> dict[str, float]:
     """Global means from summed counts; train stats are already global (reduced inside the learner)."""
     samples, tokens = max(total["samples"], 1.0), max(total["response_tokens"], 1.0)
     out = {

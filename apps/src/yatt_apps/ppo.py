@@ -164,7 +164,7 @@ def ppo_step(
         with ctx.phase("eval"):
             sums.update(evaluate(ctx, val_rows, cfg, tok))
     total = ctx.all_reduce(sums)
-    out = summarize({k: v for k, v in total.items() if not k.startswith("ppo/")}, stats, ctx.world_size)
+    out = summarize({k: v for k, v in total.items() if not k.startswith("ppo/")}, stats)
     tokens = max(total["response_tokens"], 1.0)
     # the critic's stats are global (reduced in its learner): vf_loss, value_mean, return_mean, explained var
     out.update({f"critic/{k}": v for k, v in critic_stats.items()})

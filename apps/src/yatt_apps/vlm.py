@@ -203,7 +203,7 @@ def vlm_step(
     if val_rows is not None and cfg.run.eval_every and ctx.step % cfg.run.eval_every == 0:
         with ctx.phase("eval"):
             sums.update(evaluate(ctx, val_rows, cfg, tok))
-    return summarize(ctx.all_reduce(sums), stats, ctx.world_size)
+    return summarize(ctx.all_reduce(sums), stats)
 
 
 def step_function(cfg: RunConfig, policy_dir: str, val_rows=None):

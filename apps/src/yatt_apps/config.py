@@ -40,6 +40,9 @@ class ModelSpec(_Config, kw_only=True):
     num_params: float = 0.0  # for placement planning; 0: counted from the model where it is built
     tensor_parallel: int = 1
     trust_remote_code: bool = False
+    # the engine serving this model where it is served (the judge's; the policy's is `rollout.engine`)
+    engine: Literal["hf", "vllm"] = "hf"
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
 
 
 class DataSpec(_Config, kw_only=True):
@@ -66,6 +69,19 @@ class PlacementConfig(_Config, kw_only=True):
     mode: PlacementMode = "colocated"
     cluster: ClusterSpec = ClusterSpec(num_nodes=1, devices_per_node=2, device_memory_gb=16.0)
     cpus_per_device: float = 1.0
+
+
+class RolloutSpec(_Config, kw_only=True):
+    """How the policy's completions are produced: the engine, multi-turn environments, async behaviour."""
+
+    engine: Literal["hf", "vllm"] = "hf"
+    env: str = ""  # a registered multi-turn environment (yatt_rollout); "": single-turn completions
+    max_turns: int = 1
+    partial: bool = False  # async: pause in-flight generations at a weight update and resume them
+
+    def __post_init__(self) -> None:
+        if self.max_turns < 1:
+            raise ValueError(f"rollout.max_turns must be >= 1, got {self.max_turns}")
 
 
 class RunSpec(_Config, kw_only=True):
@@ -139,6 +155,7 @@ class RunConfig(_Config, kw_only=True):
     capo: CapoSpec = CapoSpec()  # capo
     dynamic_sampling: DynamicSamplingSpec = DynamicSamplingSpec()  # dapo
     critic_optim: OptimConfig | None = None  # ppo's critic; None: the policy's `optim`
+    rollout: RolloutSpec = RolloutSpec()
 
     def __post_init__(self) -> None:
         if self.run.prompts_per_step % self.controller.num_controllers:

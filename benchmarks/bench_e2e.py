@@ -105,12 +105,12 @@ def yatt_config(policy_dir: str, args: argparse.Namespace, num_steps: int):
 
 
 def run_yatt(policy_dir: str, root: Path, args: argparse.Namespace) -> dict:
-    from yatt_apps.grpo import step_function
+    from yatt_apps.grpo import JOB
     from yatt_apps.launch import run_job
 
     cfg = yatt_config(policy_dir, args, args.warmup + args.steps)
     started = time.perf_counter()
-    summary = run_job(cfg, root / "yatt-run", step_function)
+    summary = run_job(cfg, root / "yatt-run", JOB)
     rows = [json.loads(line) for line in (root / "yatt-run" / "metrics.jsonl").read_text().splitlines()]
     timed = [row for row in rows if row["step"] >= args.warmup]
     assert len(timed) == args.steps, f"YATT logged {len(rows)} steps, expected {args.warmup + args.steps}"

@@ -168,7 +168,7 @@ def test_vlm_prompt_and_batch(tmp_path):
     import msgspec
     from transformers import Qwen2VLImageProcessorPil
     from yatt_apps.data import PromptRow, load_rows
-    from yatt_apps.grpo import pad_batch, render_prompt
+    from yatt_apps.phases import pad_batch, render_prompt
     from yatt_apps.vlm import prompt_vision, vision_batch, write_image_task
     from yatt_rollout.tiny import VISION_TOKENS, train_tokenizer
 

@@ -4,7 +4,7 @@ the field, file or row, before any Ray process starts."""
 import json
 
 import pytest
-from yatt_apps.cli import main
+from yatt_apps.cli import STEP_FACTORIES, _load, main
 from yatt_apps.config import PRESETS, RunConfig
 from yatt_apps.launch import placement_plan
 
@@ -13,7 +13,7 @@ from yatt_apps.launch import placement_plan
 def test_presets_validate_and_plan(name):
     cfg = PRESETS[name]()
     assert isinstance(cfg, RunConfig)
-    plan = placement_plan(cfg)
+    plan = placement_plan(cfg, _load(STEP_FACTORIES[cfg.app]))
     actor = next(r for r in plan.roles if r.role == "actor")
     assert len(actor.replicas) == cfg.controller.num_controllers  # one controller per data-parallel rank
 
@@ -75,4 +75,4 @@ def test_overlong_prompt_exits_2_naming_the_row(tmp_path, capsys):
     run_dir = tmp_path / "run"
     assert main(["grpo", "--set", f"data.train={data}", "--set", "data.max_prompt_tokens=40",
                  "--run-dir", str(run_dir)]) == 2  # fmt: skip
-    assert "train.jsonl: row 1: prompt has" in capsys.readouterr().err
+    assert "train.jsonl:2: prompt has" in capsys.readouterr().err  # the 1-based line

@@ -22,18 +22,21 @@ from typing import Any
 
 from yatt_apps.config import CapoSpec, RunConfig
 from yatt_apps.data import PromptRow
-from yatt_apps.grpo import (
-    evaluate,
-    flat,
-    generate,
+from yatt_apps.jobs import JobDef, build_services
+from yatt_apps.phases import (
+    generate_and_score,
+    maybe_evaluate,
     old_logprobs,
     pad_batch,
     render_prompt,
     sample_seed,
     sample_sums,
-    score,
+    sleep_engines,
     summarize,
+    sync_weights,
     tokenizer,
+    train,
+    wake_engines,
 )
 from yatt_apps.workers import RewardWorker
 
@@ -65,24 +68,15 @@ class CritiqueWorker(RewardWorker):
 
         return [msgspec.to_builtins(c) for c in asyncio.run(self.critic.critique(requests))]
 
+    def score_and_critique(self, requests: list) -> dict[str, Any]:
+        """The rule terms (r_v) and the K step critiques of each request, in one call (one stream stage)."""
+        return {**self.score(requests), "critiques": self.critique(requests)}
 
-def critique(ctx, rows: list[PromptRow], completions: list, owner: list[int], tok) -> list:
-    """A `StepCritique` per completion from this controller's reward replicas (K critiques each)."""
-    import msgspec
-    from yatt_multimodal.types import RewardRequest, StepCritique
+    def sleep(self, level: int = 1) -> None:
+        self.critic.engine.sleep(level)
 
-    requests = [
-        RewardRequest(
-            request_id=c.request_id + f"-r{c.index}",
-            prompt=rows[g].prompt,
-            response=tok.decode(c.token_ids, skip_special_tokens=True),
-            reference=rows[g].answer,
-            response_token_ids=list(c.token_ids),
-        )
-        for c, g in zip(completions, owner, strict=True)
-    ]
-    parts = ctx.get(ctx.services["reward"].scatter("critique", requests))
-    return [msgspec.convert(d, StepCritique) for d in flat(parts)]
+    def wake_up(self) -> None:
+        self.critic.engine.wake_up()
 
 
 def capo_credit(verifier, critiques: list, prompt_lens: list[int], response_mask, group_ids, spec: CapoSpec,
@@ -122,52 +116,51 @@ def capo_step(
     ctx, rows: list[PromptRow], *, cfg: RunConfig, policy_dir: str, val_rows=None
 ) -> dict[str, float]:
     """One CAPO step on this controller's `rows`; returns metrics already reduced over controllers."""
+    import msgspec
     import torch
+    from yatt_multimodal.types import StepCritique
 
     tok = tokenizer(policy_dir)
 
-    with ctx.phase("rollout"):  # n completions per prompt, on this controller's rollout replicas
+    with ctx.phase("rollout_reward"):  # completions streamed into the verifier r_v and K step critiques each
         prompt_ids = [render_prompt(tok, row, cfg.data.system_prompt) for row in rows]
         tag = f"s{ctx.step}-c{ctx.rank}"
-        completions, owner = generate(ctx, rows, prompt_ids, cfg.sampling, tag, sample_seed(cfg, ctx))
-
-    with ctx.phase("reward"):  # the verifier r_v, then K step critiques per response
-        scored = score(ctx, rows, completions, owner, tok)
-        critiques = critique(ctx, rows, completions, owner, tok)
+        scored = generate_and_score(ctx, rows, prompt_ids, cfg.sampling, tag, sample_seed(cfg, ctx), tok,
+                                    method="score_and_critique", token_ids=True)  # fmt: skip
+        critiques = [msgspec.convert(d, StepCritique) for d in scored.extra["critiques"]]
+    sums = maybe_evaluate(ctx, val_rows, cfg, tok)
+    sleep_engines(ctx, cfg)
 
     with ctx.phase("advantages"):  # vote, token rewards, normalize over each prompt's tokens
-        kept = [i for i, k in enumerate(scored["keep"]) if k]
-        batch = pad_batch([prompt_ids[owner[i]] for i in kept], [completions[i].token_ids for i in kept],
-                          tok.pad_token_id)  # fmt: skip
-        group_ids = torch.tensor([owner[i] for i in kept])
-        verifier = torch.tensor([scored["scores"][i] for i in kept], dtype=torch.float32)
+        kept = [i for i, k in enumerate(scored.keep) if k]
+        batch = pad_batch([prompt_ids[scored.owner[i]] for i in kept],
+                          [scored.completions[i].token_ids for i in kept], tok.pad_token_id)  # fmt: skip
+        group_ids = torch.tensor([scored.owner[i] for i in kept])
+        verifier = torch.tensor([scored.scores[i] for i in kept], dtype=torch.float32)
         _, advantages, counts = capo_credit(
-            verifier, [critiques[i] for i in kept], [len(prompt_ids[owner[i]]) for i in kept],
+            verifier, [critiques[i] for i in kept], [len(prompt_ids[scored.owner[i]]) for i in kept],
             batch["response_mask"], group_ids, cfg.capo, eps=cfg.algo.adv_eps,
         )  # fmt: skip
 
-    with ctx.phase("logprobs"):  # old (this policy) and reference logprobs, on this controller's learner rank
-        lp, rollout_lp = old_logprobs(ctx, batch, [completions[i] for i in kept])
+    with ctx.phase(
+        "logprobs"
+    ):  # old (this policy) and reference logprobs, on this controller's learner ranks
+        lp, rollout_lp = old_logprobs(ctx, batch, [scored.completions[i] for i in kept])
 
     with ctx.phase("train"):  # PPO-clip, SPMD across controllers
         logprobs = {k: v for k, v in lp.items() if k != "entropy"}
         experience = {**batch, **logprobs, "advantages": advantages, "rollout_logprobs": rollout_lp,
                       "group_ids": group_ids}  # fmt: skip
-        stats = ctx.get(ctx.learner.rank_zero("train", experience))
+        stats = train(ctx, experience)
 
     with ctx.phase("weight_sync"):
-        ctx.sync_weights()
+        wake_engines(ctx, cfg)
+        sync_weights(ctx)
 
-    sums = sample_sums(
-        verifier.tolist(), len(completions) - len(kept), len(rows), completions,
-        batch["response_mask"], lp, rollout_lp, scored,
-    )  # fmt: skip
+    sums |= sample_sums(scored, kept, len(rows), batch["response_mask"], lp, rollout_lp)
     sums |= counts
-    if val_rows is not None and cfg.run.eval_every and ctx.step % cfg.run.eval_every == 0:
-        with ctx.phase("eval"):
-            sums.update(evaluate(ctx, val_rows, cfg, tok))
     total = ctx.all_reduce(sums)
-    return summarize(total, stats) | capo_metrics(total)
+    return summarize(total, stats, ctx.world_size) | capo_metrics(total)
 
 
 def capo_metrics(total: dict[str, float]) -> dict[str, float]:
@@ -180,9 +173,22 @@ def capo_metrics(total: dict[str, float]) -> dict[str, float]:
     }
 
 
-def step_function(cfg: RunConfig, policy_dir: str, val_rows=None):
+def check(cfg: RunConfig) -> None:
     if cfg.judge is None:
         raise ValueError("capo needs judge (the critic model): set judge.path or use --preset tiny_cpu_capo")
     if any(spec.kind == "genrm" for spec in cfg.rewards):
         raise ValueError("capo's rewards must be rule terms (the verifier r_v): remove the 'genrm' term")
+
+
+def step_function(cfg: RunConfig, policy_dir: str, val_rows=None):
+    check(cfg)
     return functools.partial(capo_step, cfg=cfg, policy_dir=policy_dir, val_rows=val_rows)
+
+
+def capo_services(pool, *, cfg: RunConfig, policy_dir: str, judge_dir: str):
+    """The default services with CAPO's reward service: the rule terms and the step critic on the judge."""
+    return build_services(pool, cfg=cfg, policy_dir=policy_dir, judge_dir=judge_dir,
+                          reward_cls=CritiqueWorker, reward_args=(cfg, judge_dir, policy_dir))  # fmt: skip
+
+
+JOB = JobDef(step=step_function, build=capo_services, check=check)

@@ -35,13 +35,13 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
               "yatt_apps.merge:main", "plain"),
 }  # fmt: skip
 
-# app name -> "module:function" returning the step function for (cfg, policy_dir, val_rows)
+# app name -> "module:JOB", the job's declaration (yatt_apps.jobs.JobDef): step, roles, services, checks
 STEP_FACTORIES: dict[str, str] = {
-    "grpo": "yatt_apps.grpo:step_function",
-    "dapo": "yatt_apps.dapo:step_function",
-    "ppo": "yatt_apps.ppo:step_function",
-    "capo": "yatt_apps.capo:step_function",
-    "grpo-vlm": "yatt_apps.vlm:step_function",
+    "grpo": "yatt_apps.grpo:JOB",
+    "dapo": "yatt_apps.dapo:JOB",
+    "ppo": "yatt_apps.ppo:JOB",
+    "capo": "yatt_apps.capo:JOB",
+    "grpo-vlm": "yatt_apps.vlm:JOB",
 }
 
 # job command -> its preset when --preset is not given (otherwise tiny_cpu)
@@ -147,7 +147,8 @@ def plan_main(args: argparse.Namespace) -> int:
 
     from yatt_apps.launch import placement_plan
 
-    plan = placement_plan(load_config(args))
+    cfg = load_config(args)
+    plan = placement_plan(cfg, _load(STEP_FACTORIES[cfg.app]))
     if not args.json:
         print(f"mode {plan.mode} on {plan.num_devices} devices: {plan.reason}")
         for role in plan.roles:

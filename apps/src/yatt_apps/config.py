@@ -15,7 +15,7 @@ import msgspec
 from yatt_algos.types import AlgoConfig, LearnerConfig, OptimConfig
 from yatt_controller.types import ControllerSpec
 from yatt_multimodal.types import JudgeSpec, RewardSpec
-from yatt_placement.types import ClusterSpec, PlacementMode
+from yatt_placement.types import ClusterSpec, PlacementMode, ReplanConfig
 from yatt_rollout.types import SamplingParams
 
 
@@ -69,6 +69,20 @@ class PlacementConfig(_Config, kw_only=True):
     mode: PlacementMode = "colocated"
     cluster: ClusterSpec = ClusterSpec(num_nodes=1, devices_per_node=2, device_memory_gb=16.0)
     cpus_per_device: float = 1.0
+    # colocated: the rollout engine's sleep level between generation and training (0: never sleep; 1: caches
+    # and weights off the accelerator; 2: weights discarded, restored by the next weight push)
+    sleep_level: int = 2
+    # partial / dynamic / disaggregated: rollout replicas at the start (0: the planner's split)
+    rollout_replicas: int = 0
+    # measured device-seconds per role and step (a `JobProfile`): the planner sizes the split from it
+    profile: dict[str, float] = {}
+    replan: ReplanConfig = ReplanConfig()  # dynamic: when a measured imbalance moves devices
+
+    def __post_init__(self) -> None:
+        if self.sleep_level not in (0, 1, 2):
+            raise ValueError(f"placement.sleep_level must be 0, 1 or 2, got {self.sleep_level}")
+        if self.rollout_replicas < 0:
+            raise ValueError(f"placement.rollout_replicas must be >= 0, got {self.rollout_replicas}")
 
 
 class RolloutSpec(_Config, kw_only=True):
@@ -84,6 +98,13 @@ class RolloutSpec(_Config, kw_only=True):
             raise ValueError(f"rollout.max_turns must be >= 1, got {self.max_turns}")
 
 
+class RaySpec(_Config, kw_only=True):
+    """Which Ray: `address` joins an existing cluster ("auto", "ray://host:10001", "host:6379") and uses its real
+    resources; empty starts the embedded local Ray ($RAY_ADDRESS is honoured when this is empty)."""
+
+    address: str = ""
+
+
 class RunSpec(_Config, kw_only=True):
     """The loop: how many steps, how many prompts each (global), evaluation, checkpoints, output."""
 
@@ -94,10 +115,15 @@ class RunSpec(_Config, kw_only=True):
     eval_every: int = 10  # evaluate the validation split every k steps (0: never); checkpoints: controller
     seed: int = 0
     progress: bool = True
+    # the learning-rate schedule spans this many steps' optimizer updates (0: num_steps, so extending a run with
+    # `yatt resume --set run.num_steps=N` stretches it); optim.num_training_steps is derived from it
+    schedule_steps: int = 0
 
     def __post_init__(self) -> None:
         if self.num_steps < 1 or self.prompts_per_step < 1:
             raise ValueError("run.num_steps and run.prompts_per_step must be >= 1")
+        if self.schedule_steps < 0:
+            raise ValueError(f"run.schedule_steps must be >= 0, got {self.schedule_steps}")
         if self.eval_every < 0:
             raise ValueError(f"run.eval_every must be >= 0, got {self.eval_every}")
 
@@ -156,6 +182,7 @@ class RunConfig(_Config, kw_only=True):
     dynamic_sampling: DynamicSamplingSpec = DynamicSamplingSpec()  # dapo
     critic_optim: OptimConfig | None = None  # ppo's critic; None: the policy's `optim`
     rollout: RolloutSpec = RolloutSpec()
+    ray: RaySpec = RaySpec()
 
     def __post_init__(self) -> None:
         if self.run.prompts_per_step % self.controller.num_controllers:

@@ -29,17 +29,22 @@ import msgspec
 
 from yatt_apps.config import DynamicSamplingSpec, RunConfig
 from yatt_apps.data import PromptRow
-from yatt_apps.grpo import (
-    evaluate,
-    generate,
+from yatt_apps.jobs import JobDef
+from yatt_apps.phases import (
+    Scored,
+    generate_and_score,
+    maybe_evaluate,
     old_logprobs,
     pad_batch,
     render_prompt,
     sample_seed,
     sample_sums,
-    score,
+    sleep_engines,
     summarize,
+    sync_weights,
     tokenizer,
+    train,
+    wake_engines,
 )
 
 
@@ -133,40 +138,53 @@ def dynamic_sample(ctx, rows: list[PromptRow], wave_fn: WaveFn, spec: DynamicSam
 
 
 def run_wave(ctx, rows: list[PromptRow], wave: int, *, cfg: RunConfig, tok, scored: list) -> list[Group]:
-    """Generate n completions per prompt, score them, add DAPO's overlong penalty, and mark the groups whose
-    shaped scores vary (yatt_algos' dynamic-sampling filter). Appends the raw `score` result to `scored`."""
+    """Generate n completions per prompt streamed into scoring, add DAPO's overlong penalty, and mark the
+    groups whose shaped scores vary (yatt_algos' dynamic-sampling filter). Appends the `Scored` to `scored`."""
     import torch
     from yatt_algos.filters import dynamic_sampling_filter, overlong_penalty
 
-    with ctx.phase("rollout"):
+    with ctx.phase("rollout_reward"):
         prompt_ids = [render_prompt(tok, row, cfg.data.system_prompt) for row in rows]
         tag = f"s{ctx.step}-c{ctx.rank}-w{wave}"
-        completions, owner = generate(ctx, rows, prompt_ids, cfg.sampling, tag, sample_seed(cfg, ctx, wave))
-    with ctx.phase("reward"):
-        result = score(ctx, rows, completions, owner, tok)
+        result = generate_and_score(
+            ctx, rows, prompt_ids, cfg.sampling, tag, sample_seed(cfg, ctx, wave), tok
+        )
         scored.append(result)
-        lengths = torch.tensor([len(c.token_ids) for c in completions])
-        shaped = torch.tensor(result["scores"], dtype=torch.float32) + overlong_penalty(
+        lengths = torch.tensor([len(c.token_ids) for c in result.completions])
+        shaped = torch.tensor(result.scores, dtype=torch.float32) + overlong_penalty(
             lengths, max_len=cfg.sampling.max_new_tokens, buffer_len=cfg.algo.overlong_buffer_len,
             penalty_factor=cfg.algo.overlong_penalty_factor,
         )  # fmt: skip
-        keep = torch.tensor(result["keep"], dtype=torch.bool)
-        ids = torch.tensor(owner)
+        keep = torch.tensor(result.keep, dtype=torch.bool)
+        ids = torch.tensor(result.owner)
         varied = set(dynamic_sampling_filter(shaped[keep], ids[keep]).kept_groups) if keep.any() else set()
     members: list[list[int]] = [[] for _ in rows]
-    for i, g in enumerate(owner):
-        if result["keep"][i]:
+    for i, g in enumerate(result.owner):
+        if result.keep[i]:
             members[g].append(i)
     return [
         Group(
             row=row,
             prompt_ids=prompt_ids[g],
-            completions=[completions[i] for i in members[g]],
+            completions=[result.completions[i] for i in members[g]],
             scores=[float(shaped[i]) for i in members[g]],
             varied=g in varied,
         )
         for g, row in enumerate(rows)
     ]
+
+
+def merge_scored(parts: list[Scored]) -> Scored:
+    """Every wave's scored completions as one record (for the step's statuses and reward terms)."""
+    return Scored(
+        completions=[c for p in parts for c in p.completions],
+        owner=[g for p in parts for g in p.owner],
+        scores=[x for p in parts for x in p.scores],
+        keep=[k for p in parts for k in p.keep],
+        statuses=[s for p in parts for s in p.statuses],
+        components=[c for p in parts for c in p.components],
+        stream={k: sum(p.stream.get(k, 0.0) for p in parts) for k in parts[0].stream} if parts else {},
+    )
 
 
 def dapo_step(
@@ -177,9 +195,11 @@ def dapo_step(
     from yatt_algos.advantages import ADVANTAGE_ESTIMATORS
 
     tok = tokenizer(policy_dir)
-    scored: list[dict[str, Any]] = []
+    scored: list[Scored] = []
     wave_fn = functools.partial(run_wave, ctx, cfg=cfg, tok=tok, scored=scored)
-    picked = dynamic_sample(ctx, rows, wave_fn, cfg.dynamic_sampling)  # rollout + reward phases, per wave
+    picked = dynamic_sample(ctx, rows, wave_fn, cfg.dynamic_sampling)  # rollout + reward, per wave
+    sums = maybe_evaluate(ctx, val_rows, cfg, tok)
+    sleep_engines(ctx, cfg)
 
     with ctx.phase("advantages"):  # over trained and padded groups; padded ones have zero variance
         groups = picked["trained"] + picked["padded"]
@@ -203,29 +223,25 @@ def dapo_step(
         logprobs = {k: v for k, v in lp.items() if k != "entropy"}
         experience = {**batch, "response_mask": loss_mask, **logprobs, "advantages": advantages,
                       "rollout_logprobs": rollout_lp, "group_ids": group_ids}  # fmt: skip
-        stats = ctx.get(ctx.learner.rank_zero("train", experience))
+        stats = train(ctx, experience)
 
     with ctx.phase("weight_sync"):
-        ctx.sync_weights()
+        wake_engines(ctx, cfg)
+        sync_weights(ctx)
 
-    merged = {"statuses": [s for r in scored for s in r["statuses"]], "components": {}}
-    for result in scored:
-        for name, value in result["components"].items():
-            merged["components"][name] = merged["components"].get(name, 0.0) + value
-    dropped = sum(r["keep"].count(False) for r in scored)  # scores the failure policy dropped, every wave
-    sums = sample_sums(
-        scores.tolist(), dropped, len(rows), samples, batch["response_mask"], lp, rollout_lp, merged
+    every = merge_scored(scored)
+    kept = [i for i, k in enumerate(every.keep) if k]  # per-term rewards over every wave's scored samples
+    sums |= sample_sums(
+        every, kept, len(rows), batch["response_mask"], lp, rollout_lp, scores=scores.tolist()
     )
+    sums["samples"] = float(len(samples))  # the trained batch (valid and padded groups)
     wave0 = [s for group in picked["wave0"] for s in group.scores]
     sums.update({"dapo/wave0_reward/sum": sum(wave0), "dapo/wave0_samples": float(len(wave0)),
                  "dapo/groups": float(len(picked["groups"])), "dapo/valid": float(sum(g.varied for g in picked["groups"])),
                  "dapo/trained": float(len(picked["trained"])), "dapo/padded": float(len(picked["padded"])), "dapo/surplus": float(picked["surplus"]),
                  "dapo/buffer": float(picked["buffer"])})  # fmt: skip
-    if val_rows is not None and cfg.run.eval_every and ctx.step % cfg.run.eval_every == 0:
-        with ctx.phase("eval"):
-            sums.update(evaluate(ctx, val_rows, cfg, tok))
     total = ctx.all_reduce(sums)
-    out = summarize({k: v for k, v in total.items() if not k.startswith("dapo/")}, stats)
+    out = summarize({k: v for k, v in total.items() if not k.startswith("dapo/")}, stats, ctx.world_size)
     return {**out, **dapo_metrics(total, picked["waves"], ctx.state["dapo"]["expansion"])}
 
 
@@ -245,3 +261,6 @@ def dapo_metrics(total: dict[str, float], waves: int, expansion: float) -> dict[
 
 def step_function(cfg: RunConfig, policy_dir: str, val_rows=None):
     return functools.partial(dapo_step, cfg=cfg, policy_dir=policy_dir, val_rows=val_rows)
+
+
+JOB = JobDef(step=step_function)

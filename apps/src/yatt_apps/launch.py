@@ -9,17 +9,18 @@ from __future__ import annotations
 
 import functools
 import os
-import socket
 import time
-from collections.abc import Callable
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from yatt_apps.config import ModelSpec, RunConfig
-from yatt_apps.data import PromptRow, arithmetic_task, check_prompt_lengths, load_rows
+from yatt_apps.config import RunConfig
+from yatt_apps.data import PromptRow, arithmetic_task, load_rows
+from yatt_apps.jobs import JobDef
 from yatt_apps.models import load_tokenizer, prepare_model, tokenizer_corpus
+from yatt_apps.row_sources import open_rows, stream_check
 from yatt_apps.rundir import RunDir
 
 # Set before Ray is imported. RAY_ENABLE_UV_RUN_RUNTIME_ENV=0: under `uv run`, Ray would otherwise package the
@@ -27,14 +28,13 @@ from yatt_apps.rundir import RunDir
 ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
        "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
 
-StepFactory = Callable[[RunConfig, str, Callable[[], list[PromptRow]] | None], Callable]
 
-
-def train_rows(cfg: RunConfig) -> list[PromptRow]:
+def train_rows(cfg: RunConfig) -> Sequence[PromptRow]:
+    """The training rows as a sequence read row by row (a controller loads only the rows of its shard)."""
     data = cfg.data
     if not data.train:
         return arithmetic_task(data.num_train_rows, seed=cfg.run.seed)
-    return load_rows(
+    return open_rows(
         data.train, prompt_key=data.prompt_key, answer_key=data.answer_key, image_key=data.image_key
     )
 
@@ -48,76 +48,54 @@ def val_rows(cfg: RunConfig) -> list[PromptRow]:
     )
 
 
-def _num_params(spec: ModelSpec) -> float:
-    """For planning: the spec's count, else the transformer estimate 12 L h^2 + 2 V h."""
-    return (
-        spec.num_params or 12 * spec.num_layers * spec.hidden_size**2 + 2 * spec.vocab_size * spec.hidden_size
-    )
-
-
-def placement_plan(cfg: RunConfig):
-    """Roles from the config: the trained policy (actor), rollout, and the reward service (genrm with a judge)."""
+def placement_plan(cfg: RunConfig, job: JobDef):
+    """The job's roles placed on the configured cluster, sized from `placement.profile` when one is given."""
     from yatt_placement.planner import plan
-    from yatt_placement.types import RoleSpec
+    from yatt_placement.types import JobProfile
 
-    policy = _num_params(cfg.model)
-    roles = [
-        RoleSpec(role="actor", num_params=policy, trainable=True, tensor_parallel=cfg.model.tensor_parallel),
-        RoleSpec(role="rollout", num_params=policy, tensor_parallel=cfg.model.tensor_parallel),
-    ]
-    if cfg.app == "ppo":  # the value model: the policy's backbone with a one-label head, trained beside it
-        roles.append(
-            RoleSpec(
-                role="critic", num_params=policy, trainable=True, tensor_parallel=cfg.model.tensor_parallel
-            )
-        )
-    if cfg.judge is not None:
-        roles.append(
-            RoleSpec(
-                role="genrm", num_params=_num_params(cfg.judge), tensor_parallel=cfg.judge.tensor_parallel
-            )
-        )
-    else:
-        roles.append(RoleSpec(role="reward", num_params=1e6))
-    return plan(cfg.placement.cluster, roles, cfg.placement.mode)
+    profile = JobProfile(device_seconds=cfg.placement.profile) if cfg.placement.profile else None
+    return plan(cfg.placement.cluster, job.roles(cfg), cfg.placement.mode, profile=profile)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def replan_hook(cfg: RunConfig, job: JobDef, plan):
+    """Dynamic placement: the driver's per-step hook. It turns the hosts' measured busy seconds of the step
+    (device-seconds per role) into `PhaseStats` (mean busy seconds per device of each movable role) for
+    `DynamicReplanner`, and returns the new plan it decides (applied by the runtime at the next weight-sync
+    boundary), else None."""
+    if cfg.placement.mode != "dynamic":
+        return None
+    from yatt_placement.replanner import DynamicReplanner
+    from yatt_placement.types import PhaseStats
+
+    planner = DynamicReplanner(cfg.placement.cluster, job.roles(cfg), plan, cfg.placement.replan)
+
+    def replan(step: int, busy: dict[str, float]):
+        devices = {key: planner.devices(key) for key in planner.movable()}
+        per_device = {key: busy.get(key, 0.0) / n for key, n in devices.items()}
+        step_time = max(max(per_device.values(), default=0.0), 1e-6)
+        return planner.observe(PhaseStats(step=step, step_time_s=step_time, busy_s=per_device, num_devices=devices))
+
+    return replan
 
 
-def _build(pool, *, cfg: RunConfig, policy_dir: str, judge_dir: str):
-    from yatt_controller.runner import Services
-    from yatt_controller.sync import WeightSync
-    from yatt_controller.worker_group import WorkerGroup
+def optimizer_updates_per_step(cfg: RunConfig) -> int:
+    """Optimizer steps one RL step makes on a learner rank: updates per batch x mini-batches per update."""
+    samples = cfg.run.prompts_per_step * cfg.sampling.n
+    ranks = cfg.placement.cluster.num_devices if cfg.placement.mode != "disaggregated" else 0
+    per_rank = samples // max(ranks or cfg.controller.num_controllers, 1)
+    mini = cfg.optim.mini_batch_size
+    return cfg.algo.num_updates_per_batch * (-(-per_rank // mini) if mini else 1)
 
-    from yatt_apps.workers import PolicyWorker, RewardWorker, RolloutWorker
 
-    actor = WorkerGroup.create(
-        pool, "actor", PolicyWorker, args=(cfg, policy_dir, _free_port()), pass_worker_info=True
-    )
-    rollout = WorkerGroup.create(pool, "rollout", RolloutWorker, args=(cfg, policy_dir))
-    if cfg.app == "capo":  # the reward service also hosts the step critic on the judge model
-        from yatt_apps.capo import CritiqueWorker
-
-        reward = WorkerGroup.create(pool, "genrm", CritiqueWorker, args=(cfg, judge_dir, policy_dir))
-    else:
-        reward = WorkerGroup.create(
-            pool, "genrm" if judge_dir else "reward", RewardWorker, args=(cfg, judge_dir)
-        )
-    groups = {"actor": actor, "rollout": rollout, "reward": reward}
-    if cfg.app == "ppo":
-        from yatt_apps.ppo import CriticWorker
-
-        groups["critic"] = WorkerGroup.create(
-            pool, "critic", CriticWorker, args=(cfg, policy_dir, _free_port()), pass_worker_info=True
-        )
-    mode = "colocated" if cfg.placement.mode == "colocated" else "broadcast"
-    sync = WeightSync(actor, [rollout], mode=mode)
-    stateful = ("critic",) if "critic" in groups else ()  # its weights and optimizer go into every checkpoint
-    return Services(groups=groups, learner="actor", weight_sync=sync, checkpointed=stateful)
+def with_schedule(cfg: RunConfig) -> RunConfig:
+    """The LR schedule spans the run's optimizer updates (run.schedule_steps or run.num_steps, x updates per
+    step), whatever optim.num_training_steps said, so the learning rate reaches its floor at the last step."""
+    total = (cfg.run.schedule_steps or cfg.run.num_steps) * optimizer_updates_per_step(cfg)
+    optim = msgspec.structs.replace(cfg.optim, num_training_steps=max(total, cfg.optim.num_warmup_steps + 1))
+    critic = cfg.critic_optim
+    if critic is not None:
+        critic = msgspec.structs.replace(critic, num_training_steps=max(total, critic.num_warmup_steps + 1))
+    return msgspec.structs.replace(cfg, optim=optim, critic_optim=critic)
 
 
 class StepLogger:
@@ -149,14 +127,44 @@ class StepLogger:
             self.bar.close()
 
 
-def _init_ray(cfg: RunConfig) -> None:
+def _init_ray(cfg: RunConfig) -> bool:
+    """Join the cluster at `ray.address` (or $RAY_ADDRESS) with its real resources, or start the embedded
+    local Ray declaring the config's devices as logical GPUs. False: Ray was already up (an embedding
+    program's, or a test's shared session), and the job leaves it running."""
     import ray
 
     if ray.is_initialized():
-        return
+        return False
+    address = cfg.ray.address or os.environ.get("RAY_ADDRESS", "")
+    if address:
+        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+        return True
     devices = cfg.placement.cluster.num_devices
-    ray.init(num_cpus=int(devices * cfg.placement.cpus_per_device) + 4, num_gpus=devices, include_dashboard=False,
-             object_store_memory=512 * 2**20, log_to_driver=False)  # fmt: skip
+    ray.init(address="local", num_cpus=int(devices * cfg.placement.cpus_per_device) + 4, num_gpus=devices,
+             include_dashboard=False, object_store_memory=512 * 2**20, log_to_driver=False)  # fmt: skip
+    return True
+
+
+def prepare_models(cfg: RunConfig, run: RunDir) -> tuple[str, str]:
+    """The policy's and the judge's model directories; tiny ones are built with a tokenizer trained on the
+    task's text (the only time the driver reads every row's text)."""
+    tiny = not cfg.model.path or (cfg.judge is not None and not cfg.judge.path)
+    judge_text = ["Verify the solution step by step. Is the answer correct? Yes No"]
+    rows = train_rows(cfg)
+    corpus = tokenizer_corpus((rows[i] for i in range(len(rows))), judge_text) if tiny else []
+    policy_dir = str(prepare_model(cfg.model, run.path / "models" / "policy", corpus))
+    judge_dir = str(prepare_model(cfg.judge, run.path / "models" / "judge", corpus)) if cfg.judge else ""
+    return policy_dir, judge_dir
+
+
+def check_data(cfg: RunConfig, policy_dir: str) -> None:
+    """Every training row validated and its prompt length checked, one row at a time, none held."""
+    from yatt_apps.phases import render_prompt
+
+    tok = load_tokenizer(policy_dir)
+    system, limit = cfg.data.system_prompt, cfg.data.max_prompt_tokens
+    for _ in stream_check(train_rows(cfg), lambda row: len(render_prompt(tok, row, system)), limit):
+        pass
 
 
 def absolute_paths(cfg: RunConfig) -> RunConfig:
@@ -172,27 +180,19 @@ def absolute_paths(cfg: RunConfig) -> RunConfig:
     return replace(cfg, data=data, model=model, judge=judge)
 
 
-def run_job(cfg: RunConfig, run_dir: str | Path, step_factory: StepFactory) -> dict[str, Any]:
+def run_job(cfg: RunConfig, run_dir: str | Path, job: JobDef) -> dict[str, Any]:
     """Run (or resume, when `run_dir` holds checkpoints) `cfg` and return the last step's metrics."""
     for key, value in ENV.items():
         os.environ.setdefault(key, value)
+    if job.check is not None:
+        job.check(cfg)
     run = RunDir(Path(run_dir).resolve())  # absolute: workers do not share the driver's working directory
     cfg = absolute_paths(cfg)
     run.write_config(cfg)
-    rows = train_rows(cfg)  # read once here to fail fast on bad data; controllers read their own shards
-    judge_text = ["Verify the solution step by step. Is the answer correct? Yes No"]
-    corpus = tokenizer_corpus(rows, judge_text)
-    policy_dir = str(prepare_model(cfg.model, run.path / "models" / "policy", corpus))
-    judge_dir = str(prepare_model(cfg.judge, run.path / "models" / "judge", corpus)) if cfg.judge else ""
-    tok = load_tokenizer(policy_dir)
-    from yatt_apps.grpo import render_prompt
-
-    lengths = [len(render_prompt(tok, row, cfg.data.system_prompt)) for row in rows]
-    check_prompt_lengths(
-        rows, lengths, cfg.data.max_prompt_tokens, cfg.data.train or "embedded arithmetic task"
-    )
-    plan = placement_plan(cfg)
-    del rows, tok
+    cfg = with_schedule(cfg)
+    policy_dir, judge_dir = prepare_models(cfg, run)
+    check_data(cfg, policy_dir)  # streamed: fail fast on bad data; controllers read their own shards
+    plan = placement_plan(cfg, job)
 
     import ray
     from yatt_controller import checkpoint
@@ -200,24 +200,26 @@ def run_job(cfg: RunConfig, run_dir: str | Path, step_factory: StepFactory) -> d
     from yatt_controller.runner import run as run_controllers
     from yatt_placement.realize import realize, release
 
-    _init_ray(cfg)
+    owns_ray = _init_ray(cfg)
     realized = realize(plan, cpus_per_device=cfg.placement.cpus_per_device)
     found = checkpoint.latest(str(run.checkpoints))
     start = 0 if found is None else found[1].step + 1
     logger = StepLogger(run, cfg.run.num_steps, start, cfg.run.progress)
-    job = Job(
-        build=functools.partial(_build, cfg=cfg, policy_dir=policy_dir, judge_dir=judge_dir),
-        step_fn=step_factory(cfg, policy_dir, functools.partial(val_rows, cfg)),
+    runtime = Job(
+        build=functools.partial(job.build, cfg=cfg, policy_dir=policy_dir, judge_dir=judge_dir),
+        step_fn=job.step(cfg, policy_dir, functools.partial(val_rows, cfg)),
         dataset=functools.partial(train_rows, cfg), batch_size=cfg.run.prompts_per_step,
         num_steps=cfg.run.num_steps, checkpoint_dir=str(run.checkpoints), on_step=logger,
+        replan=replan_hook(cfg, job, plan),
     )  # fmt: skip
     started = time.perf_counter()
     try:
-        result = run_controllers(cfg.controller, job, realized)
+        result = run_controllers(cfg.controller, runtime, realized)
     finally:
         logger.close()
         release(realized)
-        ray.shutdown()
+        if owns_ray:
+            ray.shutdown()
         plot = run.close()
     return {**logger.last, "restarts": result.restarts, "driver_bytes": result.driver_bytes,
             "seconds": time.perf_counter() - started, "run_dir": str(run.path), "plot": str(plot)}  # fmt: skip

@@ -20,39 +20,43 @@ from typing import Any
 
 from yatt_apps.config import RunConfig
 from yatt_apps.data import PromptRow
-from yatt_apps.grpo import (
-    evaluate,
-    generate,
+from yatt_apps.jobs import JobDef, build_services, policy_roles
+from yatt_apps.phases import (
+    generate_and_score,
+    maybe_evaluate,
     old_logprobs,
     pad_batch,
     render_prompt,
     sample_seed,
     sample_sums,
-    score,
+    sleep_engines,
     summarize,
+    sync_weights,
     tokenizer,
+    train,
+    wake_engines,
 )
 
 
 class CriticWorker:
     """One data-parallel rank of the critic. Colocated with the policy learner rank, it shares that host
     process's torch.distributed group (calls on one host run one at a time, in the same order on every rank,
-    so the two learners' collectives never interleave); alone on its device it opens its own at `port`."""
+    so the two learners' collectives never interleave); alone on its device it opens its own under `key`."""
 
-    def __init__(self, cfg: RunConfig, model_dir: str, port: int, *, worker_info: Any) -> None:
+    def __init__(self, cfg: RunConfig, model_dir: str, key: str, *, worker_info: Any) -> None:
         import torch
         import torch.distributed as dist
         from transformers import AutoModelForTokenClassification
         from yatt_algos.learner.torch_backend import TorchCriticLearner
+
+        from yatt_apps.workers import join_learner_group
 
         torch.set_num_threads(1)  # several hosted roles share a CPU core on the tiny preset
         torch.manual_seed(cfg.run.seed + 1)  # the value head's init; identical on every rank
         group = None
         if worker_info.dp_size > 1:
             if not dist.is_initialized():
-                backend = "nccl" if torch.cuda.is_available() else "gloo"
-                dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=worker_info.dp_rank,
-                                        world_size=worker_info.dp_size)  # fmt: skip
+                join_learner_group(worker_info, key)
             if dist.get_world_size() != worker_info.dp_size:
                 raise ValueError(
                     f"the critic has {worker_info.dp_size} data-parallel ranks but its host's process group has "
@@ -113,29 +117,26 @@ def ppo_step(
     tok = tokenizer(policy_dir)
     critic = ctx.services["critic"]
 
-    with ctx.phase("rollout"):
+    with ctx.phase("rollout_reward"):  # generation streamed into the rule rewards
         prompt_ids = [render_prompt(tok, row, cfg.data.system_prompt) for row in rows]
         tag = f"s{ctx.step}-c{ctx.rank}"
-        completions, owner = generate(ctx, rows, prompt_ids, cfg.sampling, tag, sample_seed(cfg, ctx))
-
-    with ctx.phase("reward"):
-        scored = score(ctx, rows, completions, owner, tok)
-        kept = [i for i, k in enumerate(scored["keep"]) if k]
-        samples = [completions[i] for i in kept]
+        scored = generate_and_score(ctx, rows, prompt_ids, cfg.sampling, tag, sample_seed(cfg, ctx), tok)
+        kept = [i for i, k in enumerate(scored.keep) if k]
+        samples = [scored.completions[i] for i in kept]
         batch = pad_batch(
-            [prompt_ids[owner[i]] for i in kept], [c.token_ids for c in samples], tok.pad_token_id
+            [prompt_ids[scored.owner[i]] for i in kept], [c.token_ids for c in samples], tok.pad_token_id
         )
         mask = batch["response_mask"]
+    sums = maybe_evaluate(ctx, val_rows, cfg, tok)
+    sleep_engines(ctx, cfg)
 
-    with ctx.phase(
-        "logprobs"
-    ):  # policy and reference on the learner rank, values on the critic rank beside it
-        values_ref = critic.rank_zero("values", batch)
+    with ctx.phase("logprobs"):  # policy and reference on the learner ranks, values on the critic beside them
+        values_refs = critic.shard_rows("values", batch)
         lp, rollout_lp = old_logprobs(ctx, batch, samples)
-        values = ctx.get(values_ref)
+        values = torch.cat(ctx.get(values_refs))
 
     with ctx.phase("advantages"):  # score on the last token, minus coef * KL on every token; GAE
-        scores = torch.tensor([scored["scores"][i] for i in kept], dtype=torch.float32)
+        scores = torch.tensor([scored.scores[i] for i in kept], dtype=torch.float32)
         token_rewards = torch.zeros(mask.shape)
         last = mask.long().cumsum(-1).argmax(-1)  # [B] position of each row's last response token
         token_rewards[torch.arange(len(kept)), last] = scores
@@ -147,24 +148,19 @@ def ppo_step(
         )
         advantages = whiten_across(ctx, advantages, mask)
 
-    with ctx.phase("train"):  # the policy and the critic, each SPMD across controllers
+    with ctx.phase("train"):  # the policy, then the critic, each SPMD across controllers
         logprobs = {k: v for k, v in lp.items() if k != "entropy"}
-        experience = {**batch, **logprobs, "advantages": advantages, "rollout_logprobs": rollout_lp}
-        critic_batch = {**batch, "returns": returns, "old_values": values}
-        refs = [ctx.learner.rank_zero("train", experience), critic.rank_zero("train", critic_batch)]
-        stats, critic_stats = ctx.get(refs)
+        stats = train(ctx, {**batch, **logprobs, "advantages": advantages, "rollout_logprobs": rollout_lp})
+        critic_stats = train(ctx, {**batch, "returns": returns, "old_values": values}, group="critic")
 
     with ctx.phase("weight_sync"):
-        ctx.sync_weights()
+        wake_engines(ctx, cfg)
+        sync_weights(ctx)
 
-    sums = sample_sums(scores.tolist(), len(completions) - len(kept), len(rows), samples, mask, lp, rollout_lp,
-                       scored)  # fmt: skip
+    sums |= sample_sums(scored, kept, len(rows), mask, lp, rollout_lp)
     sums["ppo/kl_reward/sum"] = float(mean_kl) * float(mask.sum())  # KL per token x tokens
-    if val_rows is not None and cfg.run.eval_every and ctx.step % cfg.run.eval_every == 0:
-        with ctx.phase("eval"):
-            sums.update(evaluate(ctx, val_rows, cfg, tok))
     total = ctx.all_reduce(sums)
-    out = summarize({k: v for k, v in total.items() if not k.startswith("ppo/")}, stats)
+    out = summarize({k: v for k, v in total.items() if not k.startswith("ppo/")}, stats, ctx.world_size)
     tokens = max(total["response_tokens"], 1.0)
     # the critic's stats are global (reduced in its learner): vf_loss, value_mean, return_mean, explained var
     out.update({f"critic/{k}": v for k, v in critic_stats.items()})
@@ -174,3 +170,21 @@ def ppo_step(
 
 def step_function(cfg: RunConfig, policy_dir: str, val_rows=None):
     return functools.partial(ppo_step, cfg=cfg, policy_dir=policy_dir, val_rows=val_rows)
+
+
+def ppo_services(pool, *, cfg: RunConfig, policy_dir: str, judge_dir: str):
+    """The default services plus the critic beside the actor; its weights and optimizer are checkpointed."""
+    import uuid
+
+    from yatt_controller.worker_group import WorkerGroup
+
+    def critic(pool, groups) -> tuple[str, ...]:
+        key = f"yatt-critic-{uuid.uuid4().hex}"
+        args = (cfg, policy_dir, key)
+        groups["critic"] = WorkerGroup.create(pool, "critic", CriticWorker, args=args, pass_worker_info=True)
+        return ("critic",)
+
+    return build_services(pool, cfg=cfg, policy_dir=policy_dir, judge_dir=judge_dir, extra=critic)
+
+
+JOB = JobDef(step=step_function, roles=functools.partial(policy_roles, critic=True), build=ppo_services)

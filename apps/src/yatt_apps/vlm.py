@@ -24,17 +24,21 @@ import msgspec
 
 from yatt_apps.config import RunConfig
 from yatt_apps.data import PromptRow
-from yatt_apps.grpo import (
-    evaluate,
-    generate,
+from yatt_apps.jobs import JobDef
+from yatt_apps.phases import (
+    generate_and_score,
+    maybe_evaluate,
     old_logprobs,
     pad_batch,
     render_prompt,
     sample_seed,
     sample_sums,
-    score,
+    sleep_engines,
     summarize,
+    sync_weights,
     tokenizer,
+    train,
+    wake_engines,
 )
 
 _PROCESSORS: dict[str, Any] = {}  # per controller process: model dir -> image processor
@@ -158,53 +162,49 @@ def vlm_step(
     tok, processor = tokenizer(policy_dir), image_processor(policy_dir)
     vision_ids = set(tok.convert_tokens_to_ids(list(VISION_TOKENS)))
 
-    with ctx.phase("rollout"):  # the engine loads each row's images and expands its placeholders
+    with ctx.phase("rollout_reward"):  # the engine loads each row's images; rule terms on the response text
         prompt_ids = [render_prompt(tok, row, cfg.data.system_prompt) for row in rows]
         tag = f"s{ctx.step}-c{ctx.rank}"
-        completions, owner = generate(ctx, rows, prompt_ids, cfg.sampling, tag, sample_seed(cfg, ctx))
-
-    with ctx.phase("reward"):  # rule terms on the response text
-        scored = score(ctx, rows, completions, owner, tok)
-        scores = scored["scores"]
-        keep = [
-            k and not vision_ids & set(c.token_ids) for k, c in zip(scored["keep"], completions, strict=True)
-        ]
+        scored = generate_and_score(ctx, rows, prompt_ids, cfg.sampling, tag, sample_seed(cfg, ctx), tok)
+        scored.keep = [k and not vision_ids & set(c.token_ids) for k, c in zip(scored.keep, scored.completions,
+                                                                              strict=True)]  # fmt: skip
+    sums = maybe_evaluate(ctx, val_rows, cfg, tok)
+    sleep_engines(ctx, cfg)
 
     with ctx.phase("advantages"):  # expanded prompts and pixels per row, then group-normalized advantages
-        kept = [i for i, k in enumerate(keep) if k]
+        kept = [i for i, k in enumerate(scored.keep) if k]
+        samples = [scored.completions[i] for i in kept]
         vision = [prompt_vision(tok, processor, ids, row) for ids, row in zip(prompt_ids, rows, strict=True)]
-        batch = pad_batch([vision[owner[i]]["prompt_ids"] for i in kept], [completions[i].token_ids for i in kept],
+        batch = pad_batch([vision[scored.owner[i]]["prompt_ids"] for i in kept], [c.token_ids for c in samples],
                           tok.pad_token_id)  # fmt: skip
         batch |= vision_batch(
-            [vision[owner[i]] for i in kept], batch, tok.convert_tokens_to_ids("<|image_pad|>")
+            [vision[scored.owner[i]] for i in kept], batch, tok.convert_tokens_to_ids("<|image_pad|>")
         )
-        group_ids = torch.tensor([owner[i] for i in kept])
-        score_t = torch.tensor([scores[i] for i in kept], dtype=torch.float32)
+        group_ids = torch.tensor([scored.owner[i] for i in kept])
+        score_t = torch.tensor([scored.scores[i] for i in kept], dtype=torch.float32)
         advantages, _ = ADVANTAGE_ESTIMATORS[cfg.algo.adv_estimator](
             score_t, batch["response_mask"], cfg.algo, group_ids=group_ids
         )
 
     with ctx.phase("logprobs"):  # old and reference logprobs through the vision tower too
-        lp, rollout_lp = old_logprobs(ctx, batch, [completions[i] for i in kept])
+        lp, rollout_lp = old_logprobs(ctx, batch, samples)
 
     with ctx.phase("train"):  # SPMD across controllers
         logprobs = {k: v for k, v in lp.items() if k != "entropy"}
         experience = {**batch, **logprobs, "advantages": advantages, "rollout_logprobs": rollout_lp,
                       "group_ids": group_ids}  # fmt: skip
-        stats = ctx.get(ctx.learner.rank_zero("train", experience))
+        stats = train(ctx, experience)
 
     with ctx.phase("weight_sync"):
-        ctx.sync_weights()
+        wake_engines(ctx, cfg)
+        sync_weights(ctx)
 
-    sums = sample_sums(
-        [scores[i] for i in kept], len(keep) - len(kept), len(rows), completions, batch["response_mask"],
-        lp, rollout_lp, scored,
-    )  # fmt: skip
-    if val_rows is not None and cfg.run.eval_every and ctx.step % cfg.run.eval_every == 0:
-        with ctx.phase("eval"):
-            sums.update(evaluate(ctx, val_rows, cfg, tok))
-    return summarize(ctx.all_reduce(sums), stats)
+    sums |= sample_sums(scored, kept, len(rows), batch["response_mask"], lp, rollout_lp)
+    return summarize(ctx.all_reduce(sums), stats, ctx.world_size)
 
 
 def step_function(cfg: RunConfig, policy_dir: str, val_rows=None):
     return functools.partial(vlm_step, cfg=cfg, policy_dir=policy_dir, val_rows=val_rows)
+
+
+JOB = JobDef(step=step_function)

@@ -21,23 +21,58 @@ def _one_thread() -> None:
     torch.set_num_threads(1)  # several hosted roles share a CPU core on the tiny preset
 
 
+def join_learner_group(info: Any, key: str):
+    """The torch.distributed group of a learner's data-parallel ranks (None for one rank). Rank 0 binds its
+    store on a port the OS picks, on its node's IP, and publishes `ip:port` under `key` in Ray's key-value
+    store; the other ranks wait for it. No port is chosen by one process and bound by another (that races)."""
+    import torch
+    import torch.distributed as dist
+
+    if info.dp_size == 1:
+        return None
+    import datetime
+
+    import ray
+    from ray.experimental import internal_kv
+
+    timeout = datetime.timedelta(seconds=300)
+    if info.dp_rank == 0:
+        ip = ray.util.get_node_ip_address()
+        store = dist.TCPStore(ip, 0, info.dp_size, is_master=True, timeout=timeout, wait_for_workers=False)
+        internal_kv._internal_kv_put(key, f"{ip}:{store.port}", overwrite=True)
+    else:
+        store = _wait_for_store(key, info.dp_size, timeout)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, store=store, rank=info.dp_rank, world_size=info.dp_size, timeout=timeout)
+    return dist.group.WORLD
+
+
+def _wait_for_store(key: str, world: int, timeout):
+    import time
+
+    import torch.distributed as dist
+    from ray.experimental import internal_kv
+
+    deadline = time.monotonic() + timeout.total_seconds()
+    while (found := internal_kv._internal_kv_get(key)) is None:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"learner rank 0 never published its rendezvous {key!r}")
+        time.sleep(0.05)
+    ip, port = found.decode().rsplit(":", 1)
+    return dist.TCPStore(ip, int(port), world, is_master=False, timeout=timeout)
+
+
 class PolicyWorker:
     """One data-parallel rank of the policy learner (torch backend), plus the frozen reference model when
-    the objective has a KL term. Ranks meet in a gloo (CPU) or NCCL (GPU) group at `port` on localhost."""
+    the objective has a KL term. Ranks meet in a gloo (CPU) or NCCL (GPU) group published under `key`."""
 
-    def __init__(self, cfg: RunConfig, model_dir: str, port: int, *, worker_info: Any) -> None:
+    def __init__(self, cfg: RunConfig, model_dir: str, key: str, *, worker_info: Any) -> None:
         import torch
-        import torch.distributed as dist
         from yatt_algos.learner.torch_backend import TorchPolicyLearner
 
         _one_thread()
         torch.manual_seed(cfg.run.seed)
-        group = None
-        if worker_info.dp_size > 1:
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=worker_info.dp_rank,
-                                    world_size=worker_info.dp_size)  # fmt: skip
-            group = dist.group.WORLD
+        group = join_learner_group(worker_info, key)
         trust = cfg.model.trust_remote_code
         self.learner = TorchPolicyLearner(
             load_causal_lm(model_dir, trust_remote_code=trust), algo=cfg.algo, optim_config=cfg.optim,
@@ -102,6 +137,12 @@ class RolloutWorker:
     def load_weights(self, named: list, version: int) -> None:
         self.engine.load_weights(named, version)
 
+    def sleep(self, level: int = 1) -> None:
+        self.engine.sleep(level)
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
+
 
 class RewardWorker:
     """The weighted sum of `cfg.rewards`: rule terms and, when configured, a GenRM judge served by its own
@@ -121,16 +162,21 @@ class RewardWorker:
             model = load_causal_lm(judge_dir, trust_remote_code=trust)
             engine = HFEngine(model, tok, max_batch_size=256, seed=cfg.run.seed + 1)
             resources = {"engine": engine, "codec": HFChatCodec(tok), "seed": cfg.run.seed + 1}
+        self.engine = resources.get("engine")
         self.reward = build_combined(cfg.rewards, **resources)
+
+    def sleep(self, level: int = 1) -> None:
+        if self.engine is not None:
+            self.engine.sleep(level)
+
+    def wake_up(self) -> None:
+        if self.engine is not None:
+            self.engine.wake_up()
 
     def score(self, requests: list) -> dict[str, Any]:
         from yatt_multimodal.rewards import resolve_failures
 
         batch = asyncio.run(self.reward.score(requests))
         resolved = resolve_failures(batch, self.reward.failure_policy)
-        components: dict[str, float] = {}
-        for reward in batch.rewards:
-            for name, value in reward.components.items():
-                components[name] = components.get(name, 0.0) + value
-        return {"scores": resolved.scores, "keep": resolved.keep, "components": components,
-                "statuses": [r.status for r in batch.rewards]}  # fmt: skip
+        return {"scores": resolved.scores, "keep": resolved.keep, "statuses": [r.status for r in batch.rewards],
+                "sample_components": [dict(r.components) for r in batch.rewards]}  # fmt: skip

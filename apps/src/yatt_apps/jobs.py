@@ -1,0 +1,97 @@
+"""What a job declares so that launch can run it without knowing it by name: its step function, the roles the
+planner places, the services (worker groups) it hosts on them, and checks of its config.
+
+A job module (grpo, dapo, ppo, capo, vlm, ...) ends with `JOB = JobDef(...)`; the `yatt` command maps a
+command name to that module. Most jobs take the defaults here: the policy (actor) and its rollout engine, and a
+reward service that is a GenRM judge when the config has a judge model.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from yatt_apps.config import ModelSpec, RunConfig
+
+StepFactory = Callable[[RunConfig, str, Callable[[], list] | None], Callable]
+
+
+def num_params(spec: ModelSpec) -> float:
+    """For planning: the spec's count, else the transformer estimate 12 L h^2 + 2 V h."""
+    return (
+        spec.num_params or 12 * spec.num_layers * spec.hidden_size**2 + 2 * spec.vocab_size * spec.hidden_size
+    )
+
+
+def policy_roles(cfg: RunConfig, *, critic: bool = False) -> list:
+    """The trained policy (actor), its rollout engine, an optional critic beside the actor, and the reward
+    service (`genrm` with a judge model, else a light `reward` role). In disaggregated mode the trainer gets
+    one replica per controller (parallel) and `placement.rollout_replicas` sizes the rollout."""
+    from yatt_placement.types import RoleSpec
+
+    policy, tp = num_params(cfg.model), cfg.model.tensor_parallel
+    place = cfg.placement
+    trainer = cfg.controller.num_controllers if place.mode == "disaggregated" else 0
+    rollout = place.rollout_replicas if place.mode != "colocated" else 0
+    roles = [
+        RoleSpec(role="actor", num_params=policy, trainable=True, tensor_parallel=tp, num_replicas=trainer),
+        RoleSpec(role="rollout", num_params=policy, tensor_parallel=tp, num_replicas=rollout),
+    ]
+    if critic:  # the value model: the policy's backbone with a one-label head, trained beside it
+        roles.append(
+            RoleSpec(
+                role="critic", num_params=policy, trainable=True, tensor_parallel=tp, num_replicas=trainer
+            )
+        )
+    if cfg.judge is not None:
+        roles.append(
+            RoleSpec(
+                role="genrm", num_params=num_params(cfg.judge), tensor_parallel=cfg.judge.tensor_parallel
+            )
+        )
+    else:
+        roles.append(RoleSpec(role="reward", num_params=1e6))
+    return roles
+
+
+def reward_role(cfg: RunConfig) -> str:
+    return "genrm" if cfg.judge is not None else "reward"
+
+
+def build_services(pool, *, cfg: RunConfig, policy_dir: str, judge_dir: str, reward_cls: Any = None,
+                   reward_args: tuple = (), extra: Callable | None = None):  # fmt: skip
+    """The default services: `actor` (the learner, with its reference), `rollout` (the policy's engine, fed
+    by weight pushes: in process where it shares a learner rank's process, broadcast elsewhere) and `reward`
+    (`reward_cls`, default the rule/GenRM `RewardWorker`). `extra(pool, groups)` adds a job's own groups and
+    returns the names of those every checkpoint holds."""
+    from yatt_controller.runner import Services
+    from yatt_controller.sync import WeightSync
+    from yatt_controller.worker_group import WorkerGroup
+
+    from yatt_apps.workers import PolicyWorker, RewardWorker, RolloutWorker
+
+    key = f"yatt-actor-{uuid.uuid4().hex}"  # this attempt's learner rendezvous (a restart gets a new one)
+    actor = WorkerGroup.create(
+        pool, "actor", PolicyWorker, args=(cfg, policy_dir, key), pass_worker_info=True
+    )
+    rollout = WorkerGroup.create(pool, "rollout", RolloutWorker, args=(cfg, policy_dir))
+    cls = reward_cls or RewardWorker
+    reward = WorkerGroup.create(pool, reward_role(cfg), cls, args=reward_args or (cfg, judge_dir))
+    groups = {"actor": actor, "rollout": rollout, "reward": reward}
+    stateful = tuple(extra(pool, groups)) if extra is not None else ()
+    sync = WeightSync(actor, [rollout], mode="auto")
+    return Services(groups=groups, learner="actor", weight_sync=sync, checkpointed=stateful)
+
+
+@dataclass(frozen=True)
+class JobDef:
+    """A job as launch sees it. `step(cfg, policy_dir, val_rows)` returns the step function every controller
+    runs; `roles(cfg)` what the planner places; `build(pool, cfg=, policy_dir=, judge_dir=)` the services;
+    `check(cfg)` raises ValueError for a config the job cannot run."""
+
+    step: StepFactory
+    roles: Callable[[RunConfig], list] = policy_roles
+    build: Callable[..., Any] = build_services
+    check: Callable[[RunConfig], None] | None = None

@@ -1,0 +1,353 @@
+"""The phases every RL job shares, each one call from a step function: prompts to requests, generation
+streamed into scoring, old and reference logprobs, the SPMD update, the weight push, evaluation and the
+metric sums. A job module (grpo, dapo, ppo, capo, vlm) keeps its own flat step that calls these in order.
+
+Every learner call goes to *this controller's own learner ranks* with `shard_rows`: one rank in parallel mode
+(the controller's own), every rank in single mode (the batch is split by rows, so each DDP rank joins the
+SPMD step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from yatt_apps.config import RunConfig
+from yatt_apps.data import PromptRow
+
+_TOKENIZERS: dict[str, Any] = {}  # per controller process: model dir -> tokenizer
+
+
+def tokenizer(path: str):
+    if path not in _TOKENIZERS:
+        from yatt_apps.models import load_tokenizer
+
+        _TOKENIZERS[path] = load_tokenizer(path)
+    return _TOKENIZERS[path]
+
+
+def render_prompt(tok, row: PromptRow, system_prompt: str) -> list[int]:
+    """The chat-templated prompt token ids of one row; a row with images opens its user turn with one
+    Qwen2-VL placeholder per image (one pad token each: the engine expands it to the image's size)."""
+    placeholders = "<|vision_start|><|image_pad|><|vision_end|>" * len(row.images)
+    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
+        {"role": "user", "content": placeholders + row.prompt}
+    ]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def make_requests(
+    rows: list[PromptRow], prompt_ids: list[list[int]], sampling, tag: str, seed: int | None
+) -> list:
+    """One request per prompt. With `seed`, request i samples from seed + i: a resumed run draws the same
+    completions as one that never stopped, whatever the engine did before."""
+    import msgspec
+    from yatt_rollout.types import GenerateRequest, MediaRef, Prompt
+
+    return [
+        GenerateRequest(
+            request_id=f"{tag}-p{i}",
+            prompt=Prompt(
+                token_ids=ids, text=row.prompt, media=[MediaRef(kind="image", uri=p) for p in row.images]
+            ),
+            sampling=sampling if seed is None else msgspec.structs.replace(sampling, seed=seed + i),
+        )
+        for i, (row, ids) in enumerate(zip(rows, prompt_ids, strict=True))
+    ]
+
+
+def prompt_index(completion) -> int:
+    """The prompt (GRPO group) a completion answers, from its request id `TAG-pI`."""
+    return int(completion.request_id.rsplit("-p", 1)[1])
+
+
+def pad_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> dict[str, Any]:
+    """Right-padded [B, T] input_ids, attention_mask and response_mask (True on response tokens)."""
+    import torch
+
+    width = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(prompts), width), dtype=torch.bool)
+    response = torch.zeros_like(attention)
+    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+        input_ids[i, : len(p) + len(r)] = torch.tensor(p + r)
+        attention[i, : len(p) + len(r)] = True
+        response[i, len(p) : len(p) + len(r)] = True
+    return {"input_ids": input_ids, "attention_mask": attention, "response_mask": response}
+
+
+def flat(parts) -> list[Any]:
+    return [item for part in parts for item in part]
+
+
+def sample_seed(cfg: RunConfig, ctx, wave: int = 0) -> int:
+    """The base sampling seed of this controller's step; prompt i of a wave samples from base + i (< 1000
+    prompts per wave). Refill waves (wave > 0, DAPO) draw from disjoint seeds: wave << 40."""
+    return (cfg.run.seed * 1_000_003 + ctx.step * 10_007 + ctx.rank * 1_009) * 1_000 + (wave << 40)
+
+
+# ---- generation streamed into scoring ---------------------------------------------------------------------
+
+
+@dataclass
+class Scored:
+    """A step's completions (prompt order, n per prompt) and their rewards. `keep[i]` False: the failure
+    policy drops sample i. `stream` holds per-stage busy seconds and their overlap (this controller)."""
+
+    completions: list
+    owner: list[int]  # [N] prompt index of each completion
+    scores: list[float]
+    keep: list[bool]
+    statuses: list[str]
+    components: list[dict[str, float]]  # [N] each sample's reward terms (only terms that scored ok)
+    stream: dict[str, float] = field(default_factory=dict)
+    extra: dict[str, list] = field(default_factory=dict)  # a job's own per-sample records (CAPO's critiques)
+
+
+def num_chunks(num_prompts: int, num_replicas: int) -> int:
+    """Prompts travel in chunks so that judging starts while later chunks are still generating: two chunks
+    per rollout replica of this controller (fewer when there are fewer prompts)."""
+    return max(1, min(num_prompts, 2 * num_replicas))
+
+
+def reward_requests(rows: list[PromptRow], completions: list, tok, *, token_ids: bool = False) -> list:
+    """One `RewardRequest` per completion: the row's prompt and answer, the decoded response."""
+    from yatt_multimodal.types import RewardRequest
+
+    return [
+        RewardRequest(
+            request_id=c.request_id + f"-r{c.index}",
+            prompt=rows[prompt_index(c)].prompt,
+            response=tok.decode(c.token_ids, skip_special_tokens=True),
+            reference=rows[prompt_index(c)].answer,
+            **({"response_token_ids": list(c.token_ids)} if token_ids else {}),
+        )
+        for c in completions
+    ]
+
+
+def generate_and_score(ctx, rows: list[PromptRow], prompt_ids: list[list[int]], sampling, tag: str,
+                       seed: int | None, tok, *, method: str = "score", token_ids: bool = False) -> Scored:  # fmt: skip
+    """n completions per prompt on this controller's rollout replicas, each chunk of prompts handed to a
+    reward replica (`method`, given the chunk's `RewardRequest`s, with response token ids if `token_ids`)
+    the moment its completions are done (yatt_controller's streaming stages), so rollout and judging overlap
+    wherever they run on different devices. All samples are checked to be made by the current policy
+    version. `method` returns per-sample lists: scores, keep, statuses, sample_components, and any others
+    (kept in `Scored.extra`)."""
+    from yatt_controller.dispatch import split_evenly
+    from yatt_controller.stream import Stage, run_stream
+
+    rollout, reward = ctx.services["rollout"], ctx.services["reward"]
+    requests = make_requests(rows, prompt_ids, sampling, tag, seed)
+    chunks = [c for c in split_evenly(requests, num_chunks(len(requests), rollout.dp_size)) if c]
+    stages = [
+        Stage("rollout", lambda chunk, _: rollout.call_one("generate", chunk)),
+        Stage(
+            "reward",
+            lambda _, done: reward.call_one(method, reward_requests(rows, done, tok, token_ids=token_ids)),
+        ),
+    ]
+    result = run_stream(chunks, stages, max_inflight=2 * max(rollout.dp_size, reward.dp_size))
+    ctx.on_progress("")
+    completions = flat(values[0] for values in result.values)
+    check_completions(ctx, completions)
+    parts = [values[1] for values in result.values]
+    stream = {"rollout_s": result.busy_s("rollout"), "reward_s": result.busy_s("reward"),
+              "overlap_s": result.overlap_s("rollout", "reward")}  # fmt: skip
+    standard = ("scores", "keep", "statuses", "sample_components")
+    return Scored(
+        completions=completions,
+        owner=[prompt_index(c) for c in completions],
+        scores=flat(p["scores"] for p in parts),
+        keep=flat(p["keep"] for p in parts),
+        statuses=flat(p["statuses"] for p in parts),
+        components=flat(p["sample_components"] for p in parts),
+        stream=stream,
+        extra={key: flat(p[key] for p in parts) for key in parts[0] if key not in standard} if parts else {},
+    )
+
+
+def check_completions(ctx, completions: list) -> None:
+    """Never train on another policy's samples; a failed generation fails the step with its message."""
+    ctx.check_versions([c.policy_version for c in completions])
+    errors = [c.error for c in completions if c.finish_reason == "error"]
+    if errors:
+        raise ValueError(f"rollout failed for {len(errors)} completion(s): {errors[0]}")
+
+
+def generate(ctx, rows: list[PromptRow], prompt_ids: list[list[int]], sampling, tag: str, seed: int | None):
+    """Completions only (evaluation): the same streaming call with one stage."""
+    from yatt_controller.dispatch import split_evenly
+    from yatt_controller.stream import Stage, run_stream
+
+    rollout = ctx.services["rollout"]
+    requests = make_requests(rows, prompt_ids, sampling, tag, seed)
+    chunks = [c for c in split_evenly(requests, rollout.dp_size) if c]
+    result = run_stream(chunks, [Stage("rollout", lambda chunk, _: rollout.call_one("generate", chunk))])
+    completions = flat(values[0] for values in result.values)
+    check_completions(ctx, completions)
+    return completions
+
+
+# ---- the learner --------------------------------------------------------------------------------------------
+
+
+def concat_rows(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-rank results of a `shard_rows` call joined back in row order."""
+    import torch
+
+    return {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
+
+
+def old_logprobs(ctx, batch: dict[str, Any], responses: list) -> tuple[dict[str, Any], Any]:
+    """Old (this policy) and reference logprobs and entropy [B, T] from this controller's learner ranks, and
+    the rollout engine's own logprobs of `responses` (one per row of `batch`) on the same tokens [B, T]."""
+    import torch
+
+    lp = concat_rows(ctx.get(ctx.learner.shard_rows("logprobs", batch)))
+    rollout_lp = torch.zeros_like(lp["old_logprobs"])
+    for row, completion in enumerate(responses):
+        rollout_lp[row, batch["response_mask"][row]] = torch.tensor(completion.logprobs)
+    return lp, rollout_lp
+
+
+def train(ctx, experience: dict[str, Any], group: str | None = None) -> dict[str, float]:
+    """The SPMD update on this controller's learner ranks (or another learner group's, e.g. a critic);
+    stats are global (reduced inside the learner), so rank 0's stand for all."""
+    learner = ctx.learner if group is None else ctx.services[group]
+    return ctx.get(learner.shard_rows("train", experience))[0]
+
+
+def sync_weights(ctx) -> None:
+    """Version v+1 to every rollout replica: the in-process copy where a replica shares a learner rank's
+    process, the broadcast group elsewhere."""
+    ctx.sync_weights()
+
+
+def sleep_engines(ctx, cfg: RunConfig) -> None:
+    """Full colocation time-shares devices: the engines release memory before the learner runs. The rollout
+    engine sleeps at `placement.sleep_level` (1: caches, and weights offloaded off the accelerator; 2: weights
+    discarded, the next weight push restores them); a judge never discards its frozen weights (level <= 1)."""
+    level = cfg.placement.sleep_level
+    if cfg.placement.mode == "colocated" and level:
+        with ctx.phase("sleep"):
+            rollout, reward = ctx.services["rollout"], ctx.services["reward"]
+            ctx.get(rollout.broadcast("sleep", level) + reward.broadcast("sleep", 1))
+
+
+def wake_engines(ctx, cfg: RunConfig) -> None:
+    if cfg.placement.mode == "colocated" and cfg.placement.sleep_level:
+        for name in ("rollout", "reward"):
+            ctx.get(ctx.services[name].broadcast("wake_up"))
+
+
+# ---- metrics ------------------------------------------------------------------------------------------------
+
+
+def judge_sums(cfg: RunConfig, scored: Scored, kept: list[int]) -> dict[str, float]:
+    """GenRM figures over the kept samples: verdicts parsed (of K judgements each) and agreement of the
+    judge's verdict (score > 0) with the exact-answer rule (math_verify > 0.5) where both scored."""
+    judge = next((s.name or s.kind for s in cfg.rewards if s.kind == "genrm"), None)
+    if judge is None:
+        return {}
+    rule = next((s.name or s.kind for s in cfg.rewards if s.kind == "math_verify"), None)
+    parsed = sum(scored.components[i].get(f"{judge}/parsed", 0.0) for i in range(len(scored.completions)))
+    both = [c for c in (scored.components[i] for i in kept) if judge in c and rule in c]
+    agree = sum((c[judge] > 0) == (c[rule] > 0.5) for c in both)
+    return {"judge/parsed": parsed, "judge/judged": float(len(scored.completions)),
+            "judge/agree": float(agree), "judge/compared": float(len(both))}  # fmt: skip
+
+
+def sample_sums(scored: Scored, kept: list[int], num_prompts: int, mask, lp: dict[str, Any], rollout_lp,
+                scores: list[float] | None = None) -> dict[str, float]:  # fmt: skip
+    """This controller's sums for `summarize` (all-reduced first): rewards of the trained samples (`scores`,
+    default the scored ones), counts, tokens under `mask` [B, T], entropy, rollout/train mismatch, KL to the
+    reference, per-term rewards, statuses of every scored completion, and the stream's busy times."""
+    trained = [scored.scores[i] for i in kept] if scores is None else scores
+    sums = {
+        "reward/sum": sum(trained), "samples": float(len(kept)),
+        "samples_dropped": float(len(scored.completions) - len(kept)), "prompts": float(num_prompts),
+        "response_tokens": float(mask.sum()),
+        "truncated": float(sum(c.finish_reason == "length" for c in scored.completions)),
+        "entropy/sum": float((lp["entropy"] * mask).sum()),
+        "mismatch/sum": float(((lp["old_logprobs"] - rollout_lp).abs() * mask).sum()),
+        **{f"reward_status/{s}": float(scored.statuses.count(s)) for s in ("ok", "parse_error", "timeout", "error")},
+        **{f"stream/{k}": v for k, v in scored.stream.items()},
+    }  # fmt: skip
+    for i in kept:
+        for name, value in scored.components[i].items():
+            sums[f"reward/{name}/sum"] = sums.get(f"reward/{name}/sum", 0.0) + value
+    if "ref_logprobs" in lp:
+        sums["kl/sum"] = float(((lp["old_logprobs"] - lp["ref_logprobs"]) * mask).sum())
+    return sums
+
+
+def evaluate(ctx, val_rows, cfg: RunConfig, tok) -> dict[str, float]:
+    """Greedy accuracy (math_verify against the answer) on this controller's share of the validation rows."""
+    from yatt_multimodal.rules import math_reward
+    from yatt_multimodal.types import RewardRequest
+    from yatt_rollout.types import SamplingParams
+
+    mine = val_rows()[ctx.rank :: ctx.world_size]
+    if not mine:
+        return {"val/correct": 0.0, "val/total": 0.0}
+    greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=cfg.sampling.max_new_tokens)
+    ids = [render_prompt(tok, row, cfg.data.system_prompt) for row in mine]
+    outs = sorted(generate(ctx, mine, ids, greedy, "eval", None), key=prompt_index)
+    correct = sum(
+        math_reward(
+            RewardRequest(
+                request_id="eval",
+                prompt=row.prompt,
+                response=tok.decode(c.token_ids, skip_special_tokens=True),
+                reference=row.answer,
+            )
+        )
+        for row, c in zip(mine, outs, strict=True)
+    )
+    return {"val/correct": float(correct), "val/total": float(len(mine))}
+
+
+def maybe_evaluate(ctx, val_rows, cfg: RunConfig, tok) -> dict[str, float]:
+    """Validation sums every `run.eval_every` steps and on the last step (empty otherwise)."""
+    every, last = cfg.run.eval_every, ctx.step == cfg.run.num_steps - 1
+    if val_rows is None or not every or (ctx.step % every and not last):
+        return {}
+    with ctx.phase("eval"):
+        return evaluate(ctx, val_rows, cfg, tok)
+
+
+def summarize(total: dict[str, float], stats: dict[str, float], world_size: int = 1) -> dict[str, float]:
+    """Global means from summed counts; train stats are already global (reduced inside the learner);
+    stream times are means over the `world_size` controllers."""
+    samples, tokens = max(total["samples"], 1.0), max(total["response_tokens"], 1.0)
+    out = {
+        "reward/mean": total["reward/sum"] / samples,
+        "rollout/response_len_mean": total["response_tokens"] / samples,
+        "rollout/truncated_frac": total["truncated"] / max(total["samples"] + total["samples_dropped"], 1.0),
+        "rollout/response_tokens": total["response_tokens"],
+        "train/entropy": total["entropy/sum"] / tokens,
+        "train/rollout_mismatch": total["mismatch/sum"] / tokens,
+        "samples_dropped": total["samples_dropped"],
+        **{f"train/{k}": v for k, v in stats.items()},
+    }
+    if "kl/sum" in total:
+        out["train/kl"] = total["kl/sum"] / tokens
+    if total.get("val/total"):
+        out["val/accuracy"] = total["val/correct"] / total["val/total"]
+    if "judge/judged" in total:
+        out["judge/parse_rate"] = total["judge/parsed"] / max(total["judge/judged"], 1.0)
+        if total["judge/compared"]:
+            out["judge/agreement"] = total["judge/agree"] / total["judge/compared"]
+    for key, value in total.items():
+        if key.startswith("reward/") and key.endswith("/sum") and key != "reward/sum":
+            out[key.removesuffix("/sum") + "_mean"] = value / samples
+        elif key.startswith("reward_status/"):
+            out[key] = value
+        elif key.startswith("stream/"):
+            name = {"rollout_s": "rollout_s", "reward_s": "reward_s", "overlap_s": "rollout_reward_overlap_s"}
+            out["time/" + name.get(key.removeprefix("stream/"), key.removeprefix("stream/"))] = value / max(
+                world_size, 1
+            )
+    return out

@@ -122,3 +122,41 @@ def failing_step(ctx, batch: list[int]) -> dict[str, float]:
     if ctx.step == 1:
         raise ValueError(f"bad reward in row {batch[0]}")
     return {"num_samples": float(len(batch))}
+
+
+class RowRecorder:
+    """A learner double for `shard_rows`: records the rows each rank got and returns what it saw."""
+
+    def __init__(self, worker_info=None):
+        self.info, self.seen = worker_info, []
+
+    def train_rows(self, batch: dict) -> dict:
+        ids = list(batch["ids"])
+        self.seen.append(ids)
+        return {
+            "dp_rank": self.info.dp_rank,
+            "ids": ids,
+            "tensor_rows": [float(x) for x in batch["feat"][:, 0].tolist()],
+            "scale": batch["scale"],
+            "other": batch["other"],
+        }
+
+
+def rows_step(ctx, batch: list[int]) -> dict[str, float]:
+    """Train through `own_learner.shard_rows`: every learner rank of this controller's view gets its rows."""
+    import torch
+
+    payload = {
+        "ids": list(batch),
+        "feat": torch.tensor(batch, dtype=torch.float32).reshape(-1, 1).repeat(1, 3),  # [B, 3]
+        "scale": 0.5,
+        "other": [7, 8, 9],  # not B long: every rank gets it whole
+    }
+    metrics: dict[str, float] = {}
+    for out in ctx.get(ctx.own_learner.shard_rows("train_rows", payload)):
+        r = out["dp_rank"]
+        assert out["tensor_rows"] == [float(i) for i in out["ids"]], "tensor rows and list rows disagree"
+        assert out["scale"] == 0.5 and out["other"] == [7, 8, 9]
+        metrics.update({f"rank{r}_n": len(out["ids"]), f"rank{r}_first": out["ids"][0]})
+        metrics[f"rank{r}_sig"] = sum((k + 1) * v for k, v in enumerate(out["ids"]))
+    return metrics

@@ -237,7 +237,16 @@ class WorkerGroup:
     def scatter(self, method: str, items: Sequence[Any], **kwargs: Any) -> list[ray.ObjectRef]:
         return dispatch.scatter(self.workers, method, items, **kwargs)
 
+    def shard_rows(self, method: str, batch: dict[str, Any], **kwargs: Any) -> list[ray.ObjectRef]:
+        """Row chunk r of `batch` (a dict of tensors [B, ...] / lists of length B; other values go to every
+        rank unchanged) to every worker of data-parallel rank r of this view; one ref per rank, in order.
+        What a step uses to train: in single mode the view holds every learner rank, so all join the SPMD
+        call; in parallel mode a controller's learner view is its one rank, which gets the whole batch."""
+        return dispatch.shard_rows(self.workers, method, batch, **kwargs)
+
     def rank_zero(self, method: str, *args: Any, **kwargs: Any) -> ray.ObjectRef:
+        """Worker 0 of this view only. Not for training calls: in single mode the other DDP ranks would never
+        join (use `shard_rows`)."""
         return dispatch.rank_zero(self.workers, method, *args, **kwargs)[0]
 
     def gather(self, refs: Sequence[ray.ObjectRef]) -> list[ray.ObjectRef]:

@@ -160,3 +160,42 @@ def rows_step(ctx, batch: list[int]) -> dict[str, float]:
         metrics.update({f"rank{r}_n": len(out["ids"]), f"rank{r}_first": out["ids"][0]})
         metrics[f"rank{r}_sig"] = sum((k + 1) * v for k, v in enumerate(out["ids"]))
     return metrics
+
+
+class WeightsDouble:
+    """A weight holder double with real torch tensors, both sender (`named_weights`) and receiver
+    (`load_weights`). It records the storage it was handed, so a test can tell an in-process hand-over (the
+    sender's own storage) from a broadcast (a fresh buffer)."""
+
+    def __init__(self, seed: int = 0, worker_info=None):
+        import torch
+
+        gen = torch.Generator().manual_seed(seed)
+        self.weights = {
+            "w": torch.randn(64, 32, generator=gen),  # 8192 bytes
+            "b": torch.randn(32, generator=gen),  # 128 bytes
+            "h": torch.randn(16, generator=gen).to(torch.float16),  # 32 bytes, a second dtype bucket
+        }
+        self.version, self.handed = -1, {}
+
+    def named_weights(self):
+        return list(self.weights.items())
+
+    def load_weights(self, named, version: int) -> None:
+        self.handed = {name: t.data_ptr() for name, t in named}
+        for name, tensor in named:
+            self.weights[name].copy_(tensor)
+        self.version = version
+
+    def perturb(self, delta: float) -> None:
+        for tensor in self.weights.values():
+            tensor.add_(delta)
+
+    def state(self) -> dict:
+        return {
+            "version": self.version,
+            "pid": os.getpid(),
+            "digest": {n: t.numpy().tobytes() for n, t in self.weights.items()},
+            "own": {n: t.data_ptr() for n, t in self.weights.items()},
+            "handed": self.handed,
+        }

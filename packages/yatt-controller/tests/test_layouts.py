@@ -8,8 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import ray
 import yatt_placement.realize as realize_mod
 from yatt_controller.runner import Job, Services, run
+from yatt_controller.sync import WeightSync
 from yatt_controller.types import ControllerSpec
 from yatt_controller.worker_group import HostPool, WorkerGroup
 from yatt_placement.types import PlacementPlan, RolePlacement
@@ -76,3 +78,51 @@ def test_shard_rows_reaches_every_learner_rank_in_single_mode(session):
         for r, p in ((0, p0), (1, p1)):
             assert s.metrics[f"rank{r}_sig"] == p.metrics[f"rank{r}_sig"]
             assert s.metrics[f"rank{r}_first"] == p.metrics[f"rank{r}_first"]
+
+
+WEIGHT_BYTES = 64 * 32 * 4 + 32 * 4 + 16 * 2  # WeightsDouble: float32 w and b, float16 h
+
+
+def test_auto_weight_sync_serves_a_mixed_layout_in_one_push(session):
+    # targets A (device 0) and B (device 1) share a process with source ranks 0 and 1; C (device 2) is alone
+    realized = _realize(
+        RolePlacement(role="actor", replicas=[[0], [1]], colocated_with=["rollout"]),
+        RolePlacement(role="rollout", replicas=[[0], [1], [2]], colocated_with=["actor"]),
+        num_devices=3,
+        mode="partial",
+    )
+    pool = HostPool(realized)
+    try:
+        source = WorkerGroup.create(pool, "actor", doubles.WeightsDouble, kwargs={"seed": 0})
+        targets = WorkerGroup.create(pool, "rollout", doubles.WeightsDouble, kwargs={"seed": 1})
+        sync = WeightSync(source, [targets])  # mode="auto"
+        sync.setup()
+        assert sync.group_name == "yatt-weights"
+        assert sync.push(7) == 3 * WEIGHT_BYTES
+        assert (sync.last_local_bytes, sync.last_broadcast_bytes) == (2 * WEIGHT_BYTES, WEIGHT_BYTES)
+        src = ray.get(source.broadcast("state"))
+        a, b, c = ray.get(targets.broadcast("state"))
+        assert [t["version"] for t in (a, b, c)] == [7, 7, 7]
+        assert a["digest"] == b["digest"] == c["digest"] == src[0]["digest"] == src[1]["digest"]
+        # A was handed source rank 0's own tensors in its process, B source rank 1's; C got a broadcast buffer
+        assert a["pid"] == src[0]["pid"] and a["handed"] == src[0]["own"]
+        assert b["pid"] == src[1]["pid"] and b["handed"] == src[1]["own"]
+        assert c["pid"] not in (src[0]["pid"], src[1]["pid"])
+        assert set(c["handed"].values()).isdisjoint({*src[0]["own"].values(), *src[1]["own"].values()})
+
+        # a move: the targets are now A and C; a fresh broadcast group, then the next version reaches both
+        ray.get(source.broadcast("perturb", 1.0))
+        sync.retarget([targets.view([0, 2])])
+        assert sync.group_name == "yatt-weights-1"
+        assert sync.push(8) == 2 * WEIGHT_BYTES
+        src = ray.get(source.broadcast("state"))
+        a, b, c = ray.get(targets.broadcast("state"))
+        assert [t["version"] for t in (a, b, c)] == [8, 7, 8]
+        assert a["digest"] == c["digest"] == src[0]["digest"] != b["digest"]
+        sync.retarget([targets.view([1])])  # in process only: no broadcast group at all
+        assert sync.group_name == "" and sync.push(9) == WEIGHT_BYTES and sync.last_broadcast_bytes == 0
+        with pytest.raises(ValueError, match=r"broadcast weight sync: \['rollout-0.0 on device-0'\] share"):
+            WeightSync(source, [targets], mode="broadcast").setup()
+    finally:
+        pool.shutdown()
+        realize_mod.release(realized)

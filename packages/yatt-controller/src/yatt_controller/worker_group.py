@@ -72,12 +72,19 @@ class _Host:
 
         return weight_sync.send(self._sync_groups[group], self._objects[key].named_weights(), buckets)
 
-    def sync_recv(self, group: str, key: str, buckets: list, version: int) -> int:
+    def sync_recv(self, group: str, keys: str | list[str], buckets: list, version: int) -> int:
+        """Receive one broadcast and load it into every hosted target in `keys` (one rank per process)."""
         from yatt_controller import weight_sync
 
         named = weight_sync.receive(self._sync_groups[group], buckets)
-        self._objects[key].load_weights(named, version)
+        for key in [keys] if isinstance(keys, str) else keys:
+            self._objects[key].load_weights(named, version)
         return sum(b.nbytes for b in buckets)
+
+    def sync_close(self, group: str) -> None:
+        """Forget a broadcast group (and its store) this process took part in."""
+        self._sync_groups.pop(group, None)
+        self._sync_groups.pop(f"{group}/store", None)
 
     def sync_local(self, src_key: str, dst_key: str, version: int) -> int:
         from yatt_controller import weight_sync

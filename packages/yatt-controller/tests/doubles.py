@@ -122,3 +122,80 @@ def failing_step(ctx, batch: list[int]) -> dict[str, float]:
     if ctx.step == 1:
         raise ValueError(f"bad reward in row {batch[0]}")
     return {"num_samples": float(len(batch))}
+
+
+class RowRecorder:
+    """A learner double for `shard_rows`: records the rows each rank got and returns what it saw."""
+
+    def __init__(self, worker_info=None):
+        self.info, self.seen = worker_info, []
+
+    def train_rows(self, batch: dict) -> dict:
+        ids = list(batch["ids"])
+        self.seen.append(ids)
+        return {
+            "dp_rank": self.info.dp_rank,
+            "ids": ids,
+            "tensor_rows": [float(x) for x in batch["feat"][:, 0].tolist()],
+            "scale": batch["scale"],
+            "other": batch["other"],
+        }
+
+
+def rows_step(ctx, batch: list[int]) -> dict[str, float]:
+    """Train through `own_learner.shard_rows`: every learner rank of this controller's view gets its rows."""
+    import torch
+
+    payload = {
+        "ids": list(batch),
+        "feat": torch.tensor(batch, dtype=torch.float32).reshape(-1, 1).repeat(1, 3),  # [B, 3]
+        "scale": 0.5,
+        "other": [7, 8, 9],  # not B long: every rank gets it whole
+    }
+    metrics: dict[str, float] = {}
+    for out in ctx.get(ctx.own_learner.shard_rows("train_rows", payload)):
+        r = out["dp_rank"]
+        assert out["tensor_rows"] == [float(i) for i in out["ids"]], "tensor rows and list rows disagree"
+        assert out["scale"] == 0.5 and out["other"] == [7, 8, 9]
+        metrics.update({f"rank{r}_n": len(out["ids"]), f"rank{r}_first": out["ids"][0]})
+        metrics[f"rank{r}_sig"] = sum((k + 1) * v for k, v in enumerate(out["ids"]))
+    return metrics
+
+
+class WeightsDouble:
+    """A weight holder double with real torch tensors, both sender (`named_weights`) and receiver
+    (`load_weights`). It records the storage it was handed, so a test can tell an in-process hand-over (the
+    sender's own storage) from a broadcast (a fresh buffer)."""
+
+    def __init__(self, seed: int = 0, worker_info=None):
+        import torch
+
+        gen = torch.Generator().manual_seed(seed)
+        self.weights = {
+            "w": torch.randn(64, 32, generator=gen),  # 8192 bytes
+            "b": torch.randn(32, generator=gen),  # 128 bytes
+            "h": torch.randn(16, generator=gen).to(torch.float16),  # 32 bytes, a second dtype bucket
+        }
+        self.version, self.handed = -1, {}
+
+    def named_weights(self):
+        return list(self.weights.items())
+
+    def load_weights(self, named, version: int) -> None:
+        self.handed = {name: t.data_ptr() for name, t in named}
+        for name, tensor in named:
+            self.weights[name].copy_(tensor)
+        self.version = version
+
+    def perturb(self, delta: float) -> None:
+        for tensor in self.weights.values():
+            tensor.add_(delta)
+
+    def state(self) -> dict:
+        return {
+            "version": self.version,
+            "pid": os.getpid(),
+            "digest": {n: t.numpy().tobytes() for n, t in self.weights.items()},
+            "own": {n: t.data_ptr() for n, t in self.weights.items()},
+            "handed": self.handed,
+        }

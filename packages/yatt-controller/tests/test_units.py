@@ -12,7 +12,7 @@ import pytest
 from yatt_controller import checkpoint
 from yatt_controller.collective import Collective, reduce_dicts
 from yatt_controller.data import ShardSampler
-from yatt_controller.dispatch import route, split_evenly
+from yatt_controller.dispatch import route, shard_rows, split_evenly, split_rows
 from yatt_controller.ledger import SCALAR_BYTES, ByteLedger, payload_nbytes
 from yatt_controller.sync import StaleSampleError, check_versions
 from yatt_controller.types import StepReport
@@ -31,6 +31,39 @@ def test_split_evenly_and_route():
         route(3, 2, 0)
     with pytest.raises(ValueError, match="rank must be in \\[0, 2\\), got 2"):
         route(2, 2, 2)
+
+
+class _RecordingWorker:
+    """A worker double: records what it was sent and returns a token naming itself instead of a ref."""
+
+    def __init__(self, dp_rank: int, tp_rank: int) -> None:
+        self.dp_rank, self.tp_rank, self.got = dp_rank, tp_rank, []
+
+    def submit(self, method: str, args: tuple, kwargs: dict) -> str:
+        self.got.append((method, args, kwargs))
+        return f"ref-{self.dp_rank}.{self.tp_rank}"
+
+
+def test_shard_rows_sends_each_rank_its_rows_and_its_tp_peers_the_same():
+    import numpy as np
+
+    workers = [_RecordingWorker(d, t) for d in range(3) for t in range(2)]  # 3 dp ranks x tp 2
+    batch = {"ids": list(range(7)), "x": np.arange(14).reshape(7, 2), "lr": 0.1, "mask": None, "pair": (1, 2)}
+    refs = shard_rows(workers, "train", batch, tag="t")
+    assert refs == ["ref-0.0", "ref-1.0", "ref-2.0"]  # one per dp rank, the tp_rank-0 worker's, in order
+    sizes = {(w.dp_rank, w.tp_rank): w.got[0][1][0]["ids"] for w in workers}
+    assert sizes == {(0, 0): [0, 1, 2], (0, 1): [0, 1, 2], (1, 0): [3, 4], (1, 1): [3, 4], (2, 0): [5, 6],
+                     (2, 1): [5, 6]}  # fmt: skip
+    chunk = workers[2].got[0][1][0]  # dp rank 1
+    assert chunk["x"].tolist() == [[6, 7], [8, 9]] and chunk["lr"] == 0.1 and chunk["mask"] is None
+    assert chunk["pair"] == (1, 2) and workers[2].got[0][2] == {"tag": "t"}  # (1, 2) is not 7 rows long
+    assert [c["ids"] for c in split_rows({"ids": [1, 2]}, 1)] == [[1, 2]]
+    with pytest.raises(
+        ValueError, match="shard_rows: batch has 2 rows, fewer than the 3 data-parallel ranks"
+    ):
+        shard_rows(workers, "train", {"ids": [0, 1]})
+    with pytest.raises(ValueError, match=r"shard_rows: batch has no row-sliceable value \(keys \['lr'\]\)"):
+        split_rows({"lr": 0.1}, 2)
 
 
 def test_payload_nbytes_counts_payload_not_structure():

@@ -79,6 +79,14 @@ class StepContext:
     on_progress: Callable[[str], None] = lambda phase: None
     next_rows: Callable[[], list] | None = None  # the controller's own sampler (set by ControllerCore)
 
+    @property
+    def own_learner(self) -> WorkerGroup | None:
+        """This controller's own learner ranks: its one data-parallel rank in parallel mode, every rank in
+        single mode. Train with `own_learner.shard_rows(method, batch)`: each rank gets its contiguous rows
+        and all of them join the SPMD call. `rank_zero` stays a dispatch mode for calls meant for one worker
+        only; a training call sent that way in single mode leaves the other DDP ranks waiting forever."""
+        return self.learner
+
     def next_batch(self) -> list:
         """This controller's part of the next global batch, drawn from its own shard: extra prompts for a
         refill (DAPO's dynamic sampling). The data cursor advances and is checkpointed, so a resumed run draws

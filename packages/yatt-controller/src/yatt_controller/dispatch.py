@@ -7,7 +7,10 @@ controller turns refs into values (`fetch`), and the in-flight window bounds how
 - broadcast: the same arguments to every worker.
 - scatter:   a list split into `dp_size` contiguous chunks; the model-parallel peers of one data-parallel
              rank get the same chunk (they compute one result together).
-- rank_zero: only worker 0.
+- shard_rows: a dict of row-sliceable values (tensors [B, ...], lists of length B) cut into `dp_size`
+             contiguous row chunks; every worker of data-parallel rank r gets chunk r (SPMD over all ranks).
+- rank_zero: only worker 0 (this view's own first rank; a step that trains uses shard_rows, so that in
+             single mode every DDP rank joins the call).
 - gather:    of the refs a broadcast or scatter returned, one per data-parallel rank (its `tp_rank == 0`
              worker's), in rank order: what a caller concatenates.
 """
@@ -76,6 +79,58 @@ def scatter(
     dp_size = 1 + max(w.dp_rank for w in workers)
     chunks = split_evenly(items, dp_size)
     return [_send(w, method, (chunks[w.dp_rank],), kwargs) for w in workers]
+
+
+def _num_rows(batch: dict[str, Any]) -> int:
+    """B: the row count of the first value that has rows (a list/tuple, or anything with a non-empty shape)."""
+    for value in batch.values():
+        if isinstance(value, list | tuple):
+            return len(value)
+        shape = getattr(value, "shape", None)
+        if shape is not None and len(shape) > 0:
+            return int(shape[0])
+    raise ValueError(f"shard_rows: batch has no row-sliceable value (keys {sorted(batch)})")
+
+
+def _has_rows(value: Any, num_rows: int) -> bool:
+    if isinstance(value, list | tuple):
+        return len(value) == num_rows
+    shape = getattr(value, "shape", None)
+    return shape is not None and len(shape) > 0 and int(shape[0]) == num_rows
+
+
+def split_rows(batch: dict[str, Any], num_chunks: int) -> list[dict[str, Any]]:
+    """`num_chunks` contiguous row chunks of a dict batch (sizes as `split_evenly`): values with B rows are
+    sliced `v[a:b]`; every other value (scalars, None, lists of another length) goes to every chunk as is."""
+    if not isinstance(batch, dict):
+        raise ValueError(f"shard_rows: batch must be a dict, got {type(batch).__name__}")
+    num_rows = _num_rows(batch)
+    if num_rows < num_chunks:
+        raise ValueError(
+            f"shard_rows: batch has {num_rows} rows, fewer than the {num_chunks} data-parallel ranks"
+        )
+    sizes = [len(chunk) for chunk in split_evenly(range(num_rows), num_chunks)]
+    chunks, start = [], 0
+    for size in sizes:
+        end = start + size
+        chunks.append({k: v[start:end] if _has_rows(v, num_rows) else v for k, v in batch.items()})
+        start = end
+    return chunks
+
+
+def shard_rows(
+    workers: Sequence[Worker], method: str, batch: dict[str, Any], **kwargs: Any
+) -> list[ray.ObjectRef]:
+    """Chunk r of `batch` to every worker (all tp peers) of data-parallel rank r; one ref per data-parallel
+    rank (its tp_rank-0 worker's), in rank order."""
+    dp_size = 1 + max(w.dp_rank for w in workers)
+    chunks = split_rows(batch, dp_size)
+    refs: list[ray.ObjectRef | None] = [None] * dp_size
+    for w in workers:
+        ref = _send(w, method, (chunks[w.dp_rank],), kwargs)
+        if w.tp_rank == 0:
+            refs[w.dp_rank] = ref
+    return refs
 
 
 def rank_zero(workers: Sequence[Worker], method: str, *args: Any, **kwargs: Any) -> list[ray.ObjectRef]:

@@ -1,6 +1,7 @@
 """Weight-sync orchestration: who sends to whom, and the version the weights carry. Imports no torch.
 
-`WeightSync` ties a trainer group (the source) to engine groups (the targets). "broadcast" (disaggregated):
+`WeightSync` ties a trainer group (the source) to engine groups (the targets). "auto" (default, any layout):
+targets in a source worker's process copy in process, the others receive the broadcast. "broadcast" (disaggregated):
 the source's rank 0 and every target worker form one broadcast group, set up once; each push ships the
 trainer's weights in dtype buckets (`yatt_controller.weight_sync`). "colocated": each target worker loads from
 the source worker in its own host process. Every push carries a `version`, which the targets record and stamp
@@ -10,13 +11,13 @@ on what they produce; controllers refuse samples of another version (`check_vers
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import ray
 
 from yatt_controller.worker_group import Worker, WorkerGroup
 
-SyncMode = Literal["broadcast", "colocated"]
+SyncMode = Literal["auto", "broadcast", "colocated"]
 
 
 class StaleSampleError(ValueError):
@@ -35,28 +36,63 @@ def check_versions(versions: Sequence[int], expected: int, *, max_staleness: int
 
 class WeightSync:
     """Pushes a trainer group's weights to engine groups. Build it in the driver, `setup()` once, then any
-    controller (rank 0 in parallel mode) calls `push(version)`; it travels to controllers by pickling."""
+    controller (rank 0 in parallel mode) calls `push(version)`; it travels to controllers by pickling.
+
+    "auto" (the default) serves any layout in one push: a target worker whose host process also hosts a
+    source worker loads from THAT worker in process (`sync_local`); every other target host receives the
+    broadcast of source rank 0. "colocated" requires every target to have a source worker on its device;
+    "broadcast" requires none to share the sender's process. Target workers that share one host process join
+    the broadcast group once (one rank per process) and all load what it received."""
 
     def __init__(
         self,
         source: WorkerGroup,
         targets: Sequence[WorkerGroup],
         *,
-        mode: SyncMode = "broadcast",
+        mode: SyncMode = "auto",
         backend: str = "gloo",
         bucket_bytes: int = 64 * 2**20,
         group: str = "yatt-weights",
     ) -> None:
-        if mode not in ("broadcast", "colocated"):
-            raise ValueError(f"WeightSync mode must be 'broadcast' or 'colocated', got {mode!r}")
+        if mode not in ("auto", "broadcast", "colocated"):
+            raise ValueError(f"WeightSync mode must be 'auto', 'broadcast' or 'colocated', got {mode!r}")
+        self.source, self.mode = source, mode
+        self.backend, self.bucket_bytes, self.group = backend, bucket_bytes, group
+        self.generation = 0  # bumped by every retarget: each target set gets a broadcast group of its own
+        self.group_name = ""  # the formed broadcast group ("" when no target is remote)
+        self.last_local_bytes = self.last_broadcast_bytes = 0
+        self._assign(targets)
+
+    def _assign(self, targets: Sequence[WorkerGroup]) -> None:
+        """Split the target workers into in-process pairs and remote host processes."""
         if not targets:
             raise ValueError("WeightSync needs at least one target group")
-        self.source, self.targets, self.mode = source, list(targets), mode
-        self.backend, self.bucket_bytes, self.group = backend, bucket_bytes, group
+        self.targets = list(targets)
         self.target_workers: list[Worker] = [w for g in self.targets for w in g.workers]
-        self.pairs: list[tuple[Worker, Worker]] = []
-        if mode == "colocated":
+        self.pairs: list[tuple[Worker, Worker]] = []  # (source worker, target worker) in one process
+        remote: list[Worker] = []
+        if self.mode == "colocated":
             self.pairs = [(self._source_on(w.device), w) for w in self.target_workers]
+        elif self.mode == "auto":
+            in_host = {}
+            for worker in self.source.workers:
+                in_host.setdefault(worker.host, worker)
+            for w in self.target_workers:
+                if w.host in in_host:
+                    self.pairs.append((in_host[w.host], w))
+                else:
+                    remote.append(w)
+        else:
+            remote = list(self.target_workers)
+        # one broadcast rank per remote host process, holding the keys of every target worker it hosts
+        self.remote: list[tuple[Any, list[str], list[str]]] = []  # (host, keys, labels)
+        for w in remote:
+            entry = next((e for e in self.remote if e[0] == w.host), None)
+            if entry is None:
+                entry = (w.host, [], [])
+                self.remote.append(entry)
+            entry[1].append(w.key)
+            entry[2].append(w.label)
 
     def _source_on(self, device: int) -> Worker:
         for worker in self.source.workers:
@@ -68,34 +104,54 @@ class WeightSync:
         )
 
     def setup(self) -> None:
-        """Form the broadcast group: source rank 0 is rank 0, target workers follow in order."""
-        if self.mode != "broadcast":
+        """Form the broadcast group (source rank 0 is rank 0, remote target hosts follow in order); none when
+        every target loads in process."""
+        self.group_name = ""
+        if not self.remote:
             return
         sender = self.source.workers[0]
-        shared = [w.label for w in self.target_workers if w.host == sender.host]
-        if shared:
-            raise ValueError(
-                f"broadcast weight sync: {shared} share the sender's process; use mode='colocated'"
-            )
-        addr, port = ray.get(sender.host.sync_open.remote(self.group))
-        world = 1 + len(self.target_workers)
-        members = [sender, *self.target_workers]
+        if self.mode == "broadcast":
+            shared = [label for host, _, labels in self.remote if host == sender.host for label in labels]
+            if shared:
+                raise ValueError(
+                    f"broadcast weight sync: {shared} share the sender's process; use mode='colocated'"
+                )
+        name = self.group if self.generation == 0 else f"{self.group}-{self.generation}"
+        addr, port = ray.get(sender.host.sync_open.remote(name))
+        hosts = [sender.host, *(host for host, _, _ in self.remote)]
+        world = len(hosts)
         ray.get(
-            [
-                w.host.sync_join.remote(self.group, addr, port, rank, world, self.backend)
-                for rank, w in enumerate(members)
-            ]
+            [h.sync_join.remote(name, addr, port, rank, world, self.backend) for rank, h in enumerate(hosts)]
         )
+        self.group_name = name
+
+    def retarget(self, targets: Sequence[WorkerGroup]) -> None:
+        """Serve a new target set (replicas moved): re-split local and remote and form a fresh broadcast group
+        (`{group}-{generation}`) from the sender and the new remote hosts. The caller pushes next."""
+        old = self.group_name
+        self.generation += 1
+        self._assign(targets)
+        if old:  # the sender's end of the old group; moved receivers took theirs down with their process
+            ray.get(self.source.workers[0].host.sync_close.remote(old))
+        self.setup()
 
     def push(self, version: int) -> int:
-        """Ship the current weights as `version`; returns after every target loaded them. Bytes sent."""
-        if self.mode == "colocated":
-            return sum(
-                ray.get([dst.host.sync_local.remote(src.key, dst.key, version) for src, dst in self.pairs])
-            )
-        sender = self.source.workers[0]
-        buckets = ray.get(sender.host.sync_plan.remote(sender.key, self.bucket_bytes))
-        sent = sender.host.sync_send.remote(self.group, sender.key, buckets)
-        received = [w.host.sync_recv.remote(self.group, w.key, buckets, version) for w in self.target_workers]
-        ray.get(received)
-        return ray.get(sent)
+        """Ship the current weights as `version`; returns after every target loaded them. Returns the bytes
+        moved: in-process copies plus the bytes each remote host received (`last_local_bytes`,
+        `last_broadcast_bytes`)."""
+        local = [dst.host.sync_local.remote(src.key, dst.key, version) for src, dst in self.pairs]
+        received = []
+        if self.remote:
+            if not self.group_name:
+                raise ValueError("WeightSync.push: remote targets but no broadcast group; call setup() first")
+            sender = self.source.workers[0]
+            buckets = ray.get(sender.host.sync_plan.remote(sender.key, self.bucket_bytes))
+            sent = sender.host.sync_send.remote(self.group_name, sender.key, buckets)
+            received = [
+                host.sync_recv.remote(self.group_name, keys, buckets, version)
+                for host, keys, _ in self.remote
+            ]
+            ray.get(sent)
+        self.last_local_bytes = sum(ray.get(local))
+        self.last_broadcast_bytes = sum(ray.get(received))
+        return self.last_local_bytes + self.last_broadcast_bytes

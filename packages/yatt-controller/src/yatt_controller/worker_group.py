@@ -72,12 +72,19 @@ class _Host:
 
         return weight_sync.send(self._sync_groups[group], self._objects[key].named_weights(), buckets)
 
-    def sync_recv(self, group: str, key: str, buckets: list, version: int) -> int:
+    def sync_recv(self, group: str, keys: str | list[str], buckets: list, version: int) -> int:
+        """Receive one broadcast and load it into every hosted target in `keys` (one rank per process)."""
         from yatt_controller import weight_sync
 
         named = weight_sync.receive(self._sync_groups[group], buckets)
-        self._objects[key].load_weights(named, version)
+        for key in [keys] if isinstance(keys, str) else keys:
+            self._objects[key].load_weights(named, version)
         return sum(b.nbytes for b in buckets)
+
+    def sync_close(self, group: str) -> None:
+        """Forget a broadcast group (and its store) this process took part in."""
+        self._sync_groups.pop(group, None)
+        self._sync_groups.pop(f"{group}/store", None)
 
     def sync_local(self, src_key: str, dst_key: str, version: int) -> int:
         from yatt_controller import weight_sync
@@ -237,7 +244,16 @@ class WorkerGroup:
     def scatter(self, method: str, items: Sequence[Any], **kwargs: Any) -> list[ray.ObjectRef]:
         return dispatch.scatter(self.workers, method, items, **kwargs)
 
+    def shard_rows(self, method: str, batch: dict[str, Any], **kwargs: Any) -> list[ray.ObjectRef]:
+        """Row chunk r of `batch` (a dict of tensors [B, ...] / lists of length B; other values go to every
+        rank unchanged) to every worker of data-parallel rank r of this view; one ref per rank, in order.
+        What a step uses to train: in single mode the view holds every learner rank, so all join the SPMD
+        call; in parallel mode a controller's learner view is its one rank, which gets the whole batch."""
+        return dispatch.shard_rows(self.workers, method, batch, **kwargs)
+
     def rank_zero(self, method: str, *args: Any, **kwargs: Any) -> ray.ObjectRef:
+        """Worker 0 of this view only. Not for training calls: in single mode the other DDP ranks would never
+        join (use `shard_rows`)."""
         return dispatch.rank_zero(self.workers, method, *args, **kwargs)[0]
 
     def gather(self, refs: Sequence[ray.ObjectRef]) -> list[ray.ObjectRef]:

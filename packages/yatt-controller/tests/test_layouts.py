@@ -1,0 +1,128 @@
+"""The runtime on layouts beyond full colocation, with real Ray and test doubles: learner dispatch in single
+and parallel mode (`shard_rows`). One Ray session for the module; each test realizes its own plan."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import ray
+import yatt_placement.realize as realize_mod
+from yatt_controller.runner import Job, Services, run
+from yatt_controller.sync import WeightSync
+from yatt_controller.types import ControllerSpec
+from yatt_controller.worker_group import HostPool, WorkerGroup
+from yatt_placement.types import PlacementPlan, RolePlacement
+
+pytest.importorskip("torch")
+
+
+def _load_doubles():
+    spec = importlib.util.spec_from_file_location(
+        "yatt_controller_doubles", Path(__file__).with_name("doubles.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+doubles = _load_doubles()
+
+
+@pytest.fixture(scope="module")
+def session():
+    import ray.cloudpickle
+
+    ray.cloudpickle.register_pickle_by_value(doubles)  # Ray workers cannot import test modules
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    ray.init(num_cpus=8, num_gpus=16, include_dashboard=False, object_store_memory=512 * 2**20)
+    yield
+    ray.shutdown()
+
+
+def _realize(*roles: RolePlacement, num_devices: int, mode: str = "disaggregated"):
+    plan = PlacementPlan(mode=mode, num_devices=num_devices, roles=list(roles))
+    return realize_mod.realize(plan, cpus_per_device=0.5)
+
+
+def _rows() -> list[int]:
+    return list(range(64))
+
+
+def test_shard_rows_reaches_every_learner_rank_in_single_mode(session):
+    realized = _realize(RolePlacement(role="actor", replicas=[[0], [1]]), num_devices=2)
+
+    def build(pool: HostPool) -> Services:
+        learner = WorkerGroup.create(pool, "actor", doubles.RowRecorder, pass_worker_info=True)
+        return Services(groups={"actor": learner}, learner="actor")
+
+    job = Job(build=build, step_fn=doubles.rows_step, dataset=_rows, batch_size=8, num_steps=2)
+    try:
+        single = run(ControllerSpec(mode="single", heartbeat_interval_s=0.5), job, realized)
+        parallel = run(ControllerSpec(num_controllers=2, heartbeat_interval_s=0.5), job, realized)
+    finally:
+        realize_mod.release(realized)
+    for step in range(2):
+        (s,) = single.reports[step]
+        # single: one controller, both DDP ranks joined the call, each with its contiguous half of 8 rows
+        assert s.metrics["rank0_n"] == s.metrics["rank1_n"] == 4
+        p0, p1 = parallel.reports[step]
+        # parallel: each controller's one learner rank got that controller's whole shard (4 rows)
+        assert set(p0.metrics) == {"rank0_n", "rank0_first", "rank0_sig"}
+        assert set(p1.metrics) == {"rank1_n", "rank1_first", "rank1_sig"}
+        assert p0.metrics["rank0_n"] == p1.metrics["rank1_n"] == 4
+        # the same rows in the same order reach the same rank in both modes
+        for r, p in ((0, p0), (1, p1)):
+            assert s.metrics[f"rank{r}_sig"] == p.metrics[f"rank{r}_sig"]
+            assert s.metrics[f"rank{r}_first"] == p.metrics[f"rank{r}_first"]
+
+
+WEIGHT_BYTES = 64 * 32 * 4 + 32 * 4 + 16 * 2  # WeightsDouble: float32 w and b, float16 h
+
+
+def test_auto_weight_sync_serves_a_mixed_layout_in_one_push(session):
+    # targets A (device 0) and B (device 1) share a process with source ranks 0 and 1; C (device 2) is alone
+    realized = _realize(
+        RolePlacement(role="actor", replicas=[[0], [1]], colocated_with=["rollout"]),
+        RolePlacement(role="rollout", replicas=[[0], [1], [2]], colocated_with=["actor"]),
+        num_devices=3,
+        mode="partial",
+    )
+    pool = HostPool(realized)
+    try:
+        source = WorkerGroup.create(pool, "actor", doubles.WeightsDouble, kwargs={"seed": 0})
+        targets = WorkerGroup.create(pool, "rollout", doubles.WeightsDouble, kwargs={"seed": 1})
+        sync = WeightSync(source, [targets])  # mode="auto"
+        sync.setup()
+        assert sync.group_name == "yatt-weights"
+        assert sync.push(7) == 3 * WEIGHT_BYTES
+        assert (sync.last_local_bytes, sync.last_broadcast_bytes) == (2 * WEIGHT_BYTES, WEIGHT_BYTES)
+        src = ray.get(source.broadcast("state"))
+        a, b, c = ray.get(targets.broadcast("state"))
+        assert [t["version"] for t in (a, b, c)] == [7, 7, 7]
+        assert a["digest"] == b["digest"] == c["digest"] == src[0]["digest"] == src[1]["digest"]
+        # A was handed source rank 0's own tensors in its process, B source rank 1's; C got a broadcast buffer
+        assert a["pid"] == src[0]["pid"] and a["handed"] == src[0]["own"]
+        assert b["pid"] == src[1]["pid"] and b["handed"] == src[1]["own"]
+        assert c["pid"] not in (src[0]["pid"], src[1]["pid"])
+        assert set(c["handed"].values()).isdisjoint({*src[0]["own"].values(), *src[1]["own"].values()})
+
+        # a move: the targets are now A and C; a fresh broadcast group, then the next version reaches both
+        ray.get(source.broadcast("perturb", 1.0))
+        sync.retarget([targets.view([0, 2])])
+        assert sync.group_name == "yatt-weights-1"
+        assert sync.push(8) == 2 * WEIGHT_BYTES
+        src = ray.get(source.broadcast("state"))
+        a, b, c = ray.get(targets.broadcast("state"))
+        assert [t["version"] for t in (a, b, c)] == [8, 7, 8]
+        assert a["digest"] == c["digest"] == src[0]["digest"] != b["digest"]
+        sync.retarget([targets.view([1])])  # in process only: no broadcast group at all
+        assert sync.group_name == "" and sync.push(9) == WEIGHT_BYTES and sync.last_broadcast_bytes == 0
+        with pytest.raises(ValueError, match=r"broadcast weight sync: \['rollout-0.0 on device-0'\] share"):
+            WeightSync(source, [targets], mode="broadcast").setup()
+    finally:
+        pool.shutdown()
+        realize_mod.release(realized)

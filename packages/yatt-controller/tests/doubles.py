@@ -199,3 +199,17 @@ class WeightsDouble:
             "own": {n: t.data_ptr() for n, t in self.weights.items()},
             "handed": self.handed,
         }
+
+
+class SleepyStage:
+    """A service double for streaming: `work` sleeps, then returns what it got with its host-side times."""
+
+    def __init__(self, fail_on: int = -1):
+        self.fail_on = fail_on
+
+    def work(self, item: int, previous, seconds: float) -> dict:
+        start = time.time()
+        if item == self.fail_on:
+            raise ValueError(f"bad item {item}")
+        time.sleep(seconds)
+        return {"item": item, "previous": previous, "pid": os.getpid(), "start": start, "end": time.time()}

@@ -11,6 +11,7 @@ import pytest
 import ray
 import yatt_placement.realize as realize_mod
 from yatt_controller.runner import Job, Services, run
+from yatt_controller.stream import Stage, run_stream
 from yatt_controller.sync import WeightSync
 from yatt_controller.types import ControllerSpec
 from yatt_controller.worker_group import HostPool, WorkerGroup
@@ -126,3 +127,72 @@ def test_auto_weight_sync_serves_a_mixed_layout_in_one_push(session):
     finally:
         pool.shutdown()
         realize_mod.release(realized)
+
+
+@pytest.fixture(scope="module")
+def stream_groups(session):
+    """Two slow stage-0 replicas (devices 0, 1) and one stage-1 replica on its own device (2)."""
+    realized = _realize(
+        RolePlacement(role="rollout", replicas=[[0], [1]]),
+        RolePlacement(role="reward", replicas=[[2]]),
+        RolePlacement(role="reference", replicas=[[3]]),
+        num_devices=4,
+    )
+    pool = HostPool(realized)
+    try:
+        gen = WorkerGroup.create(pool, "rollout", doubles.SleepyStage)
+        judge = WorkerGroup.create(pool, "reward", doubles.SleepyStage)
+        failing = WorkerGroup.create(pool, "reference", doubles.SleepyStage, kwargs={"fail_on": 3})
+        yield gen, judge, failing
+    finally:
+        pool.shutdown()
+        realize_mod.release(realized)
+
+
+def _max_concurrency(intervals: list[tuple[float, float]]) -> int:
+    events = sorted(
+        [(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals], key=lambda x: (x[0], x[1])
+    )
+    level = peak = 0
+    for _, delta in events:
+        level += delta
+        peak = max(peak, level)
+    return peak
+
+
+def test_stream_overlaps_stages_and_keeps_item_order(stream_groups):
+    gen, judge, _ = stream_groups
+    stages = [
+        Stage("rollout", lambda item, _: gen.call_one("work", item, None, 0.4)),
+        Stage("reward", lambda item, prev: judge.call_one("work", item, prev, 0.1)),
+    ]
+    items = [10, 11, 12, 13, 14, 15]
+    out = run_stream(items, stages, max_inflight=2)
+    assert [v[0]["item"] for v in out.values] == items and [v[1]["item"] for v in out.values] == items
+    assert [v[1]["previous"] for v in out.values] == [v[0] for v in out.values]  # stage 1 got stage 0's value
+    # call_one spread stage 0 over both replicas (least loaded, ties round-robin): 3 items each
+    pids = [v[0]["pid"] for v in out.values]
+    assert len(set(pids)) == 2 and pids.count(pids[0]) == 3
+    # the judge started its first item (host clock) before stage 0's last call finished, and both were busy
+    first_judged = min(v[1]["start"] for v in out.values)
+    assert first_judged < max(v[0]["end"] for v in out.values)
+    assert out.overlap_s("rollout", "reward") > 0
+    assert out.first_submit["reward"] < out.last_done["rollout"]
+    assert _max_concurrency(out.intervals["rollout"]) == 2  # max_inflight reached, never exceeded
+    assert len(out.intervals["rollout"]) == len(out.intervals["reward"]) == 6
+    assert out.busy_s("rollout") >= 3 * 0.4  # 6 calls of 0.4 s, 2 at a time
+
+
+def test_stream_bounds_inflight_and_raises_the_first_error(stream_groups):
+    gen, _, failing = stream_groups
+    one = run_stream([1, 2, 3], [Stage("rollout", lambda item, _: gen.call_one("work", item, None, 0.1))],
+                     max_inflight=1)  # fmt: skip
+    assert _max_concurrency(one.intervals["rollout"]) == 1 and one.busy_s("rollout") >= 0.3
+    stages = [
+        Stage("rollout", lambda item, _: gen.call_one("work", item, None, 0.05)),
+        Stage("check", lambda item, prev: failing.call_one("work", item, prev, 0.0)),
+    ]
+    with pytest.raises(ValueError, match="bad item 3"):
+        run_stream([1, 2, 3, 4], stages)
+    with pytest.raises(ValueError, match=r"stage names must be distinct, got \['a', 'a'\]"):
+        run_stream([1], [Stage("a", stages[0].call), Stage("a", stages[0].call)])

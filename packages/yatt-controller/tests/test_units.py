@@ -66,6 +66,15 @@ def test_shard_rows_sends_each_rank_its_rows_and_its_tp_peers_the_same():
         split_rows({"lr": 0.1}, 2)
 
 
+def test_stream_busy_and_overlap_are_unions_of_intervals():
+    from yatt_controller.stream import StreamResult
+
+    out = StreamResult(values=[], intervals={"a": [(0.0, 2.0), (1.0, 3.0), (5.0, 6.0)], "b": [(2.5, 5.5)]})
+    assert out.busy_s("a") == 4.0  # [0, 3] and [5, 6]
+    assert out.busy_s("b") == 3.0
+    assert out.overlap_s("a", "b") == out.overlap_s("b", "a") == 1.0  # [2.5, 3] and [5, 5.5]
+
+
 def test_payload_nbytes_counts_payload_not_structure():
     np = pytest.importorskip("numpy")
     # 1000 bytes + 3 ("abc") + 8 * 4 (float32 [2, 4]) + one scalar

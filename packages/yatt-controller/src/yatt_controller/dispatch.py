@@ -133,6 +133,14 @@ def shard_rows(
     return refs
 
 
+def to_rank(workers: Sequence[Worker], dp_rank: int, method: str, args: tuple, kwargs: dict) -> ray.ObjectRef:
+    """The same call to every worker (tp peer) of one data-parallel rank; the tp_rank-0 worker's ref."""
+    refs = {w.tp_rank: _send(w, method, args, kwargs) for w in workers if w.dp_rank == dp_rank}
+    if 0 not in refs:
+        raise ValueError(f"no worker of data-parallel rank {dp_rank} with tp_rank 0")
+    return refs[0]
+
+
 def rank_zero(workers: Sequence[Worker], method: str, *args: Any, **kwargs: Any) -> list[ray.ObjectRef]:
     return [_send(workers[0], method, args, kwargs)]
 

@@ -176,6 +176,11 @@ class WorkerGroup:
     def _bind_window(self) -> None:
         window = dispatch.InflightWindow(self.max_inflight)
         self.workers = [Worker(**{**w.__dict__, "window": window}) for w in self.workers]
+        self._outstanding: dict[int, list[ray.ObjectRef]] = {}  # dp rank -> call_one refs not seen done
+        self._next_rank = 0  # round-robin start among equally loaded ranks
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k not in ("_outstanding", "_next_rank")}
 
     def __setstate__(self, state: dict) -> None:  # unpickled in a controller: a fresh window there
         self.__dict__.update(state)
@@ -250,6 +255,20 @@ class WorkerGroup:
         What a step uses to train: in single mode the view holds every learner rank, so all join the SPMD
         call; in parallel mode a controller's learner view is its one rank, which gets the whole batch."""
         return dispatch.shard_rows(self.workers, method, batch, **kwargs)
+
+    def call_one(self, method: str, *args: Any, **kwargs: Any) -> ray.ObjectRef:
+        """One call to the least-loaded data-parallel rank of this view (fewest `call_one` calls not yet
+        finished; ties go round-robin), sent to all its tp peers; returns the tp_rank-0 worker's ref."""
+        for rank, refs in self._outstanding.items():
+            if refs:
+                _, self._outstanding[rank] = ray.wait(refs, num_returns=len(refs), timeout=0)
+        size = self.dp_size
+        order = [(self._next_rank + i) % size for i in range(size)]
+        rank = min(order, key=lambda r: len(self._outstanding.get(r, ())))  # min keeps the first of ties
+        self._next_rank = (rank + 1) % size
+        ref = dispatch.to_rank(self.workers, rank, method, args, kwargs)
+        self._outstanding.setdefault(rank, []).append(ref)
+        return ref
 
     def rank_zero(self, method: str, *args: Any, **kwargs: Any) -> ray.ObjectRef:
         """Worker 0 of this view only. Not for training calls: in single mode the other DDP ranks would never

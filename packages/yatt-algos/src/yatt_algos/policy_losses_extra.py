@@ -26,7 +26,8 @@ def gmpo(logprobs, old_logprobs, advantages, response_mask, config, *, rollout_l
     s_i = exp(mean_t l'), A_i = mean_t A, loss_i = -A_i s_i (the geometric mean of the token ratios, so one
     outlier token moves the sequence less than in the arithmetic mean). Every unmasked token of sequence i
     carries loss_i [B, T]: "seq-mean-token-mean" gives verl's mean over sequences (verl ignores
-    loss_agg_mode here). clip_frac / clip_frac_lower: tokens clipped with A > 0 / A < 0.
+    loss_agg_mode here). clip_frac / clip_frac_lower: tokens whose log ratio is outside the range, with
+    A > 0 / A < 0 (as verl counts them, whichever side the min picks).
     Departures: the log ratio is clamped to +-20 first (verl leaves it); a rollout mismatch weight multiplies
     each token (verl takes the geometric mean of the token weights per sequence).
     """

@@ -99,6 +99,7 @@ def test_optimal_token_baseline_hand_worked():
     # Row 1 (length 2): pi = 0.25, sum 0.5 -> w = 1, W = (1, 2), score 0 -> G = 0.
     # B_0 = (1 * 0.5 + 0 * 1) / 1.5 = 1/3; B_1 = (1 * 1 + 0 * 2) / 3 = 1/3; B_2 = 1 * 1.5 / 1.5 = 1 (row 0 only)
     # A row 0 = (2/3, 2/3, 0), row 1 = (-1/3, -1/3, masked). Row 2 is alone in its group -> 0.
+    # Zero tail (the default): row 0 alone runs past row 1's end, so B_2 = 0 there and A = G = 1.
     mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 1]]).bool()
     old = torch.log(torch.tensor([[0.5, 0.5, 0.5], [0.25, 0.25, 0.9], [0.3, 0.3, 0.3]]))
     spsq = torch.full((3, 3), 0.5)
@@ -110,8 +111,18 @@ def test_optimal_token_baseline_hand_worked():
         old_logprobs=old,
         sum_pi_squared=spsq,
     )
-    want = torch.tensor([[2 / 3, 2 / 3, 0.0], [-1 / 3, -1 / 3, 0.0], [0.0, 0.0, 0.0]])
+    want = torch.tensor([[2 / 3, 2 / 3, 1.0], [-1 / 3, -1 / 3, 0.0], [0.0, 0.0, 0.0]])
     torch.testing.assert_close(adv, want, atol=1e-6, rtol=0)
+    no_tail = AlgoConfig(otb_handle_zero_tail=False)
+    adv, _ = optimal_token_baseline(
+        torch.tensor([1.0, 0.0, 2.0]),
+        mask,
+        no_tail,
+        group_ids=torch.tensor([4, 4, 8]),
+        old_logprobs=old,
+        sum_pi_squared=spsq,
+    )
+    torch.testing.assert_close(adv[0], torch.tensor([2 / 3, 2 / 3, 0.0]), atol=1e-6, rtol=0)
     torch.testing.assert_close(returns, torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0], [2.0, 2.0, 2.0]]))
     with pytest.raises(ValueError, match="optimal_token_baseline needs sum_pi_squared"):
         optimal_token_baseline(torch.ones(3), mask, CFG, group_ids=torch.tensor([4, 4, 8]), old_logprobs=old)
@@ -138,3 +149,20 @@ def test_group_estimators_need_group_ids():
     for name in ("opo", "gpg", "grpo_passk", "gdpo", "optimal_token_baseline"):
         with pytest.raises(ValueError, match=f"{name} needs group_ids"):
             ADVANTAGE_ESTIMATORS[name](torch.ones(2), torch.ones(2, 2), CFG)
+
+
+def test_optimal_token_baseline_zero_tail_needs_a_unique_longest_response():
+    # rows 0 and 1 both end at t = 2, row 2 at t = 0; w = 1 everywhere (pi = 0.5, sum pi^2 = 1):
+    # W row 0, 1 = (1, 2, 3), row 2 = (1). Scores (1, 0, 0). t = 2: B = (1 * 3 + 0 * 3) / 6 = 0.5 for both,
+    # no zero tail (two rows share the latest end); t = 1: (1 * 2) / 4 = 0.5; t = 0: 1 / 3
+    mask = torch.tensor([[1, 1, 1], [1, 1, 1], [1, 0, 0]]).bool()
+    adv, _ = optimal_token_baseline(
+        torch.tensor([1.0, 0.0, 0.0]),
+        mask,
+        CFG,
+        group_ids=torch.zeros(3, dtype=torch.long),
+        old_logprobs=torch.full((3, 3), math.log(0.5)),
+        sum_pi_squared=torch.ones(3, 3),
+    )
+    want = torch.tensor([[2 / 3, 0.5, 0.5], [-1 / 3, -0.5, -0.5], [-1 / 3, 0.0, 0.0]])
+    torch.testing.assert_close(adv, want, atol=1e-6, rtol=0)

@@ -274,6 +274,23 @@ def sum_pi_squared(logits: torch.Tensor) -> torch.Tensor:
     return torch.softmax(logits.float(), dim=-1).square().sum(dim=-1)
 
 
+def _lone_tail(mask: torch.Tensor, index: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """[B, T] bool: positions after the group's second-latest last response token, in the row whose last
+    response token is the group's unique latest (verl's zero tail, on response ends rather than lengths)."""
+    columns = torch.arange(mask.shape[1], device=mask.device)
+    last = torch.where(mask, columns, -1).max(dim=-1).values  # [B]
+    latest = last.new_full((num_groups,), -1).scatter_reduce(0, index, last, "amax")  # [G]
+    at_latest = last == latest[index]
+    runner_up = last.new_full((num_groups,), -1).scatter_reduce(
+        0, index, torch.where(at_latest, -1, last), "amax"
+    )
+    count = torch.zeros(num_groups, dtype=torch.long, device=mask.device).index_add_(
+        0, index, at_latest.long()
+    )
+    unique = at_latest & (count[index] == 1) & (runner_up[index] >= 0)
+    return unique.unsqueeze(-1) & (columns > runner_up[index].unsqueeze(-1))
+
+
 def optimal_token_baseline(
     rewards, response_mask, config: AlgoConfig, *, group_ids=None, old_logprobs=None, sum_pi_squared=None, **_
 ):
@@ -284,8 +301,10 @@ def optimal_token_baseline(
     exp(old_logprobs), sum_pi_squared [B, T] from `sum_pi_squared`), W_t = sum_{j <= t} w_j over response
     tokens, G_t the reward-to-go (gamma = 1); B_t = sum_i G_t W_t / (sum_i W_t + 1e-8) over the group's
     samples that have a response token at t (samples of one prompt share the prompt, so t aligns);
-    A_t = G_t - B_t. [B, T]. A one-sample group gets 0 (verl keeps its return). returns = G.
-    Not supported: verl's rollout IS weights on W and its handle_zero_tail option.
+    A_t = G_t - B_t. [B, T]. With otb_handle_zero_tail (verl's handle_zero_tail), where a group's longest
+    response (if unique) runs past the second-longest, its baseline there is 0 (else it would be its own
+    return: advantage 0). A one-sample group gets 0 (verl keeps its return). returns = G.
+    Not supported: verl's rollout IS weights on W.
     """
     mask = _mask_and_check(rewards, response_mask)
     ids = _require("group_ids", group_ids, "optimal_token_baseline")
@@ -303,6 +322,8 @@ def optimal_token_baseline(
     den = torch.zeros(shape, dtype=torch.float64, device=mask.device)
     den = den.index_add_(0, index, torch.where(mask, path, 0.0).double())
     baseline = (num / (den + 1e-8))[index].to(returns.dtype)  # [B, T]
+    if config.otb_handle_zero_tail:
+        baseline = torch.where(_lone_tail(mask, index, num_groups), 0.0, baseline)
     size = group_sums(torch.ones(mask.shape[0], device=mask.device), index, num_groups)[index]
     adv = torch.where(mask & (size > 1).unsqueeze(-1), returns - baseline, 0.0)
     return adv, returns

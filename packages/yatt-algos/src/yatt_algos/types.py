@@ -138,6 +138,9 @@ class AlgoConfig(_Config, kw_only=True):
     rollout_rs_level: RolloutISLevel = "none"
     rollout_rs_threshold: float = 2.0
     rollout_rs_threshold_lower: float = 0.0
+    # The optimal token baseline: past the second-longest response of a group, the longest one (if unique) has no
+    # baseline (its advantage is its return); verl's handle_zero_tail, True by default since early 2026.
+    otb_handle_zero_tail: bool = True
     # GDPO (arXiv 2601.05242): weight of each reward component; empty: all 1.
     gdpo_reward_weights: tuple[float, ...] = ()
     # pf-PPO (arXiv 2409.06957): resample the batch by reward-derived weights before the update; "none": off.

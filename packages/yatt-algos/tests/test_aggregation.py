@@ -95,10 +95,15 @@ def test_bad_input():
 def test_registries_match_the_config_literals():
     from typing import get_args
 
+    from yatt_algos.advantages import ADVANTAGE_ESTIMATORS
     from yatt_algos.kl import KL_ESTIMATORS
+    from yatt_algos.pf_ppo import PF_PPO_WEIGHTS
     from yatt_algos.policy_losses import POLICY_LOSSES
-    from yatt_algos.types import KLEstimator, LossAggMode
+    from yatt_algos.types import AdvantageEstimator, KLEstimator, LossAggMode, PfPpoMethod, PolicyLoss
 
+    # every name a config accepts reaches a function, and every registered function is selectable
     assert sorted(AGG_MODES) == sorted(get_args(LossAggMode))
     assert sorted(KL_ESTIMATORS) == sorted(get_args(KLEstimator))
-    assert sorted(POLICY_LOSSES) == ["cispo", "dual_clip", "gspo", "ppo_clip"]
+    assert sorted(POLICY_LOSSES) == sorted(get_args(PolicyLoss))
+    assert sorted(ADVANTAGE_ESTIMATORS) == sorted(get_args(AdvantageEstimator))
+    assert sorted(PF_PPO_WEIGHTS) == sorted(set(get_args(PfPpoMethod)) - {"none"})

@@ -20,7 +20,18 @@ def test_kl_estimators_hand_worked():
     assert kl_penalty(lp, ref, "k1").item() == pytest.approx(0.5)  # -x
     assert kl_penalty(lp, ref, "k2").item() == pytest.approx(0.125)  # x^2 / 2
     assert kl_penalty(lp, ref, "k3").item() == pytest.approx(0.1065307)  # e^-0.5 + 0.5 - 1
-    assert sorted(KL_ESTIMATORS) == ["k1", "k2", "k3"]
+    assert kl_penalty(lp, ref, "abs").item() == pytest.approx(0.5)  # |x|
+    assert sorted(KL_ESTIMATORS) == [
+        "abs",
+        "abs+",
+        "k1",
+        "k1+",
+        "k2",
+        "k3",
+        "k3+",
+        "low_var_kl",
+        "low_var_kl+",
+    ]
 
 
 def test_k3_is_clamped_and_nonnegative():
@@ -56,7 +67,7 @@ def test_adaptive_kl_coef_hand_worked():
 
 
 def test_kl_bad_input():
-    with pytest.raises(ValueError, match=r"estimator 'k4' is not one of \['k1', 'k2', 'k3'\]"):
+    with pytest.raises(ValueError, match=r"estimator 'k4' is not one of \['abs', 'abs\+', 'k1', 'k1\+', "):
         kl_penalty(torch.zeros(1, 2), torch.zeros(1, 2), "k4")
     with pytest.raises(ValueError, match=r"ref_logprobs has shape \(1, 3\), expected \(1, 2\)"):
         kl_penalty(torch.zeros(1, 2), torch.zeros(1, 3))

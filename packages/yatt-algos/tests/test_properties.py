@@ -45,16 +45,23 @@ def test_aggregate_is_additive_over_row_splits(batch, mode, cut):
     torch.testing.assert_close(parts, full, rtol=1e-5, atol=1e-6)
 
 
+_CORRECTIONS = [
+    AlgoConfig(rollout_is_level="sequence"),
+    AlgoConfig(rollout_is_level="token", rollout_is_mode="mask", rollout_is_threshold_lower=0.5),
+    AlgoConfig(rollout_is_level="sequence", rollout_is_batch_normalize=True, rollout_rs_level="token"),
+    AlgoConfig(rollout_rs_level="sequence", clip_cov_ratio=0.5, kl_cov_ratio=0.5, clip_cov_lb=-1.0),
+]
+
+
 @FAST
-@given(batches(), st.sampled_from(sorted(POLICY_LOSSES)), st.floats(0.0, 5.0))
-def test_policy_losses_finite_and_masked(batch, name, scale):
+@given(batches(), st.sampled_from(sorted(POLICY_LOSSES)), st.floats(0.0, 5.0), st.sampled_from(_CORRECTIONS))
+def test_policy_losses_finite_and_masked(batch, name, scale, cfg):
     seed, mask = batch
     gen = torch.Generator().manual_seed(seed)
     old = -torch.rand(mask.shape, generator=gen) * 5
     logprobs = (old + scale * torch.randn(mask.shape, generator=gen)).requires_grad_(True)
     adv = torch.randn(mask.shape, generator=gen) * 3
     rollout = old + 0.1 * torch.randn(mask.shape, generator=gen)
-    cfg = AlgoConfig(rollout_is_level="sequence")
     loss, metrics = POLICY_LOSSES[name](logprobs, old, adv, mask, cfg, rollout_logprobs=rollout)
     aggregate(loss, mask, "token-mean").backward()
     assert loss.shape == mask.shape and torch.isfinite(loss).all() and torch.isfinite(logprobs.grad).all()
@@ -64,7 +71,13 @@ def test_policy_losses_finite_and_masked(batch, name, scale):
 
 
 @FAST
-@given(batches(), st.sampled_from(["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]), st.booleans())
+@given(
+    batches(),
+    st.sampled_from(
+        ["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "opo", "gpg", "grpo_passk", "gdpo"]
+    ),
+    st.booleans(),
+)
 def test_group_advantages_finite_zero_sum_and_masked(batch, name, binary):
     seed, mask = batch
     gen = torch.Generator().manual_seed(seed)
@@ -74,7 +87,7 @@ def test_group_advantages_finite_zero_sum_and_masked(batch, name, binary):
     adv, returns = ADVANTAGE_ESTIMATORS[name](scores, mask, AlgoConfig(), group_ids=groups)
     assert adv.shape == mask.shape and torch.isfinite(adv).all() and torch.isfinite(returns).all()
     assert (adv[~mask] == 0).all()
-    if name in ("grpo", "rloo"):
+    if name in ("grpo", "rloo", "gpg"):
         for g in groups.unique():
             first = adv[groups == g].sum(dim=-1) / mask[groups == g].sum(dim=-1)  # the row's advantage
             assert first.sum().item() == pytest.approx(0.0, abs=1e-4)

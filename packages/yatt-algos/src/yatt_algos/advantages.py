@@ -1,12 +1,21 @@
 """Advantage estimators. Every estimator has one signature, so the registry can drive any of them:
 
-    estimator(rewards, response_mask, config, *, group_ids=None, values=None, baseline_rewards=None)
+    estimator(rewards, response_mask, config, *, group_ids=None, values=None, baseline_rewards=None,
+              reward_components=None, old_logprobs=None, sum_pi_squared=None)
         -> (advantages [B, T], returns [B, T]), both zero where response_mask is 0
+
+Each estimator uses the inputs it needs and ignores the others: group_ids [B] (group estimators),
+values [B, T] (GAE), baseline_rewards [B] (ReMax), reward_components [B, K] (GDPO), old_logprobs [B, T] and
+sum_pi_squared [B, T] (the optimal token baseline).
 
 `rewards` is either one score per sequence [B] (placed on the last response token where a per-token reward
 is needed) or per-token rewards [B, T] (e.g. with a KL penalty from `kl.apply_kl_penalty`; summed over the
 response where a score is needed). `group_ids` [B] (any integers, groups in any order) names each sample's
 prompt. Masks may have holes (tool output inside a response): masked tokens are skipped, never credited.
+
+A group of one sample gets advantage 0 in every group estimator (no comparison is possible); verl keeps its
+raw score (mean 0) or raises (pass@k). Outcome estimators return the score on every token as `returns`,
+where verl returns the advantages. The package README lists every departure from verl.
 """
 
 from __future__ import annotations
@@ -16,7 +25,7 @@ from collections.abc import Callable
 import torch
 
 from yatt_algos.checks import as_bool_mask, check_2d, check_no_empty_rows, check_rows
-from yatt_algos.groups import group_mean_std
+from yatt_algos.groups import group_index, group_mean_std, group_sums
 from yatt_algos.types import AlgoConfig
 
 
@@ -80,7 +89,9 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -
     return torch.where(mask, (values - mean) / (var.sqrt() + eps), 0.0)
 
 
-def gae(rewards, response_mask, config: AlgoConfig, *, group_ids=None, values=None, baseline_rewards=None):
+def gae(
+    rewards, response_mask, config: AlgoConfig, *, group_ids=None, values=None, baseline_rewards=None, **_
+):
     """Generalized advantage estimation (Schulman et al., arXiv 1506.02438) with config.gamma, config.lam.
 
     delta_t = r_t + gamma V_next - V_t; A_t = delta_t + gamma lam A_next, where "next" is the next unmasked
@@ -105,7 +116,9 @@ def gae(rewards, response_mask, config: AlgoConfig, *, group_ids=None, values=No
     return adv, torch.where(mask, adv + values, 0.0)
 
 
-def grpo(rewards, response_mask, config: AlgoConfig, *, group_ids=None, values=None, baseline_rewards=None):
+def grpo(
+    rewards, response_mask, config: AlgoConfig, *, group_ids=None, values=None, baseline_rewards=None, **_
+):
     """GRPO (Shao et al., arXiv 2402.03300): A_i = (s_i - mean_g) / (std_g + adv_eps) on every token.
 
     std is the unbiased group std (as verl and TRL). config.norm_by_std=False gives Dr.GRPO
@@ -122,7 +135,9 @@ def grpo(rewards, response_mask, config: AlgoConfig, *, group_ids=None, values=N
     return _broadcast(adv, mask), _broadcast(scores, mask)
 
 
-def rloo(rewards, response_mask, config: AlgoConfig, *, group_ids=None, values=None, baseline_rewards=None):
+def rloo(
+    rewards, response_mask, config: AlgoConfig, *, group_ids=None, values=None, baseline_rewards=None, **_
+):
     """RLOO (Ahmadian et al., arXiv 2402.14740): A_i = s_i - mean_{j != i} s_j = n / (n - 1) (s_i - mean_g).
 
     A group of one sample gets A = 0. returns = score.
@@ -135,7 +150,7 @@ def rloo(rewards, response_mask, config: AlgoConfig, *, group_ids=None, values=N
 
 
 def reinforce_pp(
-    rewards, response_mask, config: AlgoConfig, *, group_ids=None, values=None, baseline_rewards=None
+    rewards, response_mask, config: AlgoConfig, *, group_ids=None, values=None, baseline_rewards=None, **_
 ):
     """REINFORCE++ (Hu, arXiv 2501.03262): discounted returns of the per-token rewards (the score plus any
     per-token KL penalty), whitened over all response tokens of the batch. returns = the raw returns."""
@@ -145,10 +160,14 @@ def reinforce_pp(
 
 
 def reinforce_pp_baseline(
-    rewards, response_mask, config: AlgoConfig, *, group_ids=None, values=None, baseline_rewards=None
+    rewards, response_mask, config: AlgoConfig, *, group_ids=None, values=None, baseline_rewards=None, **_
 ):
     """REINFORCE++-baseline (arXiv 2501.03262 v2): the group mean score is subtracted (on the last token),
-    then discounted returns are whitened over the batch, as in REINFORCE++."""
+    then discounted returns are whitened over the batch, as in REINFORCE++.
+
+    A group of one sample is its own mean, so its advantage is 0 before whitening (whitening then gives it
+    -mean / std of the batch, like every other zero). verl subtracts 0 from such a sample (its raw score).
+    """
     mask = _mask_and_check(rewards, response_mask)
     scores = _scores(rewards, mask)
     mean, _, _ = group_mean_std(scores, _require("group_ids", group_ids, "reinforce_pp_baseline"))
@@ -157,7 +176,9 @@ def reinforce_pp_baseline(
     return masked_whiten(returns, mask, config.adv_eps), returns
 
 
-def remax(rewards, response_mask, config: AlgoConfig, *, group_ids=None, values=None, baseline_rewards=None):
+def remax(
+    rewards, response_mask, config: AlgoConfig, *, group_ids=None, values=None, baseline_rewards=None, **_
+):
     """ReMax (Li et al., arXiv 2310.10505): A_t = G_t - b, b the reward of the greedy response to the same
     prompt (baseline_rewards [B]); G_t the discounted return (gamma = 1: the score on every token)."""
     mask = _mask_and_check(rewards, response_mask)
@@ -167,6 +188,147 @@ def remax(rewards, response_mask, config: AlgoConfig, *, group_ids=None, values=
     return torch.where(mask, returns - baseline.unsqueeze(-1), 0.0), returns
 
 
+def opo(rewards, response_mask, config: AlgoConfig, *, group_ids=None, **_):
+    """OPO (Hao et al., "On-Policy RL with Optimal Reward Baseline", arXiv 2505.23585): the length-weighted
+    group baseline b_g = sum_j |y_j| s_j / sum_j |y_j|, A_i = s_i - b_g on every token, no std division.
+    |y| counts response tokens (holes excluded). returns = score."""
+    mask = _mask_and_check(rewards, response_mask)
+    scores = _scores(rewards, mask)
+    index, num_groups = group_index(_require("group_ids", group_ids, "opo"), mask.shape[0])
+    lengths = mask.sum(dim=-1).to(torch.float64)  # [B]
+    weighted = group_sums(lengths * scores.double(), index, num_groups) / group_sums(
+        lengths, index, num_groups
+    )
+    size = group_sums(torch.ones_like(lengths), index, num_groups)[index]
+    adv = torch.where(size > 1, scores - weighted[index].to(scores.dtype), 0.0)
+    return _broadcast(adv, mask), _broadcast(scores, mask)
+
+
+def gpg(rewards, response_mask, config: AlgoConfig, *, group_ids=None, **_):
+    """GPG (Chu et al., arXiv 2504.02546): A_i = alpha (s_i - mean_g), no std division, with
+    alpha = B / (number of non-zero scores in the batch), as verl computes it (the paper's alpha is
+    B / (B - M), M the samples whose advantage is zero; with 0/1 rewards verl's counts the correct ones).
+    B and the count are this call's. Pair with the "gpg" policy loss. returns = score."""
+    mask = _mask_and_check(rewards, response_mask)
+    scores = _scores(rewards, mask)
+    mean, _, size = group_mean_std(scores, _require("group_ids", group_ids, "gpg"))
+    alpha = scores.shape[0] / max(int(torch.count_nonzero(scores)), 1)
+    adv = torch.where(size > 1, alpha * (scores - mean), 0.0)
+    return _broadcast(adv, mask), _broadcast(scores, mask)
+
+
+def grpo_passk(rewards, response_mask, config: AlgoConfig, *, group_ids=None, **_):
+    """GRPO for pass@k (verl's "grpo_passk", after Tang et al., arXiv 2503.19595), k = the group size: only
+    each group's best sample is credited, with its margin over the runner-up, A = s_max - s_second (divided
+    by std_g + adv_eps when norm_by_std); all other samples get 0. Ties give 0 (the margin is 0).
+    returns = score."""
+    mask = _mask_and_check(rewards, response_mask)
+    scores = _scores(rewards, mask)
+    ids = _require("group_ids", group_ids, "grpo_passk")
+    index, num_groups = group_index(ids, mask.shape[0])
+    _, std, size = group_mean_std(scores, ids)
+    best = scores.new_full((num_groups,), -torch.inf).scatter_reduce(0, index, scores, "amax")  # [G]
+    position = torch.arange(scores.shape[0], device=scores.device)
+    at_best = scores == best[index]
+    first = position.new_full((num_groups,), scores.shape[0])
+    first = first.scatter_reduce(0, index[at_best], position[at_best], "amin")  # one best sample per group
+    chosen = position == first[index]
+    others = torch.where(chosen, -torch.inf, scores)
+    second = scores.new_full((num_groups,), -torch.inf).scatter_reduce(0, index, others, "amax")
+    adv = best[index] - second[index]
+    if config.norm_by_std:
+        adv = adv / (std + config.adv_eps)
+    adv = torch.where(chosen & (size > 1), adv, 0.0)
+    return _broadcast(adv, mask), _broadcast(scores, mask)
+
+
+def gdpo(rewards, response_mask, config: AlgoConfig, *, group_ids=None, reward_components=None, **_):
+    """GDPO (arXiv 2601.05242): group-decoupled normalization of several rewards. Each component k of
+    reward_components [B, K] gets its own GRPO advantage (this module's `grpo`: std-normalized unless
+    norm_by_std is False, 0 for one-sample groups); their sum weighted by gdpo_reward_weights (empty: all 1)
+    is whitened over the batch's response tokens (`masked_whiten` with adv_eps). Without reward_components the
+    one component is `rewards`. returns = the weighted score sum on every token."""
+    mask = _mask_and_check(rewards, response_mask)
+    ids = _require("group_ids", group_ids, "gdpo")
+    components = _scores(rewards, mask).unsqueeze(-1) if reward_components is None else reward_components
+    if components.dim() != 2 or components.shape[0] != mask.shape[0]:
+        raise ValueError(
+            f"reward_components must be [B, K] with B = {mask.shape[0]}, got {tuple(components.shape)}"
+        )
+    weights = config.gdpo_reward_weights or (1.0,) * components.shape[1]
+    if len(weights) != components.shape[1]:
+        raise ValueError(
+            f"AlgoConfig.gdpo_reward_weights has {len(weights)} weights for {components.shape[1]} reward components"
+        )
+    total = torch.zeros(mask.shape, dtype=components.dtype, device=mask.device)
+    for k, weight in enumerate(weights):
+        adv_k, _ = grpo(components[:, k], response_mask, config, group_ids=ids)
+        total = total + weight * adv_k
+    combined = (components * components.new_tensor(weights)).sum(-1)
+    return masked_whiten(total, mask, config.adv_eps), _broadcast(combined, mask)
+
+
+def sum_pi_squared(logits: torch.Tensor) -> torch.Tensor:
+    """sum_v pi(v)^2 per position, in fp32, from logits [B, T, V] -> [B, T] (the optimal token baseline's
+    input; computed where the logits are, i.e. beside the old logprobs)."""
+    return torch.softmax(logits.float(), dim=-1).square().sum(dim=-1)
+
+
+def _lone_tail(mask: torch.Tensor, index: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """[B, T] bool: positions after the group's second-latest last response token, in the row whose last
+    response token is the group's unique latest (verl's zero tail, on response ends rather than lengths)."""
+    columns = torch.arange(mask.shape[1], device=mask.device)
+    last = torch.where(mask, columns, -1).max(dim=-1).values  # [B]
+    latest = last.new_full((num_groups,), -1).scatter_reduce(0, index, last, "amax")  # [G]
+    at_latest = last == latest[index]
+    runner_up = last.new_full((num_groups,), -1).scatter_reduce(
+        0, index, torch.where(at_latest, -1, last), "amax"
+    )
+    count = torch.zeros(num_groups, dtype=torch.long, device=mask.device).index_add_(
+        0, index, at_latest.long()
+    )
+    unique = at_latest & (count[index] == 1) & (runner_up[index] >= 0)
+    return unique.unsqueeze(-1) & (columns > runner_up[index].unsqueeze(-1))
+
+
+def optimal_token_baseline(
+    rewards, response_mask, config: AlgoConfig, *, group_ids=None, old_logprobs=None, sum_pi_squared=None, **_
+):
+    """The optimal token baseline (verl's "optimal_token_baseline", arXiv 2602.07078): a baseline per
+    position t, shared by the group, weighting each sample's return by its cumulative path variance.
+
+    w_t = 1 - 2 pi_t + sum_v pi(v)^2 = ||e_{y_t} - pi||^2 (the squared norm of the logits' score; pi_t =
+    exp(old_logprobs), sum_pi_squared [B, T] from `sum_pi_squared`), W_t = sum_{j <= t} w_j over response
+    tokens, G_t the reward-to-go (gamma = 1); B_t = sum_i G_t W_t / (sum_i W_t + 1e-8) over the group's
+    samples that have a response token at t (samples of one prompt share the prompt, so t aligns);
+    A_t = G_t - B_t. [B, T]. With otb_handle_zero_tail (verl's handle_zero_tail), where a group's longest
+    response (if unique) runs past the second-longest, its baseline there is 0 (else it would be its own
+    return: advantage 0). A one-sample group gets 0 (verl keeps its return). returns = G.
+    Not supported: verl's rollout IS weights on W.
+    """
+    mask = _mask_and_check(rewards, response_mask)
+    ids = _require("group_ids", group_ids, "optimal_token_baseline")
+    for name, tensor in (("old_logprobs", old_logprobs), ("sum_pi_squared", sum_pi_squared)):
+        _require(name, tensor, "optimal_token_baseline")
+        if tuple(tensor.shape) != tuple(mask.shape):
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {tuple(mask.shape)}")
+    returns = discounted_returns(_token_rewards(rewards, mask).float(), mask, 1.0)
+    w = torch.where(mask, 1.0 - 2.0 * old_logprobs.float().exp() + sum_pi_squared.float(), 0.0)
+    path = w.cumsum(dim=-1)  # [B, T] W_t
+    index, num_groups = group_index(ids, mask.shape[0])
+    shape = (num_groups, mask.shape[1])
+    num = torch.zeros(shape, dtype=torch.float64, device=mask.device)
+    num = num.index_add_(0, index, torch.where(mask, returns * path, 0.0).double())
+    den = torch.zeros(shape, dtype=torch.float64, device=mask.device)
+    den = den.index_add_(0, index, torch.where(mask, path, 0.0).double())
+    baseline = (num / (den + 1e-8))[index].to(returns.dtype)  # [B, T]
+    if config.otb_handle_zero_tail:
+        baseline = torch.where(_lone_tail(mask, index, num_groups), 0.0, baseline)
+    size = group_sums(torch.ones(mask.shape[0], device=mask.device), index, num_groups)[index]
+    adv = torch.where(mask & (size > 1).unsqueeze(-1), returns - baseline, 0.0)
+    return adv, returns
+
+
 ADVANTAGE_ESTIMATORS: dict[str, Callable] = {
     "gae": gae,
     "grpo": grpo,
@@ -174,6 +336,11 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable] = {
     "reinforce_pp": reinforce_pp,
     "reinforce_pp_baseline": reinforce_pp_baseline,
     "remax": remax,
+    "opo": opo,
+    "gpg": gpg,
+    "grpo_passk": grpo_passk,
+    "gdpo": gdpo,
+    "optimal_token_baseline": optimal_token_baseline,
 }
 
 

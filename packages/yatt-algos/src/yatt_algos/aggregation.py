@@ -1,4 +1,4 @@
-"""Loss aggregation: per-token values [B, T] and a mask to one scalar, in the four modes of verl.
+"""Loss aggregation: per-token values [B, T] and a mask to one scalar, in the five modes of verl.
 
 Each mode divides by a normalizer that can be given globally (`num_tokens`, `num_seqs` over all micro-batches
 and data-parallel ranks), which makes the aggregate additive: the sum over micro-batches (and ranks, after the
@@ -10,6 +10,8 @@ parallelism give exactly the single-batch gradient. Without them the call's own 
 - seq-mean-token-mean: sum_i (mean_t v) / num_seqs (the original GRPO, arXiv 2402.03300).
 - seq-mean-token-sum-norm: sum_{i,t} v / (num_seqs * max_len) (Dr.GRPO's constant normalizer,
   arXiv 2503.20783; it uses the generation budget, here `max_len`, default T).
+- token-sum: sum_{i,t} v, no normalizer (verl's "token-sum"; the loss scales with the batch's token count, so
+  the learning rate must be tuned to the batch size). Additive without any global count.
 """
 
 from __future__ import annotations
@@ -38,12 +40,17 @@ def _seq_mean_token_sum_norm(values, mask, num_tokens, num_seqs, max_len):
     return values.sum() / (num_seqs * max_len)
 
 
+def _token_sum(values, mask, num_tokens, num_seqs, max_len):
+    return values.sum()
+
+
 # Each: (values zeroed where masked [B, T], float mask [B, T], num_tokens, num_seqs, max_len) -> scalar
 AGG_MODES: dict[str, Callable] = {
     "token-mean": _token_mean,
     "seq-mean-token-sum": _seq_mean_token_sum,
     "seq-mean-token-mean": _seq_mean_token_mean,
     "seq-mean-token-sum-norm": _seq_mean_token_sum_norm,
+    "token-sum": _token_sum,
 }
 
 

@@ -3,7 +3,13 @@ KL Divergence" (2020): with x = log(ref / pi) at tokens sampled from pi,
 
 - k1 = -x (unbiased, high variance, can be negative),
 - k2 = x^2 / 2 (biased, low variance, >= 0),
-- k3 = exp(x) - x - 1 (unbiased, low variance, >= 0).
+- k3 = exp(x) - x - 1 (unbiased, low variance, >= 0); verl calls it low_var_kl,
+- abs = |x| (verl's "abs"; not an unbiased KL estimate, a distance penalty).
+
+Straight-through variants ("k1+", "k3+", "abs+", and verl's "low_var_kl+" = "k3+") keep the named estimate's
+value but take k2's gradient: d k2 / d theta = log(pi / ref) * grad log pi, whose expectation under pi is the
+gradient of the true KL(pi || ref), while the gradients of k1 and k3 are biased (k1's has expectation 0).
+This is verl's `kl_penalty(..., "k3+")`; the argument is in Schulman's note above.
 
 k3 is clamped as verl and OpenRLHF do: the log ratio to [-20, 20] so exp never overflows, the estimate to
 [0, 10] so one stray token cannot dominate a batch (a departure from the unbiased estimator, bounded).
@@ -40,10 +46,33 @@ def k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     return (torch.expm1(x) - x).clamp(0.0, _K3_MAX)  # expm1 keeps small x accurate (no cancellation)
 
 
+def kl_abs(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """|log(pi / ref)| per token (verl's "abs"). [B, T] -> [B, T]"""
+    return (logprobs - ref_logprobs).abs()
+
+
+def straight_through(estimator: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+    """The estimator's value with k2's gradient: k2 - sg(k2) + sg(estimate). [B, T] -> [B, T]"""
+
+    def plus(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+        backward = k2(logprobs, ref_logprobs)
+        return backward - backward.detach() + estimator(logprobs, ref_logprobs).detach()
+
+    plus.__name__ = f"{estimator.__name__}_plus"
+    plus.__doc__ = f"{estimator.__name__}'s value, k2's gradient (straight-through). [B, T] -> [B, T]"
+    return plus
+
+
 KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "k1": k1,
     "k2": k2,
     "k3": k3,
+    "abs": kl_abs,
+    "k1+": straight_through(k1),
+    "k3+": straight_through(k3),
+    "abs+": straight_through(kl_abs),
+    "low_var_kl": k3,
+    "low_var_kl+": straight_through(k3),
 }
 
 
@@ -68,6 +97,8 @@ def apply_kl_penalty(
 
     All [B, T]. Returns the penalized rewards [B, T] (zero where masked) and the batch's mean KL per token
     (a scalar, what `adaptive_kl_coef` tracks). k1 is the default here, as in PPO-RLHF practice.
+    Departure: verl's controller tracks the mean over sequences of each sequence's token-mean KL; this is the
+    token mean over the batch (the two agree when all responses have one length).
     """
     check_same_shape(
         "token_rewards",

@@ -8,86 +8,23 @@ with global counts when it accumulates micro-batches. Metrics are detached scala
 (k3 of pi_old against pi, per token), ratio_mean, ratio_max, ratio_min, plus loss-specific ones.
 
 When `rollout_logprobs` is given and `config.rollout_is_level` is not "none", every loss is multiplied by the
-detached rollout/train mismatch weight of `rollout_correction.rollout_is_weights`.
+detached rollout/train mismatch weight of `rollout_correction.rollout_is_weights`; when `config.rollout_rs_level`
+is not "none", rejected tokens (`rollout_correction.rejection_mask`) get weight 0.
+
+Every function says where it departs from verl's `core_algos`; the package README collects them in one table.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 
-from yatt_algos.checks import as_bool_mask, check_same_shape
-from yatt_algos.rollout_correction import rollout_is_weights
-from yatt_algos.types import AlgoConfig
-
-_LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: finite in fp32, and far outside any clip range
-
-
-class PolicyLossFn(Protocol):
-    def __call__(
-        self,
-        logprobs: torch.Tensor,
-        old_logprobs: torch.Tensor,
-        advantages: torch.Tensor,
-        response_mask: torch.Tensor,
-        config: AlgoConfig,
-        *,
-        rollout_logprobs: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
-
-
-def _prepare(logprobs, old_logprobs, advantages, response_mask, rollout_logprobs):
-    """Checks shapes; returns the bool mask and the clamped log ratio log(pi / pi_old), 0 where masked."""
-    check_same_shape(
-        "logprobs",
-        {
-            "logprobs": logprobs,
-            "old_logprobs": old_logprobs,
-            "advantages": advantages,
-            "response_mask": response_mask,
-            "rollout_logprobs": rollout_logprobs,
-        },
-    )
-    mask = as_bool_mask("response_mask", response_mask)
-    log_ratio = torch.where(mask, logprobs - old_logprobs, 0.0).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
-    return mask, log_ratio
-
-
-def _ratio_metrics(log_ratio: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    with torch.no_grad():
-        n = mask.sum().clamp(min=1)
-        ratio = log_ratio.detach().exp()
-        # k3 of KL(pi_old || pi) on pi_old's samples: x = log(pi / pi_old) = log_ratio
-        k3 = torch.expm1(log_ratio.detach()) - log_ratio.detach()
-        big, small = torch.finfo(ratio.dtype).max, torch.finfo(ratio.dtype).min
-        any_token = mask.any()
-        return {
-            "approx_kl": torch.where(mask, k3, 0.0).sum() / n,
-            "ratio_mean": torch.where(mask, ratio, 0.0).sum() / n,
-            "ratio_max": torch.where(mask, ratio, small).max() if any_token else ratio.new_tensor(1.0),
-            "ratio_min": torch.where(mask, ratio, big).min() if any_token else ratio.new_tensor(1.0),
-        }
-
-
-def _finish(loss, mask, metrics, old_logprobs, rollout_logprobs, config):
-    """Applies the mismatch weight when enabled, zeroes masked tokens, and adds the weight's metrics."""
-    if rollout_logprobs is not None and config.rollout_is_level != "none":
-        weights, is_metrics = rollout_is_weights(
-            old_logprobs,
-            rollout_logprobs,
-            mask,
-            level=config.rollout_is_level,
-            mode=config.rollout_is_mode,
-            threshold=config.rollout_is_threshold,
-        )
-        loss = loss * weights.to(loss.dtype)
-        metrics.update(is_metrics)
-    return torch.where(mask, loss, 0.0), metrics
-
-
-def _clip_frac(flag: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (flag & mask).sum() / mask.sum().clamp(min=1)
+from yatt_algos.policy_loss_common import LOG_RATIO_CLAMP as _LOG_RATIO_CLAMP
+from yatt_algos.policy_loss_common import PolicyLossFn
+from yatt_algos.policy_loss_common import clip_frac as _clip_frac
+from yatt_algos.policy_loss_common import finish as _finish
+from yatt_algos.policy_loss_common import prepare as _prepare
+from yatt_algos.policy_loss_common import ratio_metrics as _ratio_metrics
+from yatt_algos.policy_losses_extra import clip_cov, dppo_kl, dppo_tv, gmpo, gpg, kl_cov, reinforce, sapo
 
 
 def ppo_clip(logprobs, old_logprobs, advantages, response_mask, config, *, rollout_logprobs=None):
@@ -109,7 +46,8 @@ def ppo_clip(logprobs, old_logprobs, advantages, response_mask, config, *, rollo
 def dual_clip(logprobs, old_logprobs, advantages, response_mask, config, *, rollout_logprobs=None):
     """Dual-clip PPO (Ye et al., arXiv 1912.09729): for A < 0 the PPO-clip loss is also capped at
     -A * clip_ratio_c, so a huge ratio on a bad token cannot blow up the update. [B, T].
-    clip_frac_lower is the share of tokens where that cap binds (their gradient is zero)."""
+    clip_frac_lower is the share of tokens where that cap binds (their gradient is zero).
+    verl's "vanilla" loss is this at clip_ratio_c = 3 (verl always applies the cap; `ppo_clip` never does)."""
     mask, _ = _prepare(logprobs, old_logprobs, advantages, response_mask, rollout_logprobs)
     loss, metrics = ppo_clip(logprobs, old_logprobs, advantages, response_mask, config)
     cap = -advantages * config.clip_ratio_c  # > 0 where A < 0
@@ -127,7 +65,8 @@ def gspo(logprobs, old_logprobs, advantages, response_mask, config, *, rollout_l
     loss_it = max(-A_it s_it, -A_it clip(s_it, 1 - gspo_clip_ratio_low, 1 + gspo_clip_ratio_high)). [B, T].
     With one advantage per sequence this is GSPO exactly; aggregate with "seq-mean-token-mean" for the
     paper's 1/G sum_i 1/|y_i| sum_t normalization. clip_frac counts clipped tokens (all tokens of a clipped
-    sequence).
+    sequence). Departures from verl's "gspo": verl clamps log s_it to at most 10 and always aggregates
+    "seq-mean-token-mean"; here log s_it is clamped to [-20, 20] and `loss_agg_mode` decides.
     """
     mask, log_ratio = _prepare(logprobs, old_logprobs, advantages, response_mask, rollout_logprobs)
     lengths = mask.sum(dim=-1, keepdim=True).clamp(min=1)
@@ -168,4 +107,12 @@ POLICY_LOSSES: dict[str, PolicyLossFn] = {
     "dual_clip": dual_clip,
     "gspo": gspo,
     "cispo": cispo,
+    "gmpo": gmpo,
+    "gpg": gpg,
+    "sapo": sapo,
+    "clip_cov": clip_cov,
+    "kl_cov": kl_cov,
+    "dppo_tv": dppo_tv,
+    "dppo_kl": dppo_kl,
+    "reinforce": reinforce,
 }

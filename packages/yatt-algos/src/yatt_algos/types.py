@@ -7,15 +7,45 @@ and torch without importing either here.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 import msgspec
 
-AdvantageEstimator = Literal["gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax"]
-LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-KLEstimator = Literal["k1", "k2", "k3"]
+AdvantageEstimator = Literal[
+    "gae",
+    "grpo",
+    "rloo",
+    "reinforce_pp",
+    "reinforce_pp_baseline",
+    "remax",
+    "opo",
+    "gpg",
+    "grpo_passk",
+    "gdpo",
+    "optimal_token_baseline",
+]
+PolicyLoss = Literal[
+    "ppo_clip",
+    "dual_clip",
+    "gspo",
+    "cispo",
+    "gmpo",
+    "gpg",
+    "sapo",
+    "clip_cov",
+    "kl_cov",
+    "dppo_tv",
+    "dppo_kl",
+    "reinforce",
+]
+LossAggMode = Literal[
+    "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "token-sum"
+]
+# "+" names are straight-through: the named estimate's value, k2's gradient; low_var_kl is verl's name of k3.
+KLEstimator = Literal["k1", "k2", "k3", "abs", "k1+", "k3+", "abs+", "low_var_kl", "low_var_kl+"]
 RolloutISLevel = Literal["none", "token", "sequence"]
 RolloutISMode = Literal["truncate", "mask"]
+PfPpoMethod = Literal["none", "pow", "max_min", "max_random"]
 
 
 class _Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -47,7 +77,7 @@ class AlgoConfig(_Config, kw_only=True):
     """
 
     adv_estimator: AdvantageEstimator = "grpo"
-    policy_loss: str = "ppo_clip"
+    policy_loss: PolicyLoss = "ppo_clip"
     loss_agg_mode: LossAggMode = "token-mean"
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
@@ -80,8 +110,47 @@ class AlgoConfig(_Config, kw_only=True):
     # maximum response length, reaching -overlong_penalty_factor at it; 0 disables it.
     overlong_buffer_len: int = 0
     overlong_penalty_factor: float = 1.0
+    # Appended in 0.3.0. SAPO's gate temperatures for A > 0 and A <= 0 (arXiv 2511.20347; verl tau_pos/tau_neg).
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
+    # Clip-Cov and KL-Cov (arXiv 2505.22617): the share of response tokens they treat, Clip-Cov's covariance
+    # window [lb, ub] and KL-Cov's |log ratio| coefficient (verl policy_loss.clip_cov_* / kl_cov_ratio /
+    # ppo_kl_coef).
+    clip_cov_ratio: float = 2e-4
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 2e-4
+    kl_cov_coef: float = 0.1
+    # DPPO (arXiv 2602.04879): trust-region thresholds on the probability change (TV) or the binary KL, for
+    # A > 0 (high) and A < 0 (low), and the truncation of its detached IS ratio.
+    dppo_tv_low: float = 0.15
+    dppo_tv_high: float = 0.15
+    dppo_kl_low: float = 0.05
+    dppo_kl_high: float = 0.05
+    dppo_is_cap: float = 20.0
+    # IcePop (arXiv 2510.18855): with rollout_is_mode "mask", weights below this are masked too; 0: no bound.
+    rollout_is_threshold_lower: float = 0.0
+    # Divide the mismatch weights by their mean (over tokens, or over sequences at sequence level).
+    rollout_is_batch_normalize: bool = False
+    # Rejection sampling: drop tokens (or whole sequences, by the product of their ratios) whose
+    # pi_old / pi_rollout lies outside [rollout_rs_threshold_lower, rollout_rs_threshold]; lower 0 means
+    # 1 / rollout_rs_threshold.
+    rollout_rs_level: RolloutISLevel = "none"
+    rollout_rs_threshold: float = 2.0
+    rollout_rs_threshold_lower: float = 0.0
+    # The optimal token baseline: past the second-longest response of a group, the longest one (if unique) has no
+    # baseline (its advantage is its return); verl's handle_zero_tail, True by default since early 2026.
+    otb_handle_zero_tail: bool = True
+    # GDPO (arXiv 2601.05242): weight of each reward component; empty: all 1.
+    gdpo_reward_weights: tuple[float, ...] = ()
+    # pf-PPO (arXiv 2409.06957): resample the batch by reward-derived weights before the update; "none": off.
+    pf_ppo_method: PfPpoMethod = "none"
+    pf_ppo_weight_pow: float = 2.0
 
     def __post_init__(self) -> None:
+        self._check_names()
+        self._check_new_losses()
+        self._check_rollout_correction()
         if self.clip_ratio_low < 0 or self.clip_ratio_high < 0:
             raise ValueError("AlgoConfig.clip_ratio_low and clip_ratio_high must be >= 0")
         for name in (
@@ -107,6 +176,69 @@ class AlgoConfig(_Config, kw_only=True):
         if self.num_updates_per_batch < 1:
             raise ValueError(
                 f"AlgoConfig.num_updates_per_batch must be >= 1, got {self.num_updates_per_batch}"
+            )
+
+    def _check_names(self) -> None:
+        """Names index the registries; a decoded config is checked by msgspec, a constructed one here."""
+        for name, kind in (
+            ("adv_estimator", AdvantageEstimator),
+            ("policy_loss", PolicyLoss),
+            ("loss_agg_mode", LossAggMode),
+            ("kl_estimator", KLEstimator),
+            ("rollout_is_level", RolloutISLevel),
+            ("rollout_is_mode", RolloutISMode),
+            ("rollout_rs_level", RolloutISLevel),
+            ("pf_ppo_method", PfPpoMethod),
+        ):
+            if getattr(self, name) not in get_args(kind):
+                raise ValueError(
+                    f"AlgoConfig.{name} {getattr(self, name)!r} is not one of {list(get_args(kind))}"
+                )
+
+    def _check_new_losses(self) -> None:
+        positive = (
+            "sapo_tau_pos",
+            "sapo_tau_neg",
+            "dppo_tv_low",
+            "dppo_tv_high",
+            "dppo_kl_low",
+            "dppo_kl_high",
+        )
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"AlgoConfig.{name} must be > 0, got {getattr(self, name)}")
+        for name in ("clip_cov_ratio", "kl_cov_ratio"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"AlgoConfig.{name} must be in (0, 1], got {getattr(self, name)}")
+        if self.clip_cov_lb >= self.clip_cov_ub:
+            raise ValueError(
+                f"AlgoConfig.clip_cov_lb must be < clip_cov_ub, got {self.clip_cov_lb}, {self.clip_cov_ub}"
+            )
+        if self.kl_cov_coef < 0:
+            raise ValueError(f"AlgoConfig.kl_cov_coef must be >= 0, got {self.kl_cov_coef}")
+        if self.dppo_is_cap < 1:
+            raise ValueError(f"AlgoConfig.dppo_is_cap must be >= 1, got {self.dppo_is_cap}")
+        if any(w < 0 for w in self.gdpo_reward_weights):
+            raise ValueError(f"AlgoConfig.gdpo_reward_weights must be >= 0, got {self.gdpo_reward_weights}")
+        if self.pf_ppo_weight_pow <= 0:
+            raise ValueError(f"AlgoConfig.pf_ppo_weight_pow must be > 0, got {self.pf_ppo_weight_pow}")
+
+    def _check_rollout_correction(self) -> None:
+        lower = self.rollout_is_threshold_lower
+        if lower < 0 or lower >= self.rollout_is_threshold:
+            raise ValueError(
+                f"AlgoConfig.rollout_is_threshold_lower must be in [0, rollout_is_threshold), got {lower}"
+            )
+        if lower > 0 and self.rollout_is_mode != "mask":
+            raise ValueError(
+                "AlgoConfig.rollout_is_threshold_lower > 0 (IcePop) needs rollout_is_mode='mask', "
+                f"got {self.rollout_is_mode!r}"
+            )
+        if self.rollout_rs_threshold <= 1:
+            raise ValueError(f"AlgoConfig.rollout_rs_threshold must be > 1, got {self.rollout_rs_threshold}")
+        if not 0 <= self.rollout_rs_threshold_lower < 1:
+            raise ValueError(
+                f"AlgoConfig.rollout_rs_threshold_lower must be in [0, 1), got {self.rollout_rs_threshold_lower}"
             )
 
 

@@ -182,8 +182,14 @@ def live_runs(num_steps: int) -> dict:
 
     for key, value in ENV.items():
         os.environ.setdefault(key, value)
-    ray.init(address="local", num_cpus=32, num_gpus=8, include_dashboard=False, log_to_driver=False,
-             object_store_memory=512 * 2**20)  # fmt: skip
+    ray.init(
+        address="local",
+        num_cpus=32,
+        num_gpus=8,
+        include_dashboard=False,
+        log_to_driver=False,
+        object_store_memory=512 * 2**20,
+    )
     out = {}
     try:
         with tempfile.TemporaryDirectory() as root:
@@ -205,16 +211,31 @@ def live_scenario(cfg, steps: list[dict], overhead_s: float, flops: float) -> Sc
     judge = cfg.rewards[-1].judge
     response = statistics.mean(s["rollout/response_len_mean"] for s in steps)
     workload = Workload(
-        num_prompts=cfg.run.prompts_per_step, samples_per_prompt=cfg.sampling.n, prompt_tokens=12,
-        gen_median_tokens=max(response, 1.0), gen_sigma=0.3, gen_max_tokens=cfg.sampling.max_new_tokens,
-        judgements=judge.num_samples, judge_prompt_tokens=60, judge_median_tokens=judge.max_new_tokens,
-        judge_sigma=0.01, judge_max_tokens=judge.max_new_tokens, max_refill=0,
+        num_prompts=cfg.run.prompts_per_step,
+        samples_per_prompt=cfg.sampling.n,
+        prompt_tokens=12,
+        gen_median_tokens=max(response, 1.0),
+        gen_sigma=0.3,
+        gen_max_tokens=cfg.sampling.max_new_tokens,
+        judgements=judge.num_samples,
+        judge_prompt_tokens=60,
+        judge_median_tokens=judge.max_new_tokens,
+        judge_sigma=0.01,
+        judge_max_tokens=judge.max_new_tokens,
+        max_refill=0,
         num_updates=cfg.algo.num_updates_per_batch,
-    )  # fmt: skip
-    hardware = Hardware(iteration_overhead_s=overhead_s, flops=flops, mfu=1.0, wake_overhead_s=0.0,
-                        host_bandwidth_gbs=10.0, memory_bandwidth_gbs=20.0)  # fmt: skip
-    return Scenario(name="live", cluster=cfg.placement.cluster, roles=JOB.roles(cfg), workload=workload,
-                    hardware=hardware)  # fmt: skip
+    )
+    hardware = Hardware(
+        iteration_overhead_s=overhead_s,
+        flops=flops,
+        mfu=1.0,
+        wake_overhead_s=0.0,
+        host_bandwidth_gbs=10.0,
+        memory_bandwidth_gbs=20.0,
+    )
+    return Scenario(
+        name="live", cluster=cfg.placement.cluster, roles=JOB.roles(cfg), workload=workload, hardware=hardware
+    )
 
 
 def simulate(cfg, steps: list[dict], overhead_s: float, flops: float, mode: str) -> tuple[float, float]:
@@ -265,8 +286,10 @@ def live_section(num_steps: int) -> dict:
     print(f"\nlive: tiny GRPO + tiny judge on 4 logical devices (2 CPU cores), {num_steps} steps per mode")
     for mode in runs:
         print(f"  {mode:<10} measured {step_s[mode]:6.2f} s/step   simulator {predicted[mode]:6.2f} s/step")
-    print(f"  partial rollout/judge overlap {last['partial'].get('time/rollout_reward_overlap_s', 0):.2f} s per step;"
-          f" dynamic moves {last['dynamic'].get('placement/moves', 0):.0f}")  # fmt: skip
+    print(
+        f"  partial rollout/judge overlap {last['partial'].get('time/rollout_reward_overlap_s', 0):.2f} s per step;"
+        f" dynamic moves {last['dynamic'].get('placement/moves', 0):.0f}"
+    )
     return {
         "colocated_step_s": round(step_s["colocated"], 3),
         "partial_step_s": round(step_s["partial"], 3),

@@ -29,8 +29,14 @@ def ray_session():
 
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(address="local", num_cpus=32, num_gpus=8, include_dashboard=False,
-             object_store_memory=512 * 2**20, log_to_driver=False)  # fmt: skip
+    ray.init(
+        address="local",
+        num_cpus=32,
+        num_gpus=8,
+        include_dashboard=False,
+        object_store_memory=512 * 2**20,
+        log_to_driver=False,
+    )
     yield
     ray.shutdown()
 
@@ -44,12 +50,14 @@ def small(preset: str, mode: str, controller: str, *, devices: int, **placement)
     return replace(
         cfg,
         run=replace(cfg.run, num_steps=2, prompts_per_step=4, eval_every=0, progress=False),
-        controller=ControllerSpec(mode=controller, num_controllers=num_controllers, heartbeat_interval_s=1.0,
-                                  hang_timeout_s=240.0),  # fmt: skip
+        controller=ControllerSpec(
+            mode=controller, num_controllers=num_controllers, heartbeat_interval_s=1.0, hang_timeout_s=240.0
+        ),
         placement=PlacementConfig(
-            mode=mode, cluster=ClusterSpec(num_nodes=1, devices_per_node=devices, device_memory_gb=16.0),
+            mode=mode,
+            cluster=ClusterSpec(num_nodes=1, devices_per_node=devices, device_memory_gb=16.0),
             **placement,
-        ),  # fmt: skip
+        ),
     )
 
 
@@ -98,8 +106,14 @@ def test_dynamic_moves_devices_toward_a_slow_judge(ray_session, tmp_path, contro
     """A judge made slow (long outputs, many judgements) starts with one device of four; the re-planner
     moves rollout devices to it at a weight-sync boundary, no step is lost, every sample is of the current
     policy version (the step checks it)."""
-    cfg = small("tiny_cpu", "dynamic", controller, devices=4, rollout_replicas=3,
-                replan=ReplanConfig(patience=1, gap_threshold=0.1, min_gain=0.01, cooldown=0))  # fmt: skip
+    cfg = small(
+        "tiny_cpu",
+        "dynamic",
+        controller,
+        devices=4,
+        rollout_replicas=3,
+        replan=ReplanConfig(patience=1, gap_threshold=0.1, min_gain=0.01, cooldown=0),
+    )
     replace = msgspec.structs.replace
     judge = replace(cfg.rewards[-1].judge, num_samples=4, max_new_tokens=24)
     rewards = [*cfg.rewards[:-1], replace(cfg.rewards[-1], judge=judge)]
@@ -110,12 +124,15 @@ def test_dynamic_moves_devices_toward_a_slow_judge(ray_session, tmp_path, contro
     assert summary["placement/judge_devices"] > 1 and summary["placement/rollout_devices"] < 3
 
 
-@pytest.mark.parametrize(("preset", "mode", "controller", "devices"), [
-    ("tiny_cpu_dapo", "disaggregated", "parallel", 4),
-    ("tiny_cpu_dapo", "colocated", "single", 2),
-    ("tiny_cpu_ppo", "disaggregated", "parallel", 6),
-    ("tiny_cpu_ppo", "colocated", "single", 2),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("preset", "mode", "controller", "devices"),
+    [
+        ("tiny_cpu_dapo", "disaggregated", "parallel", 4),
+        ("tiny_cpu_dapo", "colocated", "single", 2),
+        ("tiny_cpu_ppo", "disaggregated", "parallel", 6),
+        ("tiny_cpu_ppo", "colocated", "single", 2),
+    ],
+)
 def test_dapo_and_ppo_outside_the_default_layout(ray_session, tmp_path, preset, mode, controller, devices):
     cfg = small(preset, mode, controller, devices=devices)
     check(run(cfg, tmp_path, f"{preset}-{mode}-{controller}"), cfg)

@@ -56,8 +56,12 @@ class CritiqueWorker(RewardWorker):
         super().__init__(cfg)  # the rule terms only: the judge model serves the critic
         trust = cfg.judge.trust_remote_code
         judge_tok = load_tokenizer(judge_dir, trust_remote_code=trust)
-        engine = HFEngine(load_causal_lm(judge_dir, trust_remote_code=trust), judge_tok, max_batch_size=256,
-                          seed=cfg.run.seed + 1)  # fmt: skip
+        engine = HFEngine(
+            load_causal_lm(judge_dir, trust_remote_code=trust),
+            judge_tok,
+            max_batch_size=256,
+            seed=cfg.run.seed + 1,
+        )
         self.critic = GenPRM(
             engine, HFChatCodec(judge_tok), cfg.capo.critic, tokenizer=load_tokenizer(policy_dir)
         )
@@ -79,8 +83,9 @@ class CritiqueWorker(RewardWorker):
         self.critic.engine.wake_up()
 
 
-def capo_credit(verifier, critiques: list, prompt_lens: list[int], response_mask, group_ids, spec: CapoSpec,
-                *, eps: float) -> tuple[Any, Any, dict[str, float]]:  # fmt: skip
+def capo_credit(
+    verifier, critiques: list, prompt_lens: list[int], response_mask, group_ids, spec: CapoSpec, *, eps: float
+) -> tuple[Any, Any, dict[str, float]]:
     """Token rewards R [B, T], advantages [B, T] and counts, for rows laid out as prompt then response.
 
     verifier [B] r_v in {0, 1}; critiques[b] row b's `StepCritique` (token spans relative to the response,
@@ -107,8 +112,11 @@ def capo_credit(verifier, critiques: list, prompt_lens: list[int], response_mask
     advantages = capo_advantages(rewards, response_mask, group_ids, eps=eps)
     whole = verifier.float()[:, None] * spec.w_whole
     penalized = (rewards < whole) & response_mask.bool()
-    counts = {"capo/critique_failed": float(failed), "capo/penalized_tokens": float(penalized.sum()),
-              "capo/wrong_steps": float(sum(len(v) for v in votes))}  # fmt: skip
+    counts = {
+        "capo/critique_failed": float(failed),
+        "capo/penalized_tokens": float(penalized.sum()),
+        "capo/wrong_steps": float(sum(len(v) for v in votes)),
+    }
     return rewards, advantages, counts
 
 
@@ -125,32 +133,53 @@ def capo_step(
     with ctx.phase("rollout_reward"):  # completions streamed into the verifier r_v and K step critiques each
         prompt_ids = [render_prompt(tok, row, cfg.data.system_prompt) for row in rows]
         tag = f"s{ctx.step}-c{ctx.rank}"
-        scored = generate_and_score(ctx, rows, prompt_ids, cfg.sampling, tag, sample_seed(cfg, ctx), tok,
-                                    method="score_and_critique", token_ids=True)  # fmt: skip
+        scored = generate_and_score(
+            ctx,
+            rows,
+            prompt_ids,
+            cfg.sampling,
+            tag,
+            sample_seed(cfg, ctx),
+            tok,
+            method="score_and_critique",
+            token_ids=True,
+        )
         critiques = [msgspec.convert(d, StepCritique) for d in scored.extra["critiques"]]
     sums = maybe_evaluate(ctx, val_rows, cfg, tok)
     sleep_engines(ctx, cfg)
 
     with ctx.phase("advantages"):  # vote, token rewards, normalize over each prompt's tokens
         kept = [i for i, k in enumerate(scored.keep) if k]
-        batch = pad_batch([prompt_ids[scored.owner[i]] for i in kept],
-                          [scored.completions[i].token_ids for i in kept], tok.pad_token_id)  # fmt: skip
+        batch = pad_batch(
+            [prompt_ids[scored.owner[i]] for i in kept],
+            [scored.completions[i].token_ids for i in kept],
+            tok.pad_token_id,
+        )
         group_ids = torch.tensor([scored.owner[i] for i in kept])
         verifier = torch.tensor([scored.scores[i] for i in kept], dtype=torch.float32)
         _, advantages, counts = capo_credit(
-            verifier, [critiques[i] for i in kept], [len(prompt_ids[scored.owner[i]]) for i in kept],
-            batch["response_mask"], group_ids, cfg.capo, eps=cfg.algo.adv_eps,
-        )  # fmt: skip
+            verifier,
+            [critiques[i] for i in kept],
+            [len(prompt_ids[scored.owner[i]]) for i in kept],
+            batch["response_mask"],
+            group_ids,
+            cfg.capo,
+            eps=cfg.algo.adv_eps,
+        )
 
-    with ctx.phase(
-        "logprobs"
-    ):  # old (this policy) and reference logprobs, on this controller's learner ranks
+    # old (this policy) and reference logprobs, on this controller's learner ranks
+    with ctx.phase("logprobs"):
         lp, rollout_lp = old_logprobs(ctx, batch, [scored.completions[i] for i in kept])
 
     with ctx.phase("train"):  # PPO-clip, SPMD across controllers
         logprobs = {k: v for k, v in lp.items() if k != "entropy"}
-        experience = {**batch, **logprobs, "advantages": advantages, "rollout_logprobs": rollout_lp,
-                      "group_ids": group_ids}  # fmt: skip
+        experience = {
+            **batch,
+            **logprobs,
+            "advantages": advantages,
+            "rollout_logprobs": rollout_lp,
+            "group_ids": group_ids,
+        }
         stats = train(ctx, experience)
 
     with ctx.phase("weight_sync"):
@@ -187,8 +216,14 @@ def step_function(cfg: RunConfig, policy_dir: str, val_rows=None):
 
 def capo_services(pool, *, cfg: RunConfig, policy_dir: str, judge_dir: str):
     """The default services with CAPO's reward service: the rule terms and the step critic on the judge."""
-    return build_services(pool, cfg=cfg, policy_dir=policy_dir, judge_dir=judge_dir,
-                          reward_cls=CritiqueWorker, reward_args=(cfg, judge_dir, policy_dir))  # fmt: skip
+    return build_services(
+        pool,
+        cfg=cfg,
+        policy_dir=policy_dir,
+        judge_dir=judge_dir,
+        reward_cls=CritiqueWorker,
+        reward_args=(cfg, judge_dir, policy_dir),
+    )
 
 
 JOB = JobDef(step=step_function, build=capo_services, check=check)

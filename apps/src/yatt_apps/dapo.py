@@ -123,8 +123,13 @@ def dynamic_sample(ctx, rows: list[PromptRow], wave_fn: WaveFn, spec: DynamicSam
         everything += groups
         valid += [g for g in groups if g.varied]
         invalid += [g for g in groups if not g.varied and g.scores]
-        seen = ctx.all_reduce({"total": float(len(groups)), "valid": float(sum(g.varied for g in groups)),
-                               "short": float(len(valid) < need)})  # fmt: skip
+        seen = ctx.all_reduce(
+            {
+                "total": float(len(groups)),
+                "valid": float(sum(g.varied for g in groups)),
+                "short": float(len(valid) < need),
+            }
+        )
         state["expansion"] = update_expansion(state["expansion"], seen["total"], seen["valid"], spec)
         if not seen["short"] or waves > spec.max_refill:
             break
@@ -133,8 +138,15 @@ def dynamic_sample(ctx, rows: list[PromptRow], wave_fn: WaveFn, spec: DynamicSam
     trained, padded, surplus = select_groups(valid, invalid, need)
     buffer = push_surplus(buffer, [g.row for g in surplus], cap)
     state["buffer"] = [msgspec.structs.asdict(r) for r in buffer]
-    return {"trained": trained, "padded": padded, "groups": everything, "waves": waves,
-            "surplus": len(surplus), "buffer": len(buffer), "wave0": everything[: len(rows)]}  # fmt: skip
+    return {
+        "trained": trained,
+        "padded": padded,
+        "groups": everything,
+        "waves": waves,
+        "surplus": len(surplus),
+        "buffer": len(buffer),
+        "wave0": everything[: len(rows)],
+    }
 
 
 def run_wave(ctx, rows: list[PromptRow], wave: int, *, cfg: RunConfig, tok, scored: list) -> list[Group]:
@@ -152,9 +164,11 @@ def run_wave(ctx, rows: list[PromptRow], wave: int, *, cfg: RunConfig, tok, scor
         scored.append(result)
         lengths = torch.tensor([len(c.token_ids) for c in result.completions])
         shaped = torch.tensor(result.scores, dtype=torch.float32) + overlong_penalty(
-            lengths, max_len=cfg.sampling.max_new_tokens, buffer_len=cfg.algo.overlong_buffer_len,
+            lengths,
+            max_len=cfg.sampling.max_new_tokens,
+            buffer_len=cfg.algo.overlong_buffer_len,
             penalty_factor=cfg.algo.overlong_penalty_factor,
-        )  # fmt: skip
+        )
         keep = torch.tensor(result.keep, dtype=torch.bool)
         ids = torch.tensor(result.owner)
         varied = set(dynamic_sampling_filter(shaped[keep], ids[keep]).kept_groups) if keep.any() else set()
@@ -221,8 +235,14 @@ def dapo_step(
 
     with ctx.phase("train"):  # SPMD across controllers; clip-higher and token-mean come from cfg.algo
         logprobs = {k: v for k, v in lp.items() if k != "entropy"}
-        experience = {**batch, "response_mask": loss_mask, **logprobs, "advantages": advantages,
-                      "rollout_logprobs": rollout_lp, "group_ids": group_ids}  # fmt: skip
+        experience = {
+            **batch,
+            "response_mask": loss_mask,
+            **logprobs,
+            "advantages": advantages,
+            "rollout_logprobs": rollout_lp,
+            "group_ids": group_ids,
+        }
         stats = train(ctx, experience)
 
     with ctx.phase("weight_sync"):
@@ -236,10 +256,18 @@ def dapo_step(
     )
     sums["samples"] = float(len(samples))  # the trained batch (valid and padded groups)
     wave0 = [s for group in picked["wave0"] for s in group.scores]
-    sums.update({"dapo/wave0_reward/sum": sum(wave0), "dapo/wave0_samples": float(len(wave0)),
-                 "dapo/groups": float(len(picked["groups"])), "dapo/valid": float(sum(g.varied for g in picked["groups"])),
-                 "dapo/trained": float(len(picked["trained"])), "dapo/padded": float(len(picked["padded"])), "dapo/surplus": float(picked["surplus"]),
-                 "dapo/buffer": float(picked["buffer"])})  # fmt: skip
+    sums.update(
+        {
+            "dapo/wave0_reward/sum": sum(wave0),
+            "dapo/wave0_samples": float(len(wave0)),
+            "dapo/groups": float(len(picked["groups"])),
+            "dapo/valid": float(sum(g.varied for g in picked["groups"])),
+            "dapo/trained": float(len(picked["trained"])),
+            "dapo/padded": float(len(picked["padded"])),
+            "dapo/surplus": float(picked["surplus"]),
+            "dapo/buffer": float(picked["buffer"]),
+        }
+    )
     total = ctx.all_reduce(sums)
     out = summarize({k: v for k, v in total.items() if not k.startswith("dapo/")}, stats, ctx.world_size)
     return {**out, **dapo_metrics(total, picked["waves"], ctx.state["dapo"]["expansion"])}

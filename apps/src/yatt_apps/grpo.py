@@ -16,16 +16,19 @@ from yatt_apps.data import PromptRow
 from yatt_apps.jobs import JobDef
 from yatt_apps.phases import (
     generate_and_score,
+    group_advantages,
     judge_sums,
     maybe_evaluate,
     old_logprobs,
     pad_batch,
+    pf_ppo_rows,
     render_prompt,
     sample_seed,
     sample_sums,
     sleep_engines,
     summarize,
     sync_weights,
+    take_rows,
     tokenizer,
     train,
     wake_engines,
@@ -37,7 +40,6 @@ def grpo_step(
 ) -> dict[str, float]:
     """One GRPO step on this controller's `rows`; returns metrics already reduced over controllers."""
     import torch
-    from yatt_algos.advantages import ADVANTAGE_ESTIMATORS
 
     tok = tokenizer(policy_dir)
 
@@ -51,23 +53,31 @@ def grpo_step(
     with ctx.phase("advantages"):  # a prompt's group never leaves this controller
         kept = [i for i, k in enumerate(scored.keep) if k]
         samples = [scored.completions[i] for i in kept]
-        batch = pad_batch([prompt_ids[scored.owner[i]] for i in kept], [c.token_ids for c in samples],
-                          tok.pad_token_id)  # fmt: skip
+        batch = pad_batch(
+            [prompt_ids[scored.owner[i]] for i in kept], [c.token_ids for c in samples], tok.pad_token_id
+        )
         group_ids = torch.tensor([scored.owner[i] for i in kept])
         score_t = torch.tensor([scored.scores[i] for i in kept], dtype=torch.float32)
-        advantages, _ = ADVANTAGE_ESTIMATORS[cfg.algo.adv_estimator](
-            score_t, batch["response_mask"], cfg.algo, group_ids=group_ids
-        )
+        components = [scored.components[i] for i in kept]
+        advantages = group_advantages(cfg, score_t, batch["response_mask"], group_ids, components)
+        if cfg.algo.pf_ppo_method != "none":  # pf-PPO: train on rows resampled by reward
+            picked = pf_ppo_rows(cfg, ctx, score_t)
+            batch, advantages, group_ids = take_rows(batch, picked), advantages[picked], group_ids[picked]
+            samples = [samples[i] for i in picked]
 
-    with ctx.phase(
-        "logprobs"
-    ):  # old (this policy) and reference logprobs, on this controller's learner ranks
+    # old (this policy) and reference logprobs, on this controller's learner ranks
+    with ctx.phase("logprobs"):
         lp, rollout_lp = old_logprobs(ctx, batch, samples)
 
     with ctx.phase("train"):  # SPMD: every learner rank updates together (gradient all-reduce)
         logprobs = {k: v for k, v in lp.items() if k != "entropy"}
-        experience = {**batch, **logprobs, "advantages": advantages, "rollout_logprobs": rollout_lp,
-                      "group_ids": group_ids}  # fmt: skip
+        experience = {
+            **batch,
+            **logprobs,
+            "advantages": advantages,
+            "rollout_logprobs": rollout_lp,
+            "group_ids": group_ids,
+        }
         stats = train(ctx, experience)
 
     with ctx.phase("weight_sync"):  # version v+1 to every rollout replica; all controllers wait

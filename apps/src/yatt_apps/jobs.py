@@ -60,8 +60,16 @@ def reward_role(cfg: RunConfig) -> str:
     return "genrm" if cfg.judge is not None else "reward"
 
 
-def build_services(pool, *, cfg: RunConfig, policy_dir: str, judge_dir: str, reward_cls: Any = None,
-                   reward_args: tuple = (), extra: Callable | None = None):  # fmt: skip
+def build_services(
+    pool,
+    *,
+    cfg: RunConfig,
+    policy_dir: str,
+    judge_dir: str,
+    reward_cls: Any = None,
+    reward_args: tuple = (),
+    extra: Callable | None = None,
+):
     """The default services: `actor` (the learner, with its reference), `rollout` (the policy's engine, fed
     by weight pushes: in process where it shares a learner rank's process, broadcast elsewhere) and `reward`
     (`reward_cls`, default the rule/GenRM `RewardWorker`). `extra(pool, groups)` adds a job's own groups and

@@ -25,8 +25,13 @@ from yatt_apps.rundir import RunDir
 
 # Set before Ray is imported. RAY_ENABLE_UV_RUN_RUNTIME_ENV=0: under `uv run`, Ray would otherwise package the
 # working directory (the whole checkout, .venv included) as every worker's runtime env and start them in a copy.
-ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
-       "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+ENV = {
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
+    "HF_HUB_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
 
 
 def train_rows(cfg: RunConfig) -> Sequence[PromptRow]:
@@ -73,7 +78,9 @@ def replan_hook(cfg: RunConfig, job: JobDef, plan):
         devices = {key: planner.devices(key) for key in planner.movable()}
         per_device = {key: busy.get(key, 0.0) / n for key, n in devices.items()}
         step_time = max(max(per_device.values(), default=0.0), 1e-6)
-        return planner.observe(PhaseStats(step=step, step_time_s=step_time, busy_s=per_device, num_devices=devices))
+        return planner.observe(
+            PhaseStats(step=step, step_time_s=step_time, busy_s=per_device, num_devices=devices)
+        )
 
     return replan
 
@@ -140,8 +147,14 @@ def _init_ray(cfg: RunConfig) -> bool:
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
         return True
     devices = cfg.placement.cluster.num_devices
-    ray.init(address="local", num_cpus=int(devices * cfg.placement.cpus_per_device) + 4, num_gpus=devices,
-             include_dashboard=False, object_store_memory=512 * 2**20, log_to_driver=False)  # fmt: skip
+    ray.init(
+        address="local",
+        num_cpus=int(devices * cfg.placement.cpus_per_device) + 4,
+        num_gpus=devices,
+        include_dashboard=False,
+        object_store_memory=512 * 2**20,
+        log_to_driver=False,
+    )
     return True
 
 
@@ -208,10 +221,13 @@ def run_job(cfg: RunConfig, run_dir: str | Path, job: JobDef) -> dict[str, Any]:
     runtime = Job(
         build=functools.partial(job.build, cfg=cfg, policy_dir=policy_dir, judge_dir=judge_dir),
         step_fn=job.step(cfg, policy_dir, functools.partial(val_rows, cfg)),
-        dataset=functools.partial(train_rows, cfg), batch_size=cfg.run.prompts_per_step,
-        num_steps=cfg.run.num_steps, checkpoint_dir=str(run.checkpoints), on_step=logger,
-        replan=replan_hook(cfg, job, plan),
-    )  # fmt: skip
+        dataset=functools.partial(train_rows, cfg),
+        batch_size=cfg.run.prompts_per_step,
+        num_steps=cfg.run.num_steps,
+        checkpoint_dir=str(run.checkpoints),
+        on_step=logger,
+        **({"replan": hook} if (hook := replan_hook(cfg, job, plan)) else {}),
+    )
     started = time.perf_counter()
     try:
         result = run_controllers(cfg.controller, runtime, realized)
@@ -221,5 +237,11 @@ def run_job(cfg: RunConfig, run_dir: str | Path, job: JobDef) -> dict[str, Any]:
         if owns_ray:
             ray.shutdown()
         plot = run.close()
-    return {**logger.last, "restarts": result.restarts, "driver_bytes": result.driver_bytes,
-            "seconds": time.perf_counter() - started, "run_dir": str(run.path), "plot": str(plot)}  # fmt: skip
+    return {
+        **logger.last,
+        "restarts": result.restarts,
+        "driver_bytes": result.driver_bytes,
+        "seconds": time.perf_counter() - started,
+        "run_dir": str(run.path),
+        "plot": str(plot),
+    }

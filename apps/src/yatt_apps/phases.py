@@ -127,8 +127,18 @@ def reward_requests(rows: list[PromptRow], completions: list, tok, *, token_ids:
     ]
 
 
-def generate_and_score(ctx, rows: list[PromptRow], prompt_ids: list[list[int]], sampling, tag: str,
-                       seed: int | None, tok, *, method: str = "score", token_ids: bool = False) -> Scored:  # fmt: skip
+def generate_and_score(
+    ctx,
+    rows: list[PromptRow],
+    prompt_ids: list[list[int]],
+    sampling,
+    tag: str,
+    seed: int | None,
+    tok,
+    *,
+    method: str = "score",
+    token_ids: bool = False,
+) -> Scored:
     """n completions per prompt on this controller's rollout replicas, each chunk of prompts handed to a
     reward replica (`method`, given the chunk's `RewardRequest`s, with response token ids if `token_ids`)
     the moment its completions are done (yatt_controller's streaming stages), so rollout and judging overlap
@@ -153,8 +163,11 @@ def generate_and_score(ctx, rows: list[PromptRow], prompt_ids: list[list[int]], 
     completions = flat(values[0] for values in result.values)
     check_completions(ctx, completions)
     parts = [values[1] for values in result.values]
-    stream = {"rollout_s": result.busy_s("rollout"), "reward_s": result.busy_s("reward"),
-              "overlap_s": result.overlap_s("rollout", "reward")}  # fmt: skip
+    stream = {
+        "rollout_s": result.busy_s("rollout"),
+        "reward_s": result.busy_s("reward"),
+        "overlap_s": result.overlap_s("rollout", "reward"),
+    }
     standard = ("scores", "keep", "statuses", "sample_components")
     return Scored(
         completions=completions,
@@ -188,6 +201,39 @@ def generate(ctx, rows: list[PromptRow], prompt_ids: list[list[int]], sampling, 
     completions = flat(values[0] for values in result.values)
     check_completions(ctx, completions)
     return completions
+
+
+# ---- advantages ---------------------------------------------------------------------------------------------
+
+
+def group_advantages(cfg: RunConfig, scores, mask, group_ids, components: list[dict[str, float]]):
+    """`algo.adv_estimator` over the kept rows: scores [B], mask [B, T], group_ids [B]; GDPO also gets each
+    reward term's own score [B, K] (terms in `rewards` order; a term that did not score counts 0)."""
+    import torch
+    from yatt_algos.advantages import ADVANTAGE_ESTIMATORS
+
+    extra = {}
+    if cfg.algo.adv_estimator == "gdpo":
+        names = [spec.name or spec.kind for spec in cfg.rewards]
+        extra["reward_components"] = torch.tensor([[c.get(n, 0.0) for n in names] for c in components])
+    advantages, _ = ADVANTAGE_ESTIMATORS[cfg.algo.adv_estimator](
+        scores, mask, cfg.algo, group_ids=group_ids, **extra
+    )
+    return advantages
+
+
+def pf_ppo_rows(cfg: RunConfig, ctx, scores) -> list[int]:
+    """pf-PPO (arXiv 2503.05066): the rows to train on, drawn with replacement by reward (every row, in
+    order, when `algo.pf_ppo_method` is "none"); seeded per controller and step."""
+    import torch
+    from yatt_algos.pf_ppo import pf_ppo_resample
+
+    generator = torch.Generator().manual_seed(sample_seed(cfg, ctx) % 2**63)
+    return pf_ppo_resample(scores, cfg.algo, generator=generator).tolist()
+
+
+def take_rows(batch: dict[str, Any], rows: list[int]) -> dict[str, Any]:
+    return {key: value[rows] for key, value in batch.items()}
 
 
 # ---- the learner --------------------------------------------------------------------------------------------
@@ -255,26 +301,42 @@ def judge_sums(cfg: RunConfig, scored: Scored, kept: list[int]) -> dict[str, flo
     parsed = sum(scored.components[i].get(f"{judge}/parsed", 0.0) for i in range(len(scored.completions)))
     both = [c for c in (scored.components[i] for i in kept) if judge in c and rule in c]
     agree = sum((c[judge] > 0) == (c[rule] > 0.5) for c in both)
-    return {"judge/parsed": parsed, "judge/judged": float(len(scored.completions)),
-            "judge/agree": float(agree), "judge/compared": float(len(both))}  # fmt: skip
+    return {
+        "judge/parsed": parsed,
+        "judge/judged": float(len(scored.completions)),
+        "judge/agree": float(agree),
+        "judge/compared": float(len(both)),
+    }
 
 
-def sample_sums(scored: Scored, kept: list[int], num_prompts: int, mask, lp: dict[str, Any], rollout_lp,
-                scores: list[float] | None = None) -> dict[str, float]:  # fmt: skip
+def sample_sums(
+    scored: Scored,
+    kept: list[int],
+    num_prompts: int,
+    mask,
+    lp: dict[str, Any],
+    rollout_lp,
+    scores: list[float] | None = None,
+) -> dict[str, float]:
     """This controller's sums for `summarize` (all-reduced first): rewards of the trained samples (`scores`,
     default the scored ones), counts, tokens under `mask` [B, T], entropy, rollout/train mismatch, KL to the
     reference, per-term rewards, statuses of every scored completion, and the stream's busy times."""
     trained = [scored.scores[i] for i in kept] if scores is None else scores
     sums = {
-        "reward/sum": sum(trained), "samples": float(len(kept)),
-        "samples_dropped": float(len(scored.completions) - len(kept)), "prompts": float(num_prompts),
+        "reward/sum": sum(trained),
+        "samples": float(len(kept)),
+        "samples_dropped": float(len(scored.completions) - len(kept)),
+        "prompts": float(num_prompts),
         "response_tokens": float(mask.sum()),
         "truncated": float(sum(c.finish_reason == "length" for c in scored.completions)),
         "entropy/sum": float((lp["entropy"] * mask).sum()),
         "mismatch/sum": float(((lp["old_logprobs"] - rollout_lp).abs() * mask).sum()),
-        **{f"reward_status/{s}": float(scored.statuses.count(s)) for s in ("ok", "parse_error", "timeout", "error")},
+        **{
+            f"reward_status/{s}": float(scored.statuses.count(s))
+            for s in ("ok", "parse_error", "timeout", "error")
+        },
         **{f"stream/{k}": v for k, v in scored.stream.items()},
-    }  # fmt: skip
+    }
     for i in kept:
         for name, value in scored.components[i].items():
             sums[f"reward/{name}/sum"] = sums.get(f"reward/{name}/sum", 0.0) + value

@@ -64,9 +64,12 @@ class CriticWorker:
                 )
             group = dist.group.WORLD
         model = AutoModelForTokenClassification.from_pretrained(
-            model_dir, num_labels=1, dtype=torch.float32, local_files_only=True,
+            model_dir,
+            num_labels=1,
+            dtype=torch.float32,
+            local_files_only=True,
             trust_remote_code=cfg.model.trust_remote_code,
-        )  # fmt: skip
+        )
         self.learner = TorchCriticLearner(
             model, algo=cfg.algo, optim_config=cfg.critic_optim or cfg.optim, learner=cfg.learner, group=group
         )
@@ -141,8 +144,14 @@ def ppo_step(
         last = mask.long().cumsum(-1).argmax(-1)  # [B] position of each row's last response token
         token_rewards[torch.arange(len(kept)), last] = scores
         reference = lp.get("ref_logprobs", lp["old_logprobs"])
-        token_rewards, mean_kl = apply_kl_penalty(token_rewards, lp["old_logprobs"], reference, mask,
-                                                  coef=cfg.algo.kl_reward_coef, estimator=cfg.algo.kl_estimator)  # fmt: skip
+        token_rewards, mean_kl = apply_kl_penalty(
+            token_rewards,
+            lp["old_logprobs"],
+            reference,
+            mask,
+            coef=cfg.algo.kl_reward_coef,
+            estimator=cfg.algo.kl_estimator,
+        )
         advantages, returns = ADVANTAGE_ESTIMATORS[cfg.algo.adv_estimator](
             token_rewards, mask, cfg.algo, values=values
         )

@@ -82,8 +82,9 @@ class ParquetRows(Sequence):
         self.__init__(state["path"], state["keys"])
 
 
-def open_rows(path: str | Path, *, prompt_key: str = "prompt", answer_key: str = "answer",
-              image_key: str = "images") -> JsonlRows | ParquetRows:  # fmt: skip
+def open_rows(
+    path: str | Path, *, prompt_key: str = "prompt", answer_key: str = "answer", image_key: str = "images"
+) -> JsonlRows | ParquetRows:
     """A row-by-row view of a jsonl or parquet dataset (nothing parsed yet)."""
     path = Path(path)
     if not path.is_file():

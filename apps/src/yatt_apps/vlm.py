@@ -127,8 +127,11 @@ def prompt_vision(tok, processor, prompt_ids: list[int], row: PromptRow) -> dict
 
     images = [load_image(MediaRef(kind="image", uri=p)) for p in row.images]
     out = qwen2_vl_inputs(tok, processor, prompt_ids, images)
-    return {"prompt_ids": out["input_ids"][0].tolist(), "pixel_values": out.get("pixel_values"),
-            "image_grid_thw": out.get("image_grid_thw")}  # fmt: skip
+    return {
+        "prompt_ids": out["input_ids"][0].tolist(),
+        "pixel_values": out.get("pixel_values"),
+        "image_grid_thw": out.get("image_grid_thw"),
+    }
 
 
 def vision_batch(items: list[dict[str, Any]], batch: dict[str, Any], image_pad_id: int) -> dict[str, Any]:
@@ -166,8 +169,10 @@ def vlm_step(
         prompt_ids = [render_prompt(tok, row, cfg.data.system_prompt) for row in rows]
         tag = f"s{ctx.step}-c{ctx.rank}"
         scored = generate_and_score(ctx, rows, prompt_ids, cfg.sampling, tag, sample_seed(cfg, ctx), tok)
-        scored.keep = [k and not vision_ids & set(c.token_ids) for k, c in zip(scored.keep, scored.completions,
-                                                                              strict=True)]  # fmt: skip
+        scored.keep = [
+            k and not vision_ids & set(c.token_ids)
+            for k, c in zip(scored.keep, scored.completions, strict=True)
+        ]
     sums = maybe_evaluate(ctx, val_rows, cfg, tok)
     sleep_engines(ctx, cfg)
 
@@ -175,8 +180,11 @@ def vlm_step(
         kept = [i for i, k in enumerate(scored.keep) if k]
         samples = [scored.completions[i] for i in kept]
         vision = [prompt_vision(tok, processor, ids, row) for ids, row in zip(prompt_ids, rows, strict=True)]
-        batch = pad_batch([vision[scored.owner[i]]["prompt_ids"] for i in kept], [c.token_ids for c in samples],
-                          tok.pad_token_id)  # fmt: skip
+        batch = pad_batch(
+            [vision[scored.owner[i]]["prompt_ids"] for i in kept],
+            [c.token_ids for c in samples],
+            tok.pad_token_id,
+        )
         batch |= vision_batch(
             [vision[scored.owner[i]] for i in kept], batch, tok.convert_tokens_to_ids("<|image_pad|>")
         )
@@ -191,8 +199,13 @@ def vlm_step(
 
     with ctx.phase("train"):  # SPMD across controllers
         logprobs = {k: v for k, v in lp.items() if k != "entropy"}
-        experience = {**batch, **logprobs, "advantages": advantages, "rollout_logprobs": rollout_lp,
-                      "group_ids": group_ids}  # fmt: skip
+        experience = {
+            **batch,
+            **logprobs,
+            "advantages": advantages,
+            "rollout_logprobs": rollout_lp,
+            "group_ids": group_ids,
+        }
         stats = train(ctx, experience)
 
     with ctx.phase("weight_sync"):

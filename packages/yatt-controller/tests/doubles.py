@@ -53,6 +53,11 @@ class ScriptedEngine:
             for p in prompts
         ]
 
+    def blob(self, nbytes: int):
+        import numpy as np
+
+        return np.full(nbytes, 7, dtype=np.uint8)
+
     def hold(self, seconds: float) -> float:
         time.sleep(seconds)
         return seconds
@@ -107,6 +112,17 @@ def media_step(ctx, batch: list[int]) -> dict[str, float]:
         {"num_samples": len(samples), "signature": signature, "learner_total": sum(totals)}
     )
     return {**counts, "seen": ctx.state["seen"], "draw": ctx.rng.random()}
+
+
+BLOB_BYTES = 10 * 2**20
+
+
+def blob_step(ctx, batch: list[int]) -> dict[str, float]:
+    """Fetches a 10 MiB array from a service with a plain `ray.get` (not the runtime's `ctx.get`)."""
+    import ray
+
+    array = ray.get(ctx.services["rollout"].rank_zero("blob", BLOB_BYTES))
+    return {"blob_bytes": float(array.nbytes), "num_samples": float(len(batch))}
 
 
 def critic_step(ctx, batch: list[int]) -> dict[str, float]:

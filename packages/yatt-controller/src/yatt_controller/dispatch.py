@@ -22,8 +22,6 @@ from typing import Any, Protocol
 
 import ray
 
-from yatt_controller.ledger import LEDGER
-
 
 class Worker(Protocol):
     dp_rank: int
@@ -65,7 +63,6 @@ def route(num_replicas: int, num_controllers: int, rank: int) -> list[int]:
 
 
 def _send(worker: Worker, method: str, args: tuple, kwargs: dict) -> ray.ObjectRef:
-    LEDGER.count_sent((args, kwargs))  # counts only in the driver, and only what is not already a ref
     return worker.submit(method, args, kwargs)
 
 
@@ -159,10 +156,8 @@ DISPATCH: dict[str, Callable[..., list[ray.ObjectRef]]] = {
 
 
 def fetch(refs: ray.ObjectRef | Sequence[ray.ObjectRef], *, timeout: float | None = None) -> Any:
-    """`ray.get` that charges what it receives to this process's ledger (the driver's, in single mode)."""
-    values = ray.get(refs, timeout=timeout)
-    LEDGER.count_received(values)
-    return values
+    """`ray.get` of refs (in the driver, `ledger.count_driver_ray_bytes` counts what it receives)."""
+    return ray.get(refs, timeout=timeout)
 
 
 class InflightWindow:

@@ -25,7 +25,7 @@ from yatt_controller import checkpoint
 from yatt_controller.collective import Rendezvous
 from yatt_controller.controller import ControllerActor, ControllerCore, ControllerPlan, StepFn
 from yatt_controller.dispatch import route
-from yatt_controller.ledger import LEDGER
+from yatt_controller.ledger import count_driver_ray_bytes
 from yatt_controller.sync import WeightSync
 from yatt_controller.types import ControllerSpec, Heartbeat, StepReport
 from yatt_controller.worker_group import HostPool, WorkerGroup
@@ -73,7 +73,9 @@ class RunResult:
     reports: dict[int, list[StepReport]]  # step -> one report per controller, in rank order
     restarts: int
     failures: list[str]
-    driver_bytes: int  # sample payload through the driver (dispatch arguments and fetched results)
+    # every payload byte the driver sent or received through Ray during the run (remote-call arguments, puts,
+    # gets: step reports and heartbeats included); `ledger.count_driver_ray_bytes`
+    driver_bytes: int
     report_bytes: int  # msgpack size of the step reports the driver received
     next_step: int = 0
 
@@ -96,34 +98,36 @@ def run(spec: ControllerSpec, job: Job, realized: Any, *, startup_timeout_s: flo
         )
     if spec.checkpoint_every and not job.checkpoint_dir:
         raise ValueError("ControllerSpec.checkpoint_every is set but Job.checkpoint_dir is not")
-    LEDGER.reset()
-    LEDGER.active = True
+    with count_driver_ray_bytes() as ledger:
+        reports, failures, report_bytes = _attempts(spec, job, realized, startup_timeout_s)
+    ordered = {step: [by_rank[r] for r in sorted(by_rank)] for step, by_rank in sorted(reports.items())}
+    return RunResult(ordered, len(failures), failures, ledger.total, report_bytes, job.num_steps)
+
+
+def _attempts(
+    spec: ControllerSpec, job: Job, realized: Any, startup_timeout_s: float
+) -> tuple[dict[int, dict[int, StepReport]], list[str], int]:
+    """Attempts until one finishes or no restart is left: (reports by step and rank, failures, report bytes)."""
     reports: dict[int, dict[int, StepReport]] = {}
     failures: list[str] = []
     report_bytes = 0
-    try:
-        while True:
-            attempt = _Attempt(spec, job, realized, reports, startup_timeout_s)
-            try:
-                attempt.start()
-                attempt.watch()
-                break
-            except _AttemptFailed as failure:
-                failures.append(str(failure))
-                if not failure.restartable or spec.on_failure == "fail" or len(failures) > spec.max_restarts:
-                    tail = (
-                        f" (after {len(failures) - 1} restarts)"
-                        if failure.restartable and spec.on_failure == "restart"
-                        else ""
-                    )
-                    raise ControllerFailure(f"{failure}{tail}") from failure.__cause__
-            finally:
-                attempt.teardown()  # collects the last reports first
-                report_bytes += attempt.report_bytes
-    finally:
-        LEDGER.active = False
-    ordered = {step: [by_rank[r] for r in sorted(by_rank)] for step, by_rank in sorted(reports.items())}
-    return RunResult(ordered, len(failures), failures, LEDGER.total, report_bytes, job.num_steps)
+    while True:
+        attempt, failure = _Attempt(spec, job, realized, reports, startup_timeout_s), None
+        try:
+            attempt.start()
+            attempt.watch()
+        except _AttemptFailed as exc:
+            failure = exc
+        finally:
+            attempt.teardown()  # collects the last reports first
+            report_bytes += attempt.report_bytes
+        if failure is None:
+            return reports, failures, report_bytes
+        failures.append(str(failure))
+        if not failure.restartable or spec.on_failure == "fail" or len(failures) > spec.max_restarts:
+            restarting = failure.restartable and spec.on_failure == "restart"
+            tail = f" (after {len(failures) - 1} restarts)" if restarting else ""
+            raise ControllerFailure(f"{failure}{tail}") from failure.__cause__
 
 
 class _Attempt:
@@ -278,7 +282,9 @@ class _Attempt:
             if actor is not None and watch.pending is None:
                 watch.pending = actor.heartbeat.remote()
         beats = [(watch.pending, watch) for actor, watch in self.controllers if actor is not None]
-        hosts = [(rec.handle.ping.remote(), _Watch(self._host_name(rec))) for rec in self.pool.hosts.values()]
+        hosts = [
+            (rec.handle.ping.remote(), _Watch(self._host_name(rec))) for rec in list(self.pool.hosts.values())
+        ]
         refs = [ref for ref, _ in beats + hosts]
         if refs:
             ray.wait(refs, num_returns=len(refs), timeout=spec.heartbeat_interval_s)
@@ -345,7 +351,7 @@ class _Attempt:
     def _failure(self, headline: str, exc: BaseException | None = None) -> _AttemptFailed:
         """Name every host that is dead now beside the headline. Restartable: a death or a hang, not an
         error raised by the job's code."""
-        refs = [(rec.handle.ping.remote(), self._host_name(rec)) for rec in self.pool.hosts.values()]
+        refs = [(rec.handle.ping.remote(), self._host_name(rec)) for rec in list(self.pool.hosts.values())]
         if refs:
             ray.wait(
                 [r for r, _ in refs], num_returns=len(refs), timeout=min(5.0, self.spec.heartbeat_interval_s)

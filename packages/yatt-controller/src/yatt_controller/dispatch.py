@@ -43,16 +43,19 @@ def split_evenly(items: Sequence[Any], num_chunks: int) -> list[list[Any]]:
     return chunks
 
 
-def route(num_replicas: int, num_controllers: int, rank: int) -> list[int]:
+def route(num_replicas: int, num_controllers: int, rank: int, *, uneven: bool = False) -> list[int]:
     """The replicas (data-parallel ranks) of a service that controller `rank` calls.
 
     With at least as many replicas as controllers, each controller owns a contiguous block (the replicas must
     divide evenly); with fewer, controllers share replicas round-robin: 4 replicas, 2 controllers, rank 1 ->
-    [2, 3]; 1 replica, 2 controllers -> [0] for both.
+    [2, 3]; 1 replica, 2 controllers -> [0] for both. `uneven=True` (after a live move) allows blocks whose
+    sizes differ by one, the larger first: 3 replicas, 2 controllers -> [0, 1] and [2].
     """
     if not 0 <= rank < num_controllers:
         raise ValueError(f"rank must be in [0, {num_controllers}), got {rank}")
     if num_replicas >= num_controllers:
+        if num_replicas % num_controllers and uneven:
+            return split_evenly(range(num_replicas), num_controllers)[rank]
         if num_replicas % num_controllers:
             raise ValueError(
                 f"a service with {num_replicas} replicas cannot be split evenly over {num_controllers} controllers"

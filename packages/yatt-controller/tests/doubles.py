@@ -53,6 +53,11 @@ class ScriptedEngine:
             for p in prompts
         ]
 
+    def blob(self, nbytes: int):
+        import numpy as np
+
+        return np.full(nbytes, 7, dtype=np.uint8)
+
     def hold(self, seconds: float) -> float:
         time.sleep(seconds)
         return seconds
@@ -107,6 +112,17 @@ def media_step(ctx, batch: list[int]) -> dict[str, float]:
         {"num_samples": len(samples), "signature": signature, "learner_total": sum(totals)}
     )
     return {**counts, "seen": ctx.state["seen"], "draw": ctx.rng.random()}
+
+
+BLOB_BYTES = 10 * 2**20
+
+
+def blob_step(ctx, batch: list[int]) -> dict[str, float]:
+    """Fetches a 10 MiB array from a service with a plain `ray.get` (not the runtime's `ctx.get`)."""
+    import ray
+
+    array = ray.get(ctx.services["rollout"].rank_zero("blob", BLOB_BYTES))
+    return {"blob_bytes": float(array.nbytes), "num_samples": float(len(batch))}
 
 
 def critic_step(ctx, batch: list[int]) -> dict[str, float]:
@@ -213,3 +229,59 @@ class SleepyStage:
             raise ValueError(f"bad item {item}")
         time.sleep(seconds)
         return {"item": item, "previous": previous, "pid": os.getpid(), "start": start, "end": time.time()}
+
+
+class VersionedEngine(WeightsDouble):
+    """A rollout double holding real tensors: each prompt becomes a sample stamped with its weights' version
+    and the device it ran on."""
+
+    def generate(self, prompts: list[int]) -> list[dict]:
+        time.sleep(0.05)
+        return [{"prompt": p, "version": self.version, "device": self.info.device} for p in prompts]
+
+    def __init__(self, seed: int = 1, worker_info=None):
+        super().__init__(seed)
+        self.info = worker_info
+
+
+class WeightsLearner(WeightsDouble):
+    """A learner double: "training" on a chunk shifts every weight by its row count, so versions differ."""
+
+    def train(self, chunk: dict) -> int:
+        self.perturb(float(len(chunk["prompt"])))
+        return len(chunk["prompt"])
+
+
+class SlowJudge:
+    """A judge double: scores samples after a fixed delay, and says on which device it ran."""
+
+    def __init__(self, seconds: float = 0.3, worker_info=None):
+        self.seconds, self.info = seconds, worker_info
+
+    def judge(self, samples: list[dict]) -> list[dict]:
+        time.sleep(self.seconds)
+        return [{"score": float(s["prompt"] % 2), "device": self.info.device} for s in samples]
+
+
+def move_step(ctx, batch: list[int]) -> dict[str, float]:
+    """Generate, refuse stale samples, judge, train on every learner rank, push the next version."""
+    with ctx.phase("rollout"):
+        samples = [s for part in ctx.get(ctx.services["rollout"].scatter("generate", batch)) for s in part]
+    ctx.check_versions([s["version"] for s in samples])
+    with ctx.phase("reward"):
+        scores = [s for part in ctx.get(ctx.services["reward"].scatter("judge", samples)) for s in part]
+    with ctx.phase("train"):
+        ctx.get(ctx.own_learner.shard_rows("train", {"prompt": [s["prompt"] for s in samples]}))
+    rollout_devices = {s["device"] for s in samples}
+    judge_devices = {s["device"] for s in scores}
+    versions = [s["version"] for s in samples]
+    seen = ctx.all_gather((sorted(rollout_devices), sorted(judge_devices), min(versions), max(versions)))
+    ctx.sync_weights()
+    sums = ctx.all_reduce({"num_samples": len(samples)})
+    return {
+        **sums,
+        "rollout_devices": float(len({d for part in seen for d in part[0]})),
+        "judge_devices": float(len({d for part in seen for d in part[1]})),
+        "min_version": float(min(part[2] for part in seen)),
+        "max_version": float(max(part[3] for part in seen)),
+    }

@@ -196,3 +196,68 @@ def test_stream_bounds_inflight_and_raises_the_first_error(stream_groups):
         run_stream([1, 2, 3, 4], stages)
     with pytest.raises(ValueError, match=r"stage names must be distinct, got \['a', 'a'\]"):
         run_stream([1], [Stage("a", stages[0].call), Stage("a", stages[0].call)])
+
+
+def _partial_plan(rollout: list[list[int]], judge: list[list[int]]) -> PlacementPlan:
+    """4 devices: the learner on 0-1 time-sharing with rollout replicas there; the judge on its own devices."""
+    return PlacementPlan(
+        mode="partial",
+        num_devices=4,
+        roles=[
+            RolePlacement(role="actor", replicas=[[0], [1]], colocated_with=["rollout"]),
+            RolePlacement(role="rollout", replicas=rollout, colocated_with=["actor"]),
+            RolePlacement(role="reward", replicas=judge),
+        ],
+    )
+
+
+def _move_build(pool: HostPool) -> Services:
+    learner = WorkerGroup.create(
+        pool, "actor", doubles.WeightsLearner, kwargs={"seed": 0}, pass_worker_info=True
+    )
+    rollout = WorkerGroup.create(
+        pool, "rollout", doubles.VersionedEngine, kwargs={"seed": 1}, pass_worker_info=True
+    )
+    judge = WorkerGroup.create(
+        pool, "reward", doubles.SlowJudge, kwargs={"seconds": 0.3}, pass_worker_info=True
+    )
+    return Services(
+        groups={"actor": learner, "rollout": rollout, "reward": judge},
+        learner="actor",
+        weight_sync=WeightSync(learner, [rollout]),
+    )
+
+
+def test_a_live_move_gives_the_next_steps_a_new_rollout_replica_with_current_weights(session):
+    start = _partial_plan([[0], [1]], [[2], [3]])
+    moved = _partial_plan([[0], [1], [2]], [[3]])  # device 2: judge -> rollout
+    realized = realize_mod.realize(start, cpus_per_device=0.5)
+    calls: list[tuple[int, dict[str, float]]] = []
+
+    def replan(step: int, busy_s: dict[str, float]):
+        calls.append((step, busy_s))
+        return moved if step == 0 else None
+
+    num_steps = 5
+    job = Job(build=_move_build, step_fn=doubles.move_step, dataset=_rows, batch_size=8, num_steps=num_steps,
+              replan=replan)  # fmt: skip
+    try:
+        result = run(ControllerSpec(num_controllers=2, heartbeat_interval_s=0.25), job, realized)
+    finally:
+        realize_mod.release(realized)
+    assert len(result.moves) == 1
+    ((applied, plan),) = result.moves
+    assert plan == moved and 1 <= applied < num_steps  # posted after step 0, applied at a later step start
+    assert sorted(result.reports) == list(range(num_steps)) and result.restarts == 0  # no step lost
+    for step, (r0, r1) in result.reports.items():
+        after = step >= applied
+        assert r0.metrics["num_samples"] == 8
+        assert r0.metrics["rollout_devices"] == (3 if after else 2)
+        assert r0.metrics["judge_devices"] == (1 if after else 2)
+        # every sample of step s was made by version s (pushed at launch and after every step), the moved
+        # replica included: it got the current weights when it started
+        assert r0.metrics["min_version"] == r0.metrics["max_version"] == step
+        assert r0.metrics["placement/moves"] == (1 if after else 0) and "placement/moves" not in r1.metrics
+    # the hook saw per-role busy seconds: 2 judge calls of 0.3 s in step 0 (one per controller)
+    assert [step for step, _ in calls] == list(range(num_steps))
+    assert calls[0][1]["reward"] >= 0.6 and calls[0][1]["rollout"] > 0 and calls[0][1]["actor"] > 0

@@ -122,12 +122,12 @@ def test_parallel_carries_no_samples_through_the_driver(cluster):
     parallel = run(ControllerSpec(num_controllers=2, heartbeat_interval_s=0.5), job, cluster)
     assert seen == [(0, [0, 1]), (1, [0, 1]), (2, [0, 1])]
     single = run(ControllerSpec(mode="single", heartbeat_interval_s=0.5), _job(), cluster)
-    assert parallel.driver_bytes == 0
     assert parallel.restarts == 0 and single.restarts == 0
     # single mode fetches every sample's media and sends it again to the learners: 2 x 8 x 4096 x 3 steps,
-    # plus prompts, small fields and the learners' totals (a few hundred bytes a step)
+    # plus prompts, small fields, the learners' totals, host pings and launch arguments (each well under 1 kB)
     media = 2 * 8 * MEDIA * 3
-    assert media <= single.driver_bytes <= media + 3 * 1024
+    assert media <= single.driver_bytes <= media + 128 * 1024
+    assert 0 < parallel.driver_bytes < media / 2  # reports, heartbeats and launch arguments only
     assert sorted(parallel.reports) == sorted(single.reports) == [0, 1, 2]
     for step in range(3):
         p, s = parallel.reports[step], single.reports[step]
@@ -138,6 +138,39 @@ def test_parallel_carries_no_samples_through_the_driver(cluster):
         assert p[0].metrics["learner_total"] == s[0].metrics["learner_total"]
         assert set(p[0].timings_s) == {"rollout", "train", "step"}
     assert parallel.report_bytes > 0
+
+
+def test_driver_bytes_count_what_a_driver_side_step_fetches(cluster):
+    # single mode runs the step in the driver: its plain ray.get of a 10 MiB array is counted, twice
+    job = dataclasses.replace(_job(num_steps=2), step_fn=doubles.blob_step)
+    single = run(ControllerSpec(mode="single", heartbeat_interval_s=0.5), job, cluster)
+    assert [r[0].metrics["blob_bytes"] for r in single.reports.values()] == [doubles.BLOB_BYTES] * 2
+    assert 2 * doubles.BLOB_BYTES <= single.driver_bytes <= 2 * doubles.BLOB_BYTES + 128 * 1024
+    # parallel: each controller fetches it in its own process; the driver sees reports only
+    parallel = run(ControllerSpec(num_controllers=2, heartbeat_interval_s=0.5), job, cluster)
+    assert 0 < parallel.driver_bytes < 200 * 1024
+
+
+def test_driver_bytes_in_parallel_mode_are_report_sized(cluster):
+    # 8 samples x 256 KiB of media a step move controller -> engine -> controller -> learner, 3 steps: 12 MiB
+    job = _job(num_steps=3, engine_kwargs={"media_bytes": 2**18})
+    result = run(ControllerSpec(num_controllers=2, heartbeat_interval_s=0.5), job, cluster)
+    assert result.reports[2][0].metrics["learner_total"] > 8 * 2**18 * 3  # the media did reach the learners
+    assert 0 < result.driver_bytes < 200 * 1024
+    assert result.driver_bytes > result.report_bytes / 4  # the report bytes are among what was counted
+
+
+def test_driver_byte_counter_restores_ray_even_on_error(cluster):
+    import ray.actor
+    from yatt_controller.ledger import count_driver_ray_bytes
+
+    before = (ray.get, ray.put, ray.actor.ActorMethod._remote)
+    with pytest.raises(RuntimeError, match="boom"), count_driver_ray_bytes() as ledger:
+        ref = ray.put(b"x" * 1000)
+        assert ray.get(ref) == b"x" * 1000
+        raise RuntimeError("boom")
+    assert (ray.get, ray.put, ray.actor.ActorMethod._remote) == before
+    assert (ledger.sent, ledger.received) == (1000, 1000)
 
 
 @pytest.mark.slow

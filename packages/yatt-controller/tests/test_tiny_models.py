@@ -78,7 +78,7 @@ def _prompts() -> list[list[int]]:
 def test_two_controllers_train_tiny_models_with_broadcast_weight_sync(cluster):
     job = Job(build=_build, step_fn=tiny.rl_step, dataset=_prompts, batch_size=8, num_steps=2)
     result = run(ControllerSpec(num_controllers=2, heartbeat_interval_s=0.5), job, cluster)
-    assert result.driver_bytes == 0 and result.restarts == 0
+    assert result.driver_bytes < 200 * 1024 and result.restarts == 0  # reports and heartbeats only
     assert sorted(result.reports) == [0, 1]
     for step, reports in result.reports.items():
         assert [r.controller_rank for r in reports] == [0, 1]

@@ -31,6 +31,34 @@ def test_split_evenly_and_route():
         route(3, 2, 0)
     with pytest.raises(ValueError, match="rank must be in \\[0, 2\\), got 2"):
         route(2, 2, 2)
+    # after a live move: blocks may differ by one, the larger first
+    assert [route(3, 2, r, uneven=True) for r in (0, 1)] == [[0, 1], [2]]
+    assert [route(5, 2, r, uneven=True) for r in (0, 1)] == [[0, 1, 2], [3, 4]]
+
+
+def test_a_replan_may_move_services_only():
+    from yatt_controller.replace import changed_roles
+    from yatt_placement.types import PlacementPlan, RolePlacement
+
+    def plan(rollout, judge, actor=([0], [1])):
+        roles = [RolePlacement(role="actor", replicas=list(actor)), RolePlacement(role="rollout", replicas=rollout),
+                 RolePlacement(role="reward", replicas=judge, name="judge")]  # fmt: skip
+        return PlacementPlan(mode="partial", num_devices=4, roles=roles)
+
+    start, frozen = plan([[0], [1]], [[2], [3]]), {("actor", ""): "the learner"}
+    assert changed_roles(start, plan([[0], [1], [2]], [[3]]), frozen) == [
+        ("rollout", ""),
+        ("reward", "judge"),
+    ]
+    assert changed_roles(start, start, frozen) == []
+    with pytest.raises(ValueError, match="replan: role 'actor' cannot move: it is the learner"):
+        changed_roles(start, plan([[0], [1]], [[2], [3]], actor=([0], [1], [2])), frozen)
+    with pytest.raises(ValueError, match=r"replan: devices \[4\] are outside the running plan's 4 devices"):
+        changed_roles(start, plan([[0], [1], [4]], [[2], [3]]), frozen)
+    with pytest.raises(
+        ValueError, match=r"replan: the new plan has roles \[\('actor', ''\), \('rollout', ''\)\]"
+    ):
+        changed_roles(start, PlacementPlan(mode="partial", num_devices=4, roles=start.roles[:2]), frozen)
 
 
 class _RecordingWorker:

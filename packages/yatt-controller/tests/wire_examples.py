@@ -20,6 +20,14 @@ EXAMPLES = [
         num_samples=64,
     ),
     Heartbeat(actor="controller-1", node_id="node-0", step=5, phase="rollout", time_unix=1_790_000_000.5),
+    Heartbeat(
+        actor="device-2",
+        node_id="node-0",
+        step=0,
+        phase="",
+        time_unix=1.5,
+        busy_s={"rollout": 2.25, "reward": 0.5},
+    ),
     CheckpointManifest(
         step=10,
         created_unix=1_790_000_100.0,

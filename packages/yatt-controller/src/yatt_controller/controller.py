@@ -28,7 +28,7 @@ from yatt_controller.collective import Collective
 from yatt_controller.dispatch import fetch
 from yatt_controller.sync import WeightSync, check_versions
 from yatt_controller.types import Heartbeat, StepReport
-from yatt_controller.worker_group import WorkerGroup
+from yatt_controller.worker_group import WorkerGroup, routed_views
 
 StepFn = Callable[["StepContext", list], dict[str, float]]
 
@@ -54,6 +54,14 @@ class ControllerPlan:
     collective_timeout_s: float = 600.0
     # other stateful services (a PPO critic): name -> this controller's view; checkpointed like the learner
     checkpointed: dict[str, WorkerGroup] = field(default_factory=dict)
+    # live re-placement (Job.replan): the run's Directory actor, the driver's host pool, the unrouted groups
+    # and how to route them again (replace.py)
+    directory: Any = None
+    pool: Any = None
+    full_groups: dict[str, WorkerGroup] = field(default_factory=dict)
+    learner_name: str | None = None
+    max_inflight: int = 8
+    single: bool = False
 
     def stateful(self) -> list[tuple[str, WorkerGroup]]:
         """(file prefix, view) of every group whose workers' state goes into a checkpoint."""
@@ -157,6 +165,7 @@ class ControllerCore:
         self._lock = threading.Lock()
         self._beat = (0, "start", time.time())
         self._reports: list[StepReport] = []
+        self.moves = 0  # live re-placements applied (rank 0 counts them in its reports)
 
     def _next_rows(self) -> list:
         return [self.rows[i] for i in self.sampler.next()]
@@ -178,6 +187,9 @@ class ControllerCore:
             self.ctx.step, self.ctx.timings_s = step, {}
             self._progress("data")
             started = time.perf_counter()
+            if self.plan.directory is not None:
+                self._progress("placement")
+                self._maybe_move(step)
             batch = self._next_rows()
             metrics = self.plan.step_fn(self.ctx, batch)
             self.ctx.timings_s["step"] = time.perf_counter() - started
@@ -185,6 +197,8 @@ class ControllerCore:
                 raise ValueError(
                     f"step_fn must return a dict of metrics, got {type(metrics).__name__} at step {step}"
                 )
+            if self.plan.directory is not None and self.plan.rank == 0:
+                metrics = {**metrics, "placement/moves": self.moves}
             report = StepReport(
                 step=step, controller_rank=self.plan.rank, metrics={k: float(v) for k, v in metrics.items()},
                 timings_s=dict(self.ctx.timings_s), num_samples=len(batch),
@@ -197,6 +211,31 @@ class ControllerCore:
                 self._reports.append(report)
                 self._beat = (step + 1, "step done", time.time())
         return end_step
+
+    def _maybe_move(self, step: int) -> None:
+        """Apply a posted plan, all controllers at this same step (a weight-sync boundary)."""
+        plan, col = self.plan, self.ctx.collective
+        pending = ray.get(plan.directory.take.remote()) if plan.rank == 0 else None
+        pending = col.all_gather(pending)[0]  # rank 0's decision, seen by every controller
+        if pending is None:
+            return
+        if plan.rank == 0:
+            from yatt_controller.replace import apply_move
+
+            groups, hosts = apply_move(
+                plan.pool, plan.full_groups, pending, plan.weight_sync, self.ctx.policy_version
+            )
+            ray.get(plan.directory.publish.remote(step, pending, groups, hosts))
+        col.barrier()  # the moved groups are published and hold the current weights
+        plan.full_groups = ray.get(plan.directory.groups.remote())
+        views = routed_views(
+            plan.full_groups, plan.learner_name, plan.rank, plan.world_size, plan.max_inflight,
+            single=plan.single, uneven=True,
+        )  # fmt: skip
+        for name, view in views.items():
+            if name != plan.learner_name and name not in plan.checkpointed:
+                self.ctx.services[name] = view
+        self.moves += 1
 
     def _state_bytes(self) -> bytes:
         version, internal, gauss = self.ctx.rng.getstate()

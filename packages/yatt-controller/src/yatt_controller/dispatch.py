@@ -22,8 +22,6 @@ from typing import Any, Protocol
 
 import ray
 
-from yatt_controller.ledger import LEDGER
-
 
 class Worker(Protocol):
     dp_rank: int
@@ -45,16 +43,19 @@ def split_evenly(items: Sequence[Any], num_chunks: int) -> list[list[Any]]:
     return chunks
 
 
-def route(num_replicas: int, num_controllers: int, rank: int) -> list[int]:
+def route(num_replicas: int, num_controllers: int, rank: int, *, uneven: bool = False) -> list[int]:
     """The replicas (data-parallel ranks) of a service that controller `rank` calls.
 
     With at least as many replicas as controllers, each controller owns a contiguous block (the replicas must
     divide evenly); with fewer, controllers share replicas round-robin: 4 replicas, 2 controllers, rank 1 ->
-    [2, 3]; 1 replica, 2 controllers -> [0] for both.
+    [2, 3]; 1 replica, 2 controllers -> [0] for both. `uneven=True` (after a live move) allows blocks whose
+    sizes differ by one, the larger first: 3 replicas, 2 controllers -> [0, 1] and [2].
     """
     if not 0 <= rank < num_controllers:
         raise ValueError(f"rank must be in [0, {num_controllers}), got {rank}")
     if num_replicas >= num_controllers:
+        if num_replicas % num_controllers and uneven:
+            return split_evenly(range(num_replicas), num_controllers)[rank]
         if num_replicas % num_controllers:
             raise ValueError(
                 f"a service with {num_replicas} replicas cannot be split evenly over {num_controllers} controllers"
@@ -65,7 +66,6 @@ def route(num_replicas: int, num_controllers: int, rank: int) -> list[int]:
 
 
 def _send(worker: Worker, method: str, args: tuple, kwargs: dict) -> ray.ObjectRef:
-    LEDGER.count_sent((args, kwargs))  # counts only in the driver, and only what is not already a ref
     return worker.submit(method, args, kwargs)
 
 
@@ -159,10 +159,8 @@ DISPATCH: dict[str, Callable[..., list[ray.ObjectRef]]] = {
 
 
 def fetch(refs: ray.ObjectRef | Sequence[ray.ObjectRef], *, timeout: float | None = None) -> Any:
-    """`ray.get` that charges what it receives to this process's ledger (the driver's, in single mode)."""
-    values = ray.get(refs, timeout=timeout)
-    LEDGER.count_received(values)
-    return values
+    """`ray.get` of refs (in the driver, `ledger.count_driver_ray_bytes` counts what it receives)."""
+    return ray.get(refs, timeout=timeout)
 
 
 class InflightWindow:

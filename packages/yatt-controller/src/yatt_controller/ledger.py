@@ -1,15 +1,21 @@
 """Byte accounting: how many payload bytes pass through the driver process.
 
-The parallel-controller claim is that no sample passes through the driver. Rather than trust that, every
-data movement the runtime performs in a process (dispatch arguments that are not object refs, results fetched
-with `fetch`) is measured here, and the driver reports its own total. Sizes are payload sizes (buffers,
-strings, arrays, tensors), measured without serialising: the accounting must not cost a copy itself.
+The parallel-controller claim is that no sample passes through the driver. Rather than trust that (or count
+only what one module sends), `count_driver_ray_bytes()` wraps Ray's own API in the driver for the duration of
+a run: the arguments of every remote call (actor methods, remote functions, actor constructors), every
+`ray.put`, and every value `ray.get` returns, whoever calls it (the runtime, a step function running in the
+driver, a library). `ray.wait` moves no data and is free. Sizes are payload sizes (buffers, strings, arrays,
+tensors), measured without serialising: the accounting must not cost a copy itself; object refs count 0 (the
+bytes move when someone fetches them, and are counted there if it is the driver).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import msgspec
 
@@ -45,8 +51,7 @@ def payload_nbytes(obj: object) -> int:
 class ByteLedger:
     """Counts payload bytes that one process sends and receives through the runtime. Thread-safe.
 
-    Only a ledger that is `active` counts: the driver activates its own; controller actors leave theirs off,
-    since bytes moving between a controller and a service are the point, not a cost to the driver.
+    Only a ledger that is `active` counts (`count_driver_ray_bytes` activates the one it yields).
     """
 
     def __init__(self) -> None:
@@ -76,5 +81,63 @@ class ByteLedger:
             self.sent = self.received = 0
 
 
-# One per process: a Ray actor is a process, so the driver's ledger is never the controllers'.
-LEDGER = ByteLedger()
+def _remote_args(args: tuple, kwargs: dict) -> tuple[Any, Any]:
+    """The (args, kwargs) a `_remote(self, args=None, kwargs=None, **options)` call submits."""
+    call_args = kwargs["args"] if "args" in kwargs else (args[0] if args else None)
+    call_kwargs = kwargs["kwargs"] if "kwargs" in kwargs else (args[1] if len(args) > 1 else None)
+    return call_args or (), call_kwargs or {}
+
+
+@contextlib.contextmanager
+def count_driver_ray_bytes() -> Iterator[ByteLedger]:
+    """Count every payload byte this process sends or receives through Ray while the block runs: patches
+    `ray.get`, `ray.put`, `ActorMethod._remote`, `ActorClass._remote` and `RemoteFunction._remote` (every
+    `.remote(...)` and `.options(...).remote(...)` goes through one of them), restored on exit even on error.
+    Not reentrant across threads: one run at a time per process."""
+    import ray
+    import ray.actor
+    import ray.remote_function
+
+    ledger = ByteLedger()
+    ledger.active = True
+    depth = threading.local()  # a _remote that calls _remote (get_if_exists retries) counts once
+
+    def submitting(original: Callable) -> Callable:
+        @functools.wraps(original)
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            outer = getattr(depth, "n", 0) == 0
+            if outer:
+                ledger.count_sent(_remote_args(args, kwargs))
+            depth.n = getattr(depth, "n", 0) + 1
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                depth.n -= 1
+
+        return wrapper
+
+    original_get, original_put = ray.get, ray.put
+
+    @functools.wraps(original_get)
+    def get(*args: Any, **kwargs: Any) -> Any:
+        values = original_get(*args, **kwargs)
+        ledger.count_received(values)
+        return values
+
+    @functools.wraps(original_put)
+    def put(value: Any, *args: Any, **kwargs: Any) -> Any:
+        ledger.count_sent(value)
+        return original_put(value, *args, **kwargs)
+
+    owners = [ray.actor.ActorMethod, ray.actor.ActorClass, ray.remote_function.RemoteFunction]
+    saved = [(owner, owner.__dict__["_remote"]) for owner in owners]
+    try:
+        ray.get, ray.put = get, put
+        for owner, original in saved:
+            owner._remote = submitting(original)
+        yield ledger
+    finally:
+        ray.get, ray.put = original_get, original_put
+        for owner, original in saved:
+            owner._remote = original
+        ledger.active = False

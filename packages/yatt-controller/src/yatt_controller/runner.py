@@ -24,11 +24,11 @@ import ray
 from yatt_controller import checkpoint
 from yatt_controller.collective import Rendezvous
 from yatt_controller.controller import ControllerActor, ControllerCore, ControllerPlan, StepFn
-from yatt_controller.dispatch import route
-from yatt_controller.ledger import LEDGER
+from yatt_controller.ledger import count_driver_ray_bytes
+from yatt_controller.replace import Replacer
 from yatt_controller.sync import WeightSync
 from yatt_controller.types import ControllerSpec, Heartbeat, StepReport
-from yatt_controller.worker_group import HostPool, WorkerGroup
+from yatt_controller.worker_group import HostPool, WorkerGroup, routed_views
 
 
 class ControllerFailure(RuntimeError):
@@ -66,6 +66,10 @@ class Job:
     checkpoint_dir: str | None = None
     # called in the driver, once per step, when every controller's report of that step has arrived
     on_step: Callable[[int, list[StepReport]], None] | None = None
+    # live re-placement: called in the driver after every completed step with the step and each role's busy
+    # seconds since the previous call; returns None or a new PlacementPlan (same roles, other replicas),
+    # applied by the controllers at the start of a later step (replace.py)
+    replan: Callable[[int, dict[str, float]], Any | None] | None = None
 
 
 @dataclass
@@ -73,9 +77,12 @@ class RunResult:
     reports: dict[int, list[StepReport]]  # step -> one report per controller, in rank order
     restarts: int
     failures: list[str]
-    driver_bytes: int  # sample payload through the driver (dispatch arguments and fetched results)
+    # every payload byte the driver sent or received through Ray during the run (remote-call arguments, puts,
+    # gets: step reports and heartbeats included); `ledger.count_driver_ray_bytes`
+    driver_bytes: int
     report_bytes: int  # msgpack size of the step reports the driver received
     next_step: int = 0
+    moves: list[tuple[int, Any]] = field(default_factory=list)  # (first step under it, plan) per live move
 
 
 @dataclass
@@ -96,34 +103,38 @@ def run(spec: ControllerSpec, job: Job, realized: Any, *, startup_timeout_s: flo
         )
     if spec.checkpoint_every and not job.checkpoint_dir:
         raise ValueError("ControllerSpec.checkpoint_every is set but Job.checkpoint_dir is not")
-    LEDGER.reset()
-    LEDGER.active = True
+    moves: list[tuple[int, Any]] = []
+    with count_driver_ray_bytes() as ledger:
+        reports, failures, report_bytes = _attempts(spec, job, realized, startup_timeout_s, moves)
+    ordered = {step: [by_rank[r] for r in sorted(by_rank)] for step, by_rank in sorted(reports.items())}
+    return RunResult(ordered, len(failures), failures, ledger.total, report_bytes, job.num_steps, moves)
+
+
+def _attempts(
+    spec: ControllerSpec, job: Job, realized: Any, startup_timeout_s: float, moves: list
+) -> tuple[dict[int, dict[int, StepReport]], list[str], int]:
+    """Attempts until one finishes or no restart is left: (reports by step and rank, failures, report bytes)."""
     reports: dict[int, dict[int, StepReport]] = {}
     failures: list[str] = []
     report_bytes = 0
-    try:
-        while True:
-            attempt = _Attempt(spec, job, realized, reports, startup_timeout_s)
-            try:
-                attempt.start()
-                attempt.watch()
-                break
-            except _AttemptFailed as failure:
-                failures.append(str(failure))
-                if not failure.restartable or spec.on_failure == "fail" or len(failures) > spec.max_restarts:
-                    tail = (
-                        f" (after {len(failures) - 1} restarts)"
-                        if failure.restartable and spec.on_failure == "restart"
-                        else ""
-                    )
-                    raise ControllerFailure(f"{failure}{tail}") from failure.__cause__
-            finally:
-                attempt.teardown()  # collects the last reports first
-                report_bytes += attempt.report_bytes
-    finally:
-        LEDGER.active = False
-    ordered = {step: [by_rank[r] for r in sorted(by_rank)] for step, by_rank in sorted(reports.items())}
-    return RunResult(ordered, len(failures), failures, LEDGER.total, report_bytes, job.num_steps)
+    while True:
+        attempt, failure = _Attempt(spec, job, realized, reports, startup_timeout_s), None
+        try:
+            attempt.start()
+            attempt.watch()
+        except _AttemptFailed as exc:
+            failure = exc
+        finally:
+            attempt.teardown()  # collects the last reports first
+            report_bytes += attempt.report_bytes
+            moves += attempt.replacer.moves if attempt.replacer is not None else []
+        if failure is None:
+            return reports, failures, report_bytes
+        failures.append(str(failure))
+        if not failure.restartable or spec.on_failure == "fail" or len(failures) > spec.max_restarts:
+            restarting = failure.restartable and spec.on_failure == "restart"
+            tail = f" (after {len(failures) - 1} restarts)" if restarting else ""
+            raise ControllerFailure(f"{failure}{tail}") from failure.__cause__
 
 
 class _Attempt:
@@ -144,6 +155,7 @@ class _Attempt:
         self.report_bytes = 0
         self._nodes: dict[str, str] = {}  # label -> node id, from the last answer
         self._busy: dict[str, tuple[str, float]] = {}  # label -> (what it is doing, since)
+        self.replacer: Replacer | None = None
 
     def start(self) -> None:
         services = self.job.build(self.pool)
@@ -152,6 +164,8 @@ class _Attempt:
             raise ValueError(f"Services.checkpointed names {unknown}, not among {sorted(services.groups)}")
         if services.weight_sync is not None:
             services.weight_sync.setup()
+        if self.job.replan is not None:
+            self.replacer = Replacer(self.job.replan, self.realized.plan, services, self.pool)
         found = checkpoint.latest(self.job.checkpoint_dir) if self.job.checkpoint_dir else None
         path = None if found is None else str(found[0])
         if self.spec.mode == "single":
@@ -168,6 +182,9 @@ class _Attempt:
             checkpoint_every=spec.checkpoint_every, keep_checkpoints=spec.keep_checkpoints,
             collective_timeout_s=spec.hang_timeout_s,
             checkpointed={name: groups[name] for name in services.checkpointed},
+            directory=None if self.replacer is None else self.replacer.directory, pool=self.pool,
+            full_groups=dict(services.groups), learner_name=services.learner, max_inflight=spec.max_inflight,
+            single=spec.mode == "single",
         )  # fmt: skip
 
     def _start_parallel(self, services: Services, path: str | None) -> None:
@@ -187,13 +204,7 @@ class _Attempt:
                 )
         self.rendezvous = Rendezvous.remote(world)
         for rank in range(world):
-            routed = {
-                name: group.view(
-                    [rank] if group is learner else route(group.dp_size, world, rank),
-                    max_inflight=self.spec.max_inflight,
-                )
-                for name, group in services.groups.items()
-            }
+            routed = routed_views(services.groups, services.learner, rank, world, self.spec.max_inflight)
             mine = routed[services.learner] if learner is not None else None
             options: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0}
             if learner is not None:  # next to its learner rank
@@ -208,10 +219,7 @@ class _Attempt:
         self.runs = [actor.run.remote(start, self.job.num_steps) for actor, _ in self.controllers]
 
     def _start_single(self, services: Services, path: str | None) -> None:
-        inflight = self.spec.max_inflight
-        groups = {
-            name: g.view(range(g.dp_size), max_inflight=inflight) for name, g in services.groups.items()
-        }
+        groups = routed_views(services.groups, services.learner, 0, 1, self.spec.max_inflight, single=True)
         learner = groups.get(services.learner) if services.learner else None
         self.core = ControllerCore(self._plan(services, 0, 1, groups, learner), label="controller-0")
         self.controllers.append((None, _Watch("controller-0")))
@@ -278,7 +286,9 @@ class _Attempt:
             if actor is not None and watch.pending is None:
                 watch.pending = actor.heartbeat.remote()
         beats = [(watch.pending, watch) for actor, watch in self.controllers if actor is not None]
-        hosts = [(rec.handle.ping.remote(), _Watch(self._host_name(rec))) for rec in self.pool.hosts.values()]
+        hosts = [
+            (rec.handle.ping.remote(), _Watch(self._host_name(rec))) for rec in list(self.pool.hosts.values())
+        ]
         refs = [ref for ref, _ in beats + hosts]
         if refs:
             ray.wait(refs, num_returns=len(refs), timeout=spec.heartbeat_interval_s)
@@ -324,8 +334,10 @@ class _Attempt:
             by_rank = self.reports.setdefault(report.step, {})
             by_rank[report.controller_rank] = report
             expected = 1 if self.spec.mode == "single" else self.spec.num_controllers
-            if self.job.on_step is not None and len(by_rank) == expected:
+            if len(by_rank) == expected and self.job.on_step is not None:
                 self.job.on_step(report.step, [by_rank[r] for r in sorted(by_rank)])
+            if len(by_rank) == expected and self.replacer is not None:
+                self.replacer.after_step(report.step)
 
     def _node(self, label: str) -> str:
         return self._nodes.get(label, "?")
@@ -345,7 +357,7 @@ class _Attempt:
     def _failure(self, headline: str, exc: BaseException | None = None) -> _AttemptFailed:
         """Name every host that is dead now beside the headline. Restartable: a death or a hang, not an
         error raised by the job's code."""
-        refs = [(rec.handle.ping.remote(), self._host_name(rec)) for rec in self.pool.hosts.values()]
+        refs = [(rec.handle.ping.remote(), self._host_name(rec)) for rec in list(self.pool.hosts.values())]
         if refs:
             ray.wait(
                 [r for r, _ in refs], num_returns=len(refs), timeout=min(5.0, self.spec.heartbeat_interval_s)
@@ -380,6 +392,8 @@ class _Attempt:
 
     def teardown(self) -> None:
         self._drain()
+        if self.replacer is not None:
+            self.replacer.close()  # the moves made, and the hosts they started, into the pool torn down below
         for actor, _ in self.controllers:
             if actor is not None:
                 ray.kill(actor, no_restart=True)

@@ -68,13 +68,15 @@ class StepReport(_Wire, kw_only=True):
 
 
 class Heartbeat(_Wire, kw_only=True):
-    """A liveness beat. Producer: every hosted actor. Consumer: the driver's health monitor."""
+    """A liveness beat. Producer: every hosted actor. Consumer: the driver's health monitor, and its
+    re-planning hook (`busy_s`: a host's cumulative seconds in calls, per hosted role key)."""
 
     actor: str
     node_id: str
     step: int
     phase: str
     time_unix: float
+    busy_s: dict[str, float] = {}
 
 
 class CheckpointManifest(_Wire, kw_only=True):

@@ -31,25 +31,38 @@ class _Host:
         self._label, self._device = label, device
         self._objects: dict[str, Any] = {}
         self._busy: tuple[str, float] | None = None
+        self._busy_s: dict[str, float] = {}  # hosted key -> cumulative seconds in its calls (kept on destroy)
         self._sync_groups: dict[str, Any] = {}
 
     def create(self, key: str, cls: type, args: tuple, kwargs: dict) -> int:
         self._objects[key] = cls(*args, **kwargs)
         return os.getpid()
 
+    def destroy(self, key: str) -> None:
+        """Drop a hosted object (its role moves elsewhere); the process stays for the roles it still hosts."""
+        import gc
+
+        self._objects.pop(key, None)
+        gc.collect()
+
     def call(self, key: str, method: str, args: tuple, kwargs: dict) -> Any:
         self._busy = (f"{key}.{method}", time.time())
+        start = time.perf_counter()
         try:
             return getattr(self._objects[key], method)(*args, **kwargs)
         finally:
+            self._busy_s[key] = self._busy_s.get(key, 0.0) + time.perf_counter() - start
             self._busy = None
 
     @ray.method(concurrency_group="health")
     def ping(self) -> Heartbeat:
-        """Liveness, and the call this host is in (`phase`, since `time_unix`; "" when idle)."""
+        """Liveness, the call this host is in (`phase`, since `time_unix`; "" when idle) and the cumulative
+        busy seconds of each hosted key (role)."""
         busy, since = self._busy or ("", time.time())
         node = ray.get_runtime_context().get_node_id()
-        return Heartbeat(actor=self._label, node_id=node, step=0, phase=busy, time_unix=since)
+        return Heartbeat(
+            actor=self._label, node_id=node, step=0, phase=busy, time_unix=since, busy_s=dict(self._busy_s)
+        )
 
     # Weight sync: the torch side lives in yatt_controller.weight_sync, imported only where it runs.
     def sync_open(self, group: str) -> tuple[str, int]:
@@ -163,15 +176,69 @@ class Worker:
         return {**self.__dict__, "window": None}  # pending refs stay with the process that made them
 
 
+@dataclass(frozen=True)
+class Spawn:
+    """How a group's workers were made: what a live move needs to start one more in its new place."""
+
+    hosted: type
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    pass_worker_info: bool = False
+
+    def start(self, record: HostRecord, key: str, info: WorkerInfo) -> ray.ObjectRef:
+        """Create the hosted object on `record`'s host (returns the ref of its pid)."""
+        kw = {**self.kwargs, **({"worker_info": info} if self.pass_worker_info else {})}
+        return record.handle.create.remote(key, self.hosted, self.args, kw)
+
+
+def start_replica(
+    pool: HostPool, spawn: Spawn, role: str, name: str, replica: Sequence[int], dp_rank: int, dp_size: int
+) -> tuple[list[Worker], list[ray.ObjectRef]]:
+    """Start one replica's workers (one per device, tp order) on the pool's hosts; (workers, creation refs)."""
+    key = f"{role}:{name}" if name else role
+    workers, refs = [], []
+    for tp_rank, device in enumerate(replica):
+        label = f"{key}-{dp_rank}.{tp_rank}"
+        record = pool.host(device, label)
+        info = WorkerInfo(
+            role=role, name=name, dp_rank=dp_rank, dp_size=dp_size, tp_rank=tp_rank, tp_size=len(replica),
+            device=device,
+        )  # fmt: skip
+        refs.append(spawn.start(record, key, info))
+        workers.append(
+            Worker(record.handle, key, dp_rank, tp_rank, device, f"{label} on {record.label}", dp_rank)
+        )
+    return workers, refs
+
+
 class WorkerGroup:
     """One role of the plan hosted as workers: `WorkerGroup.create(pool, "rollout", MyEngine, ...)`."""
 
-    def __init__(self, role: str, name: str, workers: Sequence[Worker], max_inflight: int = 8) -> None:
+    def __init__(
+        self,
+        role: str,
+        name: str,
+        workers: Sequence[Worker],
+        max_inflight: int = 8,
+        spawn: Spawn | None = None,
+    ) -> None:
         if not workers:
             raise ValueError(f"WorkerGroup {role!r} needs at least one worker")
-        self.role, self.name, self.max_inflight = role, name, max_inflight
+        self.role, self.name, self.max_inflight, self.spawn = role, name, max_inflight, spawn
         self.workers = list(workers)
         self._bind_window()
+
+    @property
+    def key(self) -> str:
+        """The key its workers are hosted under (also its busy-time key): "role" or "role:name"."""
+        return f"{self.role}:{self.name}" if self.name else self.role
+
+    def replicas(self) -> list[list[int]]:
+        """Devices of each data-parallel rank, in rank order (tp order inside)."""
+        by_rank: dict[int, list[Worker]] = {}
+        for w in self.workers:
+            by_rank.setdefault(w.dp_rank, []).append(w)
+        return [[w.device for w in sorted(by_rank[r], key=lambda w: w.tp_rank)] for r in sorted(by_rank)]
 
     def _bind_window(self) -> None:
         window = dispatch.InflightWindow(self.max_inflight)
@@ -205,25 +272,14 @@ class WorkerGroup:
         placement = next((p for p in pool.realized.plan.roles if p.role == role and p.name == name), None)
         if placement is None:
             raise ValueError(f"role {role!r} (name {name!r}) is not in the placement plan")
-        key = f"{role}:{name}" if name else role
+        spawn = Spawn(hosted, tuple(args), dict(kwargs or {}), pass_worker_info)
         workers, created = [], []
         for dp_rank, replica in enumerate(placement.replicas):
-            for tp_rank, device in enumerate(replica):
-                label = f"{key}-{dp_rank}.{tp_rank}"
-                record = pool.host(device, label)
-                info = WorkerInfo(
-                    role=role, name=name, dp_rank=dp_rank, dp_size=len(placement.replicas),
-                    tp_rank=tp_rank, tp_size=len(replica), device=device,
-                )  # fmt: skip
-                kw = {**(kwargs or {}), **({"worker_info": info} if pass_worker_info else {})}
-                created.append(record.handle.create.remote(key, hosted, args, kw))
-                workers.append(
-                    Worker(
-                        record.handle, key, dp_rank, tp_rank, device, f"{label} on {record.label}", dp_rank
-                    )
-                )
+            made, refs = start_replica(pool, spawn, role, name, replica, dp_rank, len(placement.replicas))
+            workers += made
+            created += refs
         ray.get(created)  # all at once: hosted classes may rendezvous with each other in __init__
-        return cls(role, name, workers, max_inflight)
+        return cls(role, name, workers, max_inflight, spawn)
 
     @property
     def dp_size(self) -> int:
@@ -241,7 +297,7 @@ class WorkerGroup:
             for w in self.workers
             if w.dp_rank in renumber
         ]
-        return WorkerGroup(self.role, self.name, picked, max_inflight or self.max_inflight)
+        return WorkerGroup(self.role, self.name, picked, max_inflight or self.max_inflight, self.spawn)
 
     def broadcast(self, method: str, *args: Any, **kwargs: Any) -> list[ray.ObjectRef]:
         return dispatch.broadcast(self.workers, method, *args, **kwargs)
@@ -282,3 +338,26 @@ class WorkerGroup:
         if mode not in dispatch.DISPATCH:
             raise ValueError(f"unknown dispatch mode {mode!r}; known: {sorted(dispatch.DISPATCH)}")
         return dispatch.DISPATCH[mode](self.workers, method, *args, **kwargs)
+
+
+def routed_views(
+    groups: dict[str, WorkerGroup],
+    learner: str | None,
+    rank: int,
+    world: int,
+    max_inflight: int,
+    *,
+    single: bool = False,
+    uneven: bool = False,
+) -> dict[str, WorkerGroup]:
+    """What one controller calls: its own learner rank, and the service replicas `dispatch.route` gives it
+    (every replica of every group in single mode). `uneven`: after a live move, blocks may differ by one."""
+    if single:
+        return {name: g.view(range(g.dp_size), max_inflight=max_inflight) for name, g in groups.items()}
+    return {
+        name: g.view(
+            [rank] if name == learner else dispatch.route(g.dp_size, world, rank, uneven=uneven),
+            max_inflight=max_inflight,
+        )
+        for name, g in groups.items()
+    }

@@ -98,6 +98,7 @@ def test_partial_overlaps_rollout_and_judging(ray_session, tmp_path):
     summary = run(cfg, tmp_path, "overlap")
     check(summary, cfg)
     assert summary["time/rollout_reward_overlap_s"] > 0.0
+    assert summary["time/judge_started_before_rollout_end"] == 1.0  # the judge's first request came early
     assert summary["time/rollout_s"] > 0.0 and summary["time/reward_s"] > 0.0
 
 

@@ -123,6 +123,8 @@ class StepLogger:
         step_s = lead.timings_s.get("step", phases)
         metrics = {**lead.metrics, **timings, "time/idle": max(step_s - phases, 0.0)}
         metrics["throughput/tokens_per_s"] = metrics.get("rollout/response_tokens", 0.0) / max(step_s, 1e-9)
+        if "placement/reward_devices" in metrics:  # live placement: the judge is the reward service
+            metrics["placement/judge_devices"] = metrics["placement/reward_devices"]
         self.run.log(step, metrics)
         self.last = {"step": step, **metrics}
         if self.bar is not None:

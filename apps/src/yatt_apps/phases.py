@@ -167,6 +167,8 @@ def generate_and_score(
         "rollout_s": result.busy_s("rollout"),
         "reward_s": result.busy_s("reward"),
         "overlap_s": result.overlap_s("rollout", "reward"),
+        # 1.0: the reward service had its first request before the last completion of the step was done
+        "early": float(result.first_submit["reward"] < result.last_done["rollout"]),
     }
     standard = ("scores", "keep", "statuses", "sample_components")
     return Scored(
@@ -408,7 +410,7 @@ def summarize(total: dict[str, float], stats: dict[str, float], world_size: int 
         elif key.startswith("reward_status/"):
             out[key] = value
         elif key.startswith("stream/"):
-            name = {"rollout_s": "rollout_s", "reward_s": "reward_s", "overlap_s": "rollout_reward_overlap_s"}
+            name = {"overlap_s": "rollout_reward_overlap_s", "early": "judge_started_before_rollout_end"}
             out["time/" + name.get(key.removeprefix("stream/"), key.removeprefix("stream/"))] = value / max(
                 world_size, 1
             )

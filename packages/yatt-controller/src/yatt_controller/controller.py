@@ -198,7 +198,7 @@ class ControllerCore:
                     f"step_fn must return a dict of metrics, got {type(metrics).__name__} at step {step}"
                 )
             if self.plan.directory is not None and self.plan.rank == 0:
-                metrics = {**metrics, "placement/moves": self.moves}
+                metrics = {**metrics, **self._placement_metrics()}
             report = StepReport(
                 step=step, controller_rank=self.plan.rank, metrics={k: float(v) for k, v in metrics.items()},
                 timings_s=dict(self.ctx.timings_s), num_samples=len(batch),
@@ -211,6 +211,15 @@ class ControllerCore:
                 self._reports.append(report)
                 self._beat = (step + 1, "step done", time.time())
         return end_step
+
+    def _placement_metrics(self) -> dict[str, float]:
+        """Live placement: moves so far and the devices each service group holds now
+        (`placement/<group>_devices`, e.g. placement/rollout_devices)."""
+        devices = {
+            f"placement/{name}_devices": float(sum(len(r) for r in group.replicas()))
+            for name, group in (self.plan.full_groups or {}).items()
+        }
+        return {"placement/moves": float(self.moves), **devices}
 
     def _maybe_move(self, step: int) -> None:
         """Apply a posted plan, all controllers at this same step (a weight-sync boundary)."""

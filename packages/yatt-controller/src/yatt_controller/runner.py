@@ -192,23 +192,25 @@ class _Attempt:
         learner = services.groups.get(services.learner) if services.learner else None
         if services.learner and learner is None:
             raise ValueError(f"Services.learner {services.learner!r} is not one of {sorted(services.groups)}")
-        if learner is not None and learner.dp_size != world:
+        if learner is not None and (learner.dp_size < world or learner.dp_size % world):
             raise ValueError(
-                f"num_controllers is {world} but the learner has {learner.dp_size} data-parallel ranks"
+                f"num_controllers is {world} but the learner has {learner.dp_size} data-parallel ranks: each "
+                "controller drives a whole block of learner ranks, so num_controllers must divide them"
             )
         for name in services.checkpointed:
-            if services.groups[name].dp_size != world:
+            size = services.groups[name].dp_size
+            if size < world or size % world:
                 raise ValueError(
-                    f"Services.checkpointed group {name!r} has {services.groups[name].dp_size} data-parallel "
-                    f"ranks; checkpointing it needs one per controller ({world})"
+                    f"Services.checkpointed group {name!r} has {size} data-parallel ranks; checkpointing it "
+                    f"needs a whole block of ranks per controller ({world})"
                 )
         self.rendezvous = Rendezvous.remote(world)
         for rank in range(world):
             routed = routed_views(services.groups, services.learner, rank, world, self.spec.max_inflight)
             mine = routed[services.learner] if learner is not None else None
             options: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0}
-            if learner is not None:  # next to its learner rank
-                device = learner.view([rank]).workers[0].device
+            if learner is not None:  # next to its (first) learner rank
+                device = mine.workers[0].device
                 options["scheduling_strategy"] = self.realized.scheduling_strategy(device)
             label = f"controller-{rank}"
             plan = self._plan(services, rank, world, routed, mine)

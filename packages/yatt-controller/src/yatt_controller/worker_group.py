@@ -350,13 +350,15 @@ def routed_views(
     single: bool = False,
     uneven: bool = False,
 ) -> dict[str, WorkerGroup]:
-    """What one controller calls: its own learner rank, and the service replicas `dispatch.route` gives it
-    (every replica of every group in single mode). `uneven`: after a live move, blocks may differ by one."""
+    """What one controller calls: its own block of learner ranks (one rank when there are as many controllers
+    as ranks; the controller splits its rows over them otherwise), and the service replicas `dispatch.route`
+    gives it (every replica of every group in single mode). Service replicas may split unevenly over the
+    controllers (blocks that differ by one); `uneven` allows it for the learner too (never needed)."""
     if single:
         return {name: g.view(range(g.dp_size), max_inflight=max_inflight) for name, g in groups.items()}
     return {
         name: g.view(
-            [rank] if name == learner else dispatch.route(g.dp_size, world, rank, uneven=uneven),
+            dispatch.route(g.dp_size, world, rank, uneven=uneven or name != learner),
             max_inflight=max_inflight,
         )
         for name, g in groups.items()

@@ -27,9 +27,15 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
+
+# Before Ray starts: no auth token under $HOME, no usage stats, and under `uv run` Ray must not package the
+# checkout as every worker's working directory (its workers run this same interpreter).
+for _key in ("RAY_AUTH_MODE", "RAY_USAGE_STATS_ENABLED", "RAY_ENABLE_UV_RUN_RUNTIME_ENV"):
+    os.environ.setdefault(_key, "disabled" if _key == "RAY_AUTH_MODE" else "0")
 
 NUM_PROMPTS, NUM_ANSWERS, SAMPLES, BATCH, LR = 16, 4, 4, 8, 2.0
 STEPS, STOP_AT = 4, 2
@@ -91,7 +97,7 @@ class TableTrainer:
 
         with torch.no_grad():
             self.logits -= LR * torch.tensor(gradient).view_as(self.logits)
-        return float(self.logits.abs().sum())
+        return float(self.logits.detach().abs().sum())
 
     def named_weights(self) -> list:  # weight sync's sending end
         return [("logits", self.logits.detach())]

@@ -40,9 +40,8 @@ def learning_run(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("grpo") / "learn"
     summary = _yatt("grpo", "--run-dir", str(run_dir), "--set", "run.num_steps=24", "--set", "run.eval_every=12",
                     "--set", "controller.checkpoint_every=2", cwd=run_dir.parent)  # fmt: skip
-    assert (
-        summary["driver_bytes"] == 0 and summary["restarts"] == 0
-    )  # parallel controllers: no sample via driver
+    # parallel controllers: only step reports pass through the driver (counted at Ray's API in the driver)
+    assert summary["driver_bytes"] < 300_000 and summary["restarts"] == 0
     return run_dir
 
 
@@ -50,7 +49,8 @@ def test_run_directory_is_complete(learning_run):
     metrics = _metrics(learning_run)
     assert sorted(metrics) == list(range(24))
     first = metrics[0]
-    for key in ("reward/mean", "train/kl", "rollout/response_len_mean", "time/rollout", "time/reward",
+    for key in ("reward/mean", "train/kl", "rollout/response_len_mean", "time/rollout_reward", "time/rollout_s",
+                "time/reward_s", "time/rollout_reward_overlap_s", "judge/parse_rate",
                 "time/logprobs", "time/train", "time/weight_sync", "time/idle", "throughput/tokens_per_s",
                 "reward_status/parse_error", "val/accuracy"):  # fmt: skip
         assert key in first, key
@@ -72,7 +72,8 @@ def test_resume_reaches_the_same_next_steps(learning_run, tmp_path):
     """A run stopped after step 3 (checkpoint at step 3) and resumed reaches the same steps 4 and 5 as the
     run that never stopped: same data, same sampled completions, same rewards, same update."""
     run_dir = tmp_path / "stopped"
-    _yatt("grpo", "--run-dir", str(run_dir), "--set", "run.num_steps=4", "--set", "run.eval_every=12",
+    _yatt("grpo", "--run-dir", str(run_dir), "--set", "run.num_steps=4", "--set", "run.schedule_steps=24",
+          "--set", "run.eval_every=12",
           "--set", "controller.checkpoint_every=2", cwd=tmp_path)  # fmt: skip
     _yatt("resume", str(run_dir), "--set", "run.num_steps=6", cwd=tmp_path)
     resumed, straight = _metrics(run_dir), _metrics(learning_run)

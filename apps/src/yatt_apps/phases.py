@@ -374,9 +374,9 @@ def evaluate(ctx, val_rows, cfg: RunConfig, tok) -> dict[str, float]:
 
 
 def maybe_evaluate(ctx, val_rows, cfg: RunConfig, tok) -> dict[str, float]:
-    """Validation sums every `run.eval_every` steps and on the last step (empty otherwise)."""
-    every, last = cfg.run.eval_every, ctx.step == cfg.run.num_steps - 1
-    if val_rows is None or not every or (ctx.step % every and not last):
+    """Validation sums every `run.eval_every` steps, step 0 included (empty otherwise)."""
+    every = cfg.run.eval_every
+    if val_rows is None or not every or ctx.step % every:
         return {}
     with ctx.phase("eval"):
         return evaluate(ctx, val_rows, cfg, tok)

@@ -204,7 +204,8 @@ class ControllerCore:
                 timings_s=dict(self.ctx.timings_s), num_samples=len(batch),
             )  # fmt: skip
             every = self.plan.checkpoint_every
-            if self.plan.checkpoint_dir and every and (step + 1) % every == 0:
+            # every k steps, and the last step of the run (what export and a finished run's resume read)
+            if self.plan.checkpoint_dir and every and ((step + 1) % every == 0 or step == end_step - 1):
                 self._progress("checkpoint")
                 self.save(step)
             with self._lock:

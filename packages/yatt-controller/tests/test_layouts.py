@@ -228,6 +228,7 @@ def _move_build(pool: HostPool) -> Services:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["parallel", "single"])
 def test_a_live_move_gives_the_next_steps_a_new_rollout_replica_with_current_weights(session, mode):
     start = _partial_plan([[0], [1]], [[2], [3]])

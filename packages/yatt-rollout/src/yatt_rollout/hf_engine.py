@@ -27,6 +27,7 @@ import torch
 
 from yatt_rollout import sampling
 from yatt_rollout.buckets import bucket_tensors
+from yatt_rollout.constraints import BatchConstraint, Spec, choice_token_ids
 from yatt_rollout.media import expand_image_tokens, load_image
 from yatt_rollout.requests import check_request, error_completions
 from yatt_rollout.types import Completion, GenerateRequest, WeightBucket
@@ -41,6 +42,7 @@ class _Request:
     token_ids: list[int]
     vision: dict[str, torch.Tensor]  # pixel_values, image_grid_thw (empty for text prompts)
     future: Future
+    constraint: Spec | None = None  # choices' token ids or allowed ids (constraints.py)
     done: dict[int, Completion] = field(default_factory=dict)
 
 
@@ -65,10 +67,11 @@ class _LiveRows:
     logprobs: torch.Tensor  # [B, W] float32
     ends: torch.Tensor  # [B] long: tokens each row produced (set when it ends)
     stopped: torch.Tensor  # [B] bool: ended on a stop token
+    constraint: BatchConstraint | None  # None when no row is constrained
 
     @classmethod
     def build(
-        cls, batch: list[_Row], budget: list[int], eos_ids: list[int], device: torch.device
+        cls, batch: list[_Row], budget: list[int], eos_ids: list[int], vocab: int, device: torch.device
     ) -> _LiveRows:
         sp = [r.request.req.sampling for r in batch]
         stops = [sorted(set(eos_ids) | set(s.stop_token_ids)) for s in sp]
@@ -87,6 +90,7 @@ class _LiveRows:
             logprobs=torch.zeros((n, w), dtype=torch.float32, device=device),
             ends=torch.zeros(n, dtype=torch.long, device=device),
             stopped=torch.zeros(n, dtype=torch.bool, device=device),
+            constraint=BatchConstraint.build([r.request.constraint for r in batch], vocab, eos_ids, device),
         )
 
     def record(self, step: int, tokens: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor | None:
@@ -94,6 +98,8 @@ class _LiveRows:
         (device tensor) of the rows that do, and the state is narrowed to them."""
         self.tokens[self.live, step] = tokens
         self.logprobs[self.live, step] = logprobs
+        if self.constraint is not None:
+            self.constraint.advance(tokens)
         hit = (tokens[:, None] == self.stop_ids).any(-1)
         ended = hit | (self.budget <= step + 1)
         if not bool(ended.any()):  # the one host read of a step
@@ -106,6 +112,8 @@ class _LiveRows:
         self.live, self.stop_ids, self.budget = self.live[keep], self.stop_ids[keep], self.budget[keep]
         self.params = {k: v[host_keep] for k, v in self.params.items()}
         self.gens = [self.gens[j] for j in host_keep]
+        if self.constraint is not None:
+            self.constraint.select(keep)
         return keep
 
     def results(self) -> list[tuple[list[int], list[float], str]]:
@@ -145,6 +153,7 @@ class HFEngine:
         text_config = model.config.get_text_config()
         self.vocab_size = text_config.vocab_size
         self.max_context = max_context or text_config.max_position_embeddings
+        self.tokenizer = tokenizer
         self.eos_ids = _eos_ids(model, tokenizer)
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad_id = pad if pad is not None else min(self.eos_ids, default=0)
@@ -256,7 +265,34 @@ class HFEngine:
         if req.prompt.media:
             ids, vision = self._vision_inputs(req, ids)
             check_request(req, vocab_size=self.vocab_size, max_context=self.max_context, num_tokens=len(ids))
-        return _Request(req, ids, vision, fut)
+        return _Request(req, ids, vision, fut, self._constraint(req))
+
+    def _constraint(self, req: GenerateRequest) -> Spec | None:
+        """The request's choices as token ids (or its allowed ids); ValueError naming the field."""
+        s, rid = req.sampling, req.request_id
+        if s.allowed_token_ids:
+            bad = max(s.allowed_token_ids)
+            if bad >= self.vocab_size:
+                raise ValueError(
+                    f"request {rid}: sampling.allowed_token_ids has {bad}, outside the vocabulary [0, {self.vocab_size})"
+                )
+            return ("allowed", (tuple(sorted(set(s.allowed_token_ids))),))
+        if not s.choices:
+            return None
+        if self.tokenizer is None:
+            raise ValueError(f"request {rid}: sampling.choices needs a tokenizer; this HFEngine has none")
+        if not self.eos_ids:
+            raise ValueError(
+                f"request {rid}: sampling.choices needs an eos token to end a choice; the engine has none"
+            )
+        seqs = choice_token_ids(self.tokenizer, s.choices)
+        longest = max(map(len, seqs)) + 1
+        if s.max_new_tokens < longest:
+            raise ValueError(
+                f"request {rid}: sampling.max_new_tokens is {s.max_new_tokens}; the longest choice takes "
+                f"{longest} tokens with eos"
+            )
+        return ("choices", seqs)
 
     def _vision_inputs(
         self, req: GenerateRequest, ids: list[int]
@@ -364,13 +400,15 @@ class HFEngine:
         Tokens and logprobs stay on the device until the batch ends (one transfer each); per step the host
         reads one flag (did any row end?) and, on the steps where rows end, which ones."""
         input_ids, mask, budget = self._left_pad(batch)
-        rows = _LiveRows.build(batch, budget, self.eos_ids, self.device)
+        rows = _LiveRows.build(batch, budget, self.eos_ids, self.vocab_size, self.device)
         text_pos = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, T]; padding positions are never attended
         kwargs, deltas = self._prefill_inputs(batch, input_ids, mask, text_pos)
         out = self.model(input_ids=input_ids, attention_mask=mask, use_cache=True, logits_to_keep=1, **kwargs)
         cache, pos = out.past_key_values, text_pos[:, -1:]  # pos [L, 1]
         for step in itertools.count():
             logits = out.logits[:, -1].float()  # [L, V]
+            if rows.constraint is not None:  # logprobs below are then the constrained distribution's
+                logits = rows.constraint.mask(logits)
             tokens = sampling.sample(logits, rows.params, rows.gens, self._default_gen)
             keep = rows.record(step, tokens, sampling.raw_logprobs(logits, tokens))
             if keep is not None:  # some rows ended: the rest go on with their own cache rows

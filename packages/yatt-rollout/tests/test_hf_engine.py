@@ -365,3 +365,39 @@ def test_constraint_errors_name_the_field(engine, tok):
     finally:
         no_tok.close()
     assert out.error == "request nt: sampling.choices needs a tokenizer; this HFEngine has none"
+
+
+def _resident_bytes():
+    import os
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/statm"), reason="reads /proc/self/statm")
+def test_sleep_level_2_frees_the_weights_resident_memory(tok):
+    # about 24 MiB of parameters: large allocations, which the allocator returns to the system when freed
+    model = tiny_causal_lm(4096, hidden_size=512, num_layers=1, num_heads=8, head_dim=64, seed=0)
+    state = [(k, v.clone()) for k, v in model.state_dict().items()]
+    eng = HFEngine(model, tok)
+    reqs = [_req("w", tok.encode("5 + 5 ="), n=2, max_new_tokens=8, seed=4)]
+    try:
+        before = eng.generate(reqs)
+        weights = eng.slots.nbytes
+        assert weights == sum(v.numel() * 4 for _, v in state) > 20 << 20
+        resident = _resident_bytes()
+        eng.sleep(level=2)
+        freed = resident - _resident_bytes()
+        eng.wake_up()
+        # 15 = embeddings + 1 layer x (q/k/v weight and bias, o, gate, up, down, 2 norms) + final norm + lm_head
+        with pytest.raises(
+            RuntimeError, match=r"HFEngine has no weights for 15 tensors \(discarded by sleep"
+        ):
+            eng.generate(reqs)
+        eng.load_weights(state, version=2)
+        after = eng.generate(reqs)
+    finally:
+        eng.close()
+    assert freed >= weights, f"resident memory fell by {freed} bytes, the weights are {weights}"
+    assert [(c.token_ids, c.logprobs) for c in after] == [(c.token_ids, c.logprobs) for c in before]
+    assert {c.policy_version for c in after} == {2}

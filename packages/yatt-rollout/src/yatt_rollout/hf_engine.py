@@ -230,8 +230,15 @@ class HFEngine:
             self._cv.notify_all()  # a worker waiting for discarded weights may go on
 
     def sleep(self, level: int = 1) -> None:
-        """Level 1: weights go to host memory (a no-op on CPU), the engine refuses new work until
-        `wake_up`. Level 2: weights are discarded; after `wake_up`, `update_weights` must refill them."""
+        """Stop serving and free memory until `wake_up`; `generate` meanwhile is a RuntimeError.
+
+        Level 1 frees caches: the KV cache lives only while a batch runs, so this returns the allocator's
+        free blocks (CUDA's cache; on CPU, glibc's free heap pages via `malloc_trim`); on an accelerator the
+        weights also move to host memory. Level 2 also discards the weights (each parameter's storage is
+        released, its name, shape and dtype kept), so the process's resident memory drops by about their
+        bytes; after `wake_up` the weights come back only through the next `load_weights` /
+        `update_weights` (of every parameter), and `generate` refuses until then.
+        """
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
         with self._cv:
@@ -242,9 +249,10 @@ class HFEngine:
                 self.slots.discard()
             elif self.device.type != "cpu":
                 self.model.to("cpu")
-                torch.cuda.empty_cache()
+            _release_free_memory(self.device)
 
     def wake_up(self) -> None:
+        """Serve again. After level 2, weights must still be loaded before `generate`."""
         with self._cv:
             if not self.slots.discarded:  # after level 2 the weights return with the next load
                 self.model.to(self.device)
@@ -458,6 +466,18 @@ def _mrope_step(pos: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
 def _row_generator(seed: int | None, index: int, device: torch.device) -> torch.Generator | None:
     # sample i of a seeded request draws from its own stream: same (seed, i), same tokens, in any batch
     return None if seed is None else torch.Generator(device).manual_seed(seed * 1_000_003 + index)
+
+
+def _release_free_memory(device: torch.device) -> None:
+    """Hand the allocators' free memory back to the system: CUDA's caching allocator, glibc's heap."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed blocks under the mmap threshold stay in the heap
+    except (OSError, AttributeError):  # not glibc: freed memory returns as that allocator decides
+        pass
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> list[int]:

@@ -4,7 +4,10 @@ One worker thread owns the model. `submit` validates each request in the caller'
 gets error completions at once and never reaches a batch), then queues its `n` sample rows; the worker
 takes up to `max_batch_size` rows per batch, so requests that arrive while a batch runs join the next one.
 A batch is one prefill over the left-padded prompts and one cached forward per new token; each row stops
-at its own eos/stop token or budget. Weight updates, sleep and wake wait for the running batch.
+at its own eos/stop token or budget and then leaves the batch with its KV cache rows. Sampled tokens and
+logprobs stay on the model's device until the batch ends (`live_rows.py`); constrained rows (`choices`,
+`allowed_token_ids`) walk a transition table there too (`constraints.py`). Weight updates, sleep and wake
+wait for the running batch.
 
 VLM prompts (the Qwen2-VL family): images from `Prompt.media` go through the image processor; the prompt's
 `<|image_pad|>` placeholders are expanded to the image token count, `mm_token_type_ids` marks them, and
@@ -27,7 +30,8 @@ import torch
 
 from yatt_rollout import sampling
 from yatt_rollout.buckets import bucket_tensors
-from yatt_rollout.constraints import BatchConstraint, Spec, choice_token_ids
+from yatt_rollout.constraints import Spec, choice_token_ids
+from yatt_rollout.live_rows import LiveRows
 from yatt_rollout.media import expand_image_tokens, load_image
 from yatt_rollout.requests import check_request, error_completions
 from yatt_rollout.types import Completion, GenerateRequest, WeightBucket
@@ -50,80 +54,6 @@ class _Request:
 class _Row:
     request: _Request
     index: int  # sample index within the request, 0..n-1
-
-
-@dataclass
-class _LiveRows:
-    """Per-row decoding state of a batch, on the device: the rows still running (`live`, batch indices),
-    their sampling parameters, stop ids and budgets, and the [B, W] token and logprob buffers they fill.
-    `record` keeps everything aligned with the model's batch as rows leave it."""
-
-    live: torch.Tensor  # [L] long: batch index of each running row
-    params: dict[str, torch.Tensor]  # host tensors [L]: temperature, top_k, top_p
-    gens: list[torch.Generator | None]
-    stop_ids: torch.Tensor  # [L, S] long, padded with -1
-    budget: torch.Tensor  # [L] long: the row's token budget
-    tokens: torch.Tensor  # [B, W] long
-    logprobs: torch.Tensor  # [B, W] float32
-    ends: torch.Tensor  # [B] long: tokens each row produced (set when it ends)
-    stopped: torch.Tensor  # [B] bool: ended on a stop token
-    constraint: BatchConstraint | None  # None when no row is constrained
-
-    @classmethod
-    def build(
-        cls, batch: list[_Row], budget: list[int], eos_ids: list[int], vocab: int, device: torch.device
-    ) -> _LiveRows:
-        sp = [r.request.req.sampling for r in batch]
-        stops = [sorted(set(eos_ids) | set(s.stop_token_ids)) for s in sp]
-        width = max(map(len, stops), default=0) or 1
-        stop_ids = torch.tensor([ids + [-1] * (width - len(ids)) for ids in stops], dtype=torch.long)
-        n, w = len(batch), max(budget)
-        return cls(
-            live=torch.arange(n, device=device),
-            params=sampling.row_params(
-                [s.temperature for s in sp], [s.top_k for s in sp], [s.top_p for s in sp]
-            ),
-            gens=[_row_generator(s.seed, r.index, device) for s, r in zip(sp, batch, strict=True)],
-            stop_ids=stop_ids.to(device),
-            budget=torch.tensor(budget, device=device),
-            tokens=torch.zeros((n, w), dtype=torch.long, device=device),
-            logprobs=torch.zeros((n, w), dtype=torch.float32, device=device),
-            ends=torch.zeros(n, dtype=torch.long, device=device),
-            stopped=torch.zeros(n, dtype=torch.bool, device=device),
-            constraint=BatchConstraint.build([r.request.constraint for r in batch], vocab, eos_ids, device),
-        )
-
-    def record(self, step: int, tokens: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor | None:
-        """Store step `step`'s tokens [L] and logprobs [L]. None if every row goes on, else the positions
-        (device tensor) of the rows that do, and the state is narrowed to them."""
-        self.tokens[self.live, step] = tokens
-        self.logprobs[self.live, step] = logprobs
-        if self.constraint is not None:
-            self.constraint.advance(tokens)
-        hit = (tokens[:, None] == self.stop_ids).any(-1)
-        ended = hit | (self.budget <= step + 1)
-        if not bool(ended.any()):  # the one host read of a step
-            return None
-        done = self.live[ended]
-        self.ends[done] = step + 1
-        self.stopped[done] = hit[ended]
-        keep = (~ended).nonzero()[:, 0]
-        host_keep = keep.tolist()
-        self.live, self.stop_ids, self.budget = self.live[keep], self.stop_ids[keep], self.budget[keep]
-        self.params = {k: v[host_keep] for k, v in self.params.items()}
-        self.gens = [self.gens[j] for j in host_keep]
-        if self.constraint is not None:
-            self.constraint.select(keep)
-        return keep
-
-    def results(self) -> list[tuple[list[int], list[float], str]]:
-        """(tokens, logprobs, finish reason) per batch row: the batch's one transfer to the host."""
-        ends, stopped = self.ends.tolist(), self.stopped.tolist()
-        tokens, logprobs = self.tokens.tolist(), self.logprobs.tolist()
-        return [
-            (t[:e], lp[:e], "stop" if s else "length")
-            for t, lp, e, s in zip(tokens, logprobs, ends, stopped, strict=True)
-        ]
 
 
 class HFEngine:
@@ -408,7 +338,7 @@ class HFEngine:
         Tokens and logprobs stay on the device until the batch ends (one transfer each); per step the host
         reads one flag (did any row end?) and, on the steps where rows end, which ones."""
         input_ids, mask, budget = self._left_pad(batch)
-        rows = _LiveRows.build(batch, budget, self.eos_ids, self.vocab_size, self.device)
+        rows = LiveRows.build(batch, budget, self.eos_ids, self.vocab_size, self.device)
         text_pos = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, T]; padding positions are never attended
         kwargs, deltas = self._prefill_inputs(batch, input_ids, mask, text_pos)
         out = self.model(input_ids=input_ids, attention_mask=mask, use_cache=True, logits_to_keep=1, **kwargs)
@@ -461,11 +391,6 @@ def _mrope_step(pos: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
     """Positions of a decode step for M-RoPE: [4, B, 1] = text position, then t/h/w = text + row delta."""
     shifted = (pos + deltas.to(pos.device))[None].expand(3, -1, -1)
     return torch.cat([pos[None], shifted])
-
-
-def _row_generator(seed: int | None, index: int, device: torch.device) -> torch.Generator | None:
-    # sample i of a seeded request draws from its own stream: same (seed, i), same tokens, in any batch
-    return None if seed is None else torch.Generator(device).manual_seed(seed * 1_000_003 + index)
 
 
 def _release_free_memory(device: torch.device) -> None:

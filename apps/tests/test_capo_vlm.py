@@ -228,7 +228,7 @@ def test_capo_runs_two_steps(tmp_path):
     out = _yatt("capo", "--run-dir", str(tmp_path / "run"), "--set", "run.num_steps=2", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
-    assert summary["driver_bytes"] == 0 and summary["step"] == 1
+    assert summary["driver_bytes"] < 300_000 and summary["step"] == 1
     rows = _metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == [0, 1]
     for row in rows:

@@ -270,7 +270,7 @@ def test_dapo_runs_two_steps(tmp_path):
     run_dir = tmp_path / "dapo"
     summary = _yatt("dapo", "--run-dir", str(run_dir), "--set", "run.num_steps=2", "--set", "run.eval_every=0",
                     cwd=tmp_path)  # fmt: skip
-    assert summary["driver_bytes"] == 0 and summary["restarts"] == 0
+    assert summary["driver_bytes"] < 300_000 and summary["restarts"] == 0
     rows = _metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1]
     for row in rows:
@@ -301,7 +301,7 @@ def ppo_run(tmp_path_factory) -> Path:
     summary = _yatt(
         "ppo", "--run-dir", str(run_dir), "--set", "run.num_steps=8", *PPO_LEARN, cwd=run_dir.parent
     )
-    assert summary["driver_bytes"] == 0 and summary["restarts"] == 0
+    assert summary["driver_bytes"] < 300_000 and summary["restarts"] == 0
     return run_dir
 
 

@@ -10,7 +10,9 @@ push. It reads top to bottom; the phases it calls live in `yatt_apps.phases`.
 from __future__ import annotations
 
 import functools
+import time
 
+from yatt_apps import producer
 from yatt_apps.config import RunConfig
 from yatt_apps.data import PromptRow
 from yatt_apps.jobs import JobDef
@@ -44,9 +46,13 @@ def grpo_step(
     tok = tokenizer(policy_dir)
 
     with ctx.phase("rollout_reward"):  # generation streamed into the reward service, chunk by chunk
-        prompt_ids = [render_prompt(tok, row, cfg.data.system_prompt) for row in rows]
-        tag = f"s{ctx.step}-c{ctx.rank}"
-        scored = generate_and_score(ctx, rows, prompt_ids, cfg.sampling, tag, sample_seed(cfg, ctx), tok)
+        if cfg.algo.max_staleness:  # async: launch this step's batch, train on the oldest one in flight
+            launched, scored = producer.next_batch(ctx, cfg, rows, tok)
+            rows, prompt_ids = launched.rows, launched.prompt_ids
+        else:
+            prompt_ids = [render_prompt(tok, row, cfg.data.system_prompt) for row in rows]
+            tag = f"s{ctx.step}-c{ctx.rank}"
+            scored = generate_and_score(ctx, rows, prompt_ids, cfg.sampling, tag, sample_seed(cfg, ctx), tok)
     sums = maybe_evaluate(ctx, val_rows, cfg, tok)  # the policy that generated this step's samples
     sleep_engines(ctx, cfg)  # full colocation: the engines give the devices to the learner
 
@@ -69,6 +75,7 @@ def grpo_step(
     with ctx.phase("logprobs"):
         lp, rollout_lp = old_logprobs(ctx, batch, samples)
 
+    version, train_started = ctx.policy_version, time.perf_counter()  # the policy being updated
     with ctx.phase("train"):  # SPMD: every learner rank updates together (gradient all-reduce)
         logprobs = {k: v for k, v in lp.items() if k != "entropy"}
         experience = {
@@ -86,6 +93,9 @@ def grpo_step(
 
     sums |= sample_sums(scored, kept, len(rows), batch["response_mask"], lp, rollout_lp)
     sums |= judge_sums(cfg, scored, kept)
+    if cfg.algo.max_staleness:
+        sums |= producer.async_sums(ctx, scored, kept, version, (train_started, time.perf_counter()))
+        producer.store_queue(ctx, cfg)  # a checkpoint after this step holds the batches in flight
     return summarize(ctx.all_reduce(sums), stats, ctx.world_size)
 
 
@@ -93,4 +103,4 @@ def step_function(cfg: RunConfig, policy_dir: str, val_rows=None):
     return functools.partial(grpo_step, cfg=cfg, policy_dir=policy_dir, val_rows=val_rows)
 
 
-JOB = JobDef(step=step_function)
+JOB = JobDef(step=step_function, check=producer.check_async, asynchronous=True)

@@ -97,9 +97,11 @@ def build_services(
 class JobDef:
     """A job as launch sees it. `step(cfg, policy_dir, val_rows)` returns the step function every controller
     runs; `roles(cfg)` what the planner places; `build(pool, cfg=, policy_dir=, judge_dir=)` the services;
-    `check(cfg)` raises ValueError for a config the job cannot run."""
+    `check(cfg)` raises ValueError for a config the job cannot run; `asynchronous`: the step trains with a
+    bounded-staleness producer when `algo.max_staleness > 0` (others refuse it)."""
 
     step: StepFactory
     roles: Callable[[RunConfig], list] = policy_roles
     build: Callable[..., Any] = build_services
     check: Callable[[RunConfig], None] | None = None
+    asynchronous: bool = False

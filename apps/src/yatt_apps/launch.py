@@ -199,6 +199,8 @@ def run_job(cfg: RunConfig, run_dir: str | Path, job: JobDef) -> dict[str, Any]:
     """Run (or resume, when `run_dir` holds checkpoints) `cfg` and return the last step's metrics."""
     for key, value in ENV.items():
         os.environ.setdefault(key, value)
+    if cfg.algo.max_staleness and not job.asynchronous:
+        raise ValueError(f"algo.max_staleness > 0: the {cfg.app} job trains on-policy only (use yatt grpo)")
     if job.check is not None:
         job.check(cfg)
     run = RunDir(Path(run_dir).resolve())  # absolute: workers do not share the driver's working directory

@@ -81,10 +81,12 @@ def flat(parts) -> list[Any]:
     return [item for part in parts for item in part]
 
 
-def sample_seed(cfg: RunConfig, ctx, wave: int = 0) -> int:
-    """The base sampling seed of this controller's step; prompt i of a wave samples from base + i (< 1000
-    prompts per wave). Refill waves (wave > 0, DAPO) draw from disjoint seeds: wave << 40."""
-    return (cfg.run.seed * 1_000_003 + ctx.step * 10_007 + ctx.rank * 1_009) * 1_000 + (wave << 40)
+def sample_seed(cfg: RunConfig, ctx, wave: int = 0, *, step: int | None = None) -> int:
+    """The base sampling seed of this controller's step (or of `step`, an async batch's launch step); prompt
+    i of a wave samples from base + i (< 1000 prompts per wave). Refill waves (wave > 0, DAPO) draw from
+    disjoint seeds: wave << 40."""
+    step = ctx.step if step is None else step
+    return (cfg.run.seed * 1_000_003 + step * 10_007 + ctx.rank * 1_009) * 1_000 + (wave << 40)
 
 
 # ---- generation streamed into scoring ---------------------------------------------------------------------
@@ -145,23 +147,38 @@ def generate_and_score(
     wherever they run on different devices. All samples are checked to be made by the current policy
     version. `method` returns per-sample lists: scores, keep, statuses, sample_components, and any others
     (kept in `Scored.extra`)."""
+    refs = submit_rollout(ctx, make_requests(rows, prompt_ids, sampling, tag, seed))
+    scored = score_stream(ctx, rows, refs, tok, method=method, token_ids=token_ids)
+    check_completions(ctx, scored.completions)
+    return scored
+
+
+def submit_rollout(ctx, requests: list) -> list:
+    """Every chunk of `requests` sent to this controller's least-loaded rollout replicas now (object refs)."""
     from yatt_controller.dispatch import split_evenly
+
+    rollout = ctx.services["rollout"]
+    chunks = [c for c in split_evenly(requests, num_chunks(len(requests), rollout.dp_size)) if c]
+    return [rollout.call_one("generate", chunk) for chunk in chunks]
+
+
+def score_stream(
+    ctx, rows: list[PromptRow], refs: list, tok, *, method: str = "score", token_ids: bool = False
+):
+    """The completions of each rollout ref handed to a reward replica the moment they are done; a `Scored`
+    with the stream's busy and overlap seconds. Versions are not checked here (the caller knows its bound)."""
     from yatt_controller.stream import Stage, run_stream
 
-    rollout, reward = ctx.services["rollout"], ctx.services["reward"]
-    requests = make_requests(rows, prompt_ids, sampling, tag, seed)
-    chunks = [c for c in split_evenly(requests, num_chunks(len(requests), rollout.dp_size)) if c]
-    stages = [
-        Stage("rollout", lambda chunk, _: rollout.call_one("generate", chunk)),
-        Stage(
-            "reward",
-            lambda _, done: reward.call_one(method, reward_requests(rows, done, tok, token_ids=token_ids)),
-        ),
-    ]
-    result = run_stream(chunks, stages, max_inflight=2 * max(rollout.dp_size, reward.dp_size))
+    reward = ctx.services["reward"]
+
+    def judge(_, done):
+        return reward.call_one(method, reward_requests(rows, done, tok, token_ids=token_ids))
+
+    result = run_stream(
+        refs, [Stage("rollout", lambda ref, _: ref), Stage("reward", judge)], max_inflight=len(refs)
+    )
     ctx.on_progress("")
     completions = flat(values[0] for values in result.values)
-    check_completions(ctx, completions)
     parts = [values[1] for values in result.values]
     stream = {
         "rollout_s": result.busy_s("rollout"),
@@ -169,6 +186,9 @@ def generate_and_score(
         "overlap_s": result.overlap_s("rollout", "reward"),
         # 1.0: the reward service had its first request before the last completion of the step was done
         "early": float(result.first_submit["reward"] < result.last_done["rollout"]),
+        # when this controller's rollout calls were in flight (perf_counter), for async overlap figures
+        "rollout_start": result.first_submit["rollout"],
+        "rollout_end": result.last_done["rollout"],
     }
     standard = ("scores", "keep", "statuses", "sample_components")
     return Scored(
@@ -400,6 +420,11 @@ def summarize(total: dict[str, float], stats: dict[str, float], world_size: int 
         out["train/kl"] = total["kl/sum"] / tokens
     if total.get("val/total"):
         out["val/accuracy"] = total["val/correct"] / total["val/total"]
+    if "async/samples" in total:  # bounded-staleness training (yatt_apps.producer)
+        out["async/staleness_mean"] = total["async/staleness/sum"] / max(total["async/samples"], 1.0)
+        out["async/staleness_max"] = total["async/staleness_max_all"] / max(world_size, 1)
+        out["async/rollout_train_overlap_s"] = total["async/overlap_s"] / max(world_size, 1)
+        out["async/partial_resumed"] = 0.0  # no partial rollouts: a generation finishes on its weights
     if "judge/judged" in total:
         out["judge/parse_rate"] = total["judge/parsed"] / max(total["judge/judged"], 1.0)
         if total["judge/compared"]:
@@ -409,6 +434,8 @@ def summarize(total: dict[str, float], stats: dict[str, float], world_size: int 
             out[key.removesuffix("/sum") + "_mean"] = value / samples
         elif key.startswith("reward_status/"):
             out[key] = value
+        elif key in ("stream/rollout_start", "stream/rollout_end"):
+            continue
         elif key.startswith("stream/"):
             name = {"overlap_s": "rollout_reward_overlap_s", "early": "judge_started_before_rollout_end"}
             out["time/" + name.get(key.removeprefix("stream/"), key.removeprefix("stream/"))] = value / max(

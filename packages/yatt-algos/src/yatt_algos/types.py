@@ -146,8 +146,13 @@ class AlgoConfig(_Config, kw_only=True):
     # pf-PPO (arXiv 2409.06957): resample the batch by reward-derived weights before the update; "none": off.
     pf_ppo_method: PfPpoMethod = "none"
     pf_ppo_weight_pow: float = 2.0
+    # Asynchronous training: samples may be made by a policy up to this many versions older than the one
+    # being updated (0: on-policy, every step waits for its own generation). Consumer: the apps' producer.
+    max_staleness: int = 0
 
     def __post_init__(self) -> None:
+        if self.max_staleness < 0:
+            raise ValueError(f"AlgoConfig.max_staleness must be >= 0, got {self.max_staleness}")
         self._check_names()
         self._check_new_losses()
         self._check_rollout_correction()

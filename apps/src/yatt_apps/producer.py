@@ -1,0 +1,159 @@
+"""Asynchronous rollouts with bounded staleness (`algo.max_staleness = k > 0`): each controller runs its own
+producer, which keeps k batches of generation and scoring in flight while the step trains.
+
+At step 0 the producer launches the step's own batch and the next k batches of this controller's shard (drawn
+with `ctx.next_batch()`, so the data cursor and its checkpoint follow); at every later step it launches the batch
+the step was given. The step then trains on the oldest launched batch. A batch's rollout calls are all
+submitted at launch, before that step's weight push is queued behind them on the rollout hosts, so every
+sample of a batch is made by the policy of its launch step: a batch trained at step s was made by version
+s - k or later, and every sample is checked against that bound. Scoring continues in a background thread.
+The last k batches launched are never trained (dropped, deterministically).
+
+Overlap needs the rollout engines on other processes than the learner (disaggregated placement): in full
+colocation the engines and the learner share each device's process and time-share it, so async is refused
+there. At a checkpoint the queue is awaited and stored with the controller's state, so a resumed run trains
+the same next batches as one that never stopped. No partial rollouts: a generation in flight finishes on the
+weights it started with (`async/partial_resumed` counts 0).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from yatt_apps.config import RunConfig
+from yatt_apps.data import PromptRow
+
+_QUEUES: dict[int, deque] = {}  # per controller process: controller rank -> launched batches, oldest first
+_TRAINS: dict[int, deque] = {}  # per controller: recent (start, end) perf_counter times of its train phases
+_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="yatt-producer")
+
+
+@dataclass
+class Launched:
+    """One batch in flight: its rows and prompt ids, the step that launched it, and its `Scored` future."""
+
+    step: int
+    rows: list[PromptRow]
+    prompt_ids: list[list[int]]
+    scored: Future
+
+
+def check_async(cfg: RunConfig) -> None:
+    """Config errors: async needs the engines outside the learner's processes and a GRPO-family job."""
+    if cfg.algo.max_staleness and cfg.placement.mode == "colocated":
+        raise ValueError(
+            "algo.max_staleness > 0 needs placement.mode disaggregated (or partial/dynamic): in full colocation "
+            "rollout and training time-share every device's process, so generation cannot overlap training"
+        )
+
+
+def launch(ctx, cfg: RunConfig, rows: list[PromptRow], tok, step: int) -> Launched:
+    """Submit every rollout call of `rows` now (they queue ahead of this step's weight push), then stream
+    the completions into scoring on a background thread."""
+    from yatt_apps.phases import make_requests, render_prompt, sample_seed, score_stream, submit_rollout
+
+    prompt_ids = [render_prompt(tok, row, cfg.data.system_prompt) for row in rows]
+    seed = sample_seed(cfg, ctx, step=step)
+    refs = submit_rollout(ctx, make_requests(rows, prompt_ids, cfg.sampling, f"s{step}-c{ctx.rank}", seed))
+    future = _POOL.submit(score_stream, ctx, rows, refs, tok)
+    return Launched(step, rows, prompt_ids, future)
+
+
+def next_batch(ctx, cfg: RunConfig, rows: list[PromptRow], tok) -> tuple[Launched, Any]:
+    """Launch this step's batch (and, at the first step, the k after it); return the oldest launched batch
+    and its `Scored` (waited for), whose samples are at most k policy versions old."""
+    k = cfg.algo.max_staleness
+    queue = _QUEUES.setdefault(ctx.rank, deque())
+    restored = ctx.state.pop("async_queue", None)
+    if restored is not None:
+        queue.clear()
+        queue.extend(_restore(restored))
+    if not queue:  # a fresh run (or a resumed one without a stored queue): fill the window
+        queue.append(launch(ctx, cfg, rows, tok, ctx.step))
+        for ahead in range(1, k + 1):
+            queue.append(launch(ctx, cfg, ctx.next_batch(), tok, ctx.step + ahead))
+    else:
+        queue.append(launch(ctx, cfg, rows, tok, ctx.step + k))
+    oldest = queue.popleft()
+    scored = oldest.scored.result()
+    ctx.check_versions([c.policy_version for c in scored.completions], max_staleness=k)
+    return oldest, scored
+
+
+def async_sums(ctx, scored, kept: list[int], version: int, train: tuple[float, float]) -> dict[str, float]:
+    """Per trained sample, the updated policy's `version` - the version that made it (sum, count; the max is
+    all-reduced here), and how long this step's training overlapped the rollouts then in flight (the launched batches
+    still generating when training began or after; measured when each batch is consumed)."""
+    ages = [version - scored.completions[i].policy_version for i in kept]
+    trains = _TRAINS.setdefault(ctx.rank, deque(maxlen=64))
+    trains.append(train)
+    start, end = scored.stream.get("rollout_start", 0.0), scored.stream.get("rollout_end", 0.0)
+    overlap = sum(max(0.0, min(end, b) - max(start, a)) for a, b in trains)
+    peak = ctx.all_reduce({"max": float(max(ages, default=0))}, "max")["max"]
+    return {
+        "async/staleness/sum": float(sum(ages)),
+        "async/samples": float(len(ages)),
+        "async/staleness_max_all": peak,
+        "async/overlap_s": overlap,
+    }
+
+
+def store_queue(ctx, cfg: RunConfig) -> None:
+    """Before a checkpoint: wait for every launched batch and keep them in the controller's state."""
+    every = cfg.controller.checkpoint_every
+    last = ctx.step == cfg.run.num_steps - 1
+    if not every or ((ctx.step + 1) % every and not last):
+        return
+    queue = _QUEUES.get(ctx.rank, deque())
+    ctx.state["async_queue"] = [_encode(item) for item in queue]
+
+
+def _encode(item: Launched) -> dict[str, Any]:
+    scored = item.scored.result()
+    return {
+        "step": item.step,
+        "rows": [msgspec.to_builtins(r) for r in item.rows],
+        "prompt_ids": item.prompt_ids,
+        "scored": msgspec.to_builtins(_scored_doc(scored)),
+    }
+
+
+def _scored_doc(scored) -> dict[str, Any]:
+    return {
+        "completions": scored.completions,
+        "owner": scored.owner,
+        "scores": scored.scores,
+        "keep": scored.keep,
+        "statuses": scored.statuses,
+        "components": scored.components,
+        "stream": scored.stream,
+    }
+
+
+def _restore(docs: list[dict[str, Any]]) -> list[Launched]:
+    from yatt_rollout.types import Completion
+
+    from yatt_apps.phases import Scored
+
+    out = []
+    for doc in docs:
+        s = doc["scored"]
+        scored = Scored(
+            completions=[msgspec.convert(c, Completion) for c in s["completions"]],
+            owner=s["owner"],
+            scores=s["scores"],
+            keep=s["keep"],
+            statuses=s["statuses"],
+            components=s["components"],
+            stream=s["stream"],
+        )
+        done: Future = Future()
+        done.set_result(scored)
+        rows = [msgspec.convert(r, PromptRow) for r in doc["rows"]]
+        out.append(Launched(doc["step"], rows, doc["prompt_ids"], done))
+    return out

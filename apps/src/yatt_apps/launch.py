@@ -85,6 +85,14 @@ def replan_hook(cfg: RunConfig, job: JobDef, plan):
     return replan
 
 
+def with_async_correction(cfg: RunConfig) -> RunConfig:
+    """Async training corrects for the behaviour policy (the rollout engine's logprobs) with token-level
+    truncated importance sampling, cap `algo.rollout_is_threshold` (2 by default), unless a level is set."""
+    if not cfg.algo.max_staleness or cfg.algo.rollout_is_level != "none":
+        return cfg
+    return msgspec.structs.replace(cfg, algo=msgspec.structs.replace(cfg.algo, rollout_is_level="token"))
+
+
 def optimizer_updates_per_step(cfg: RunConfig) -> int:
     """Optimizer steps one RL step makes on a learner rank: updates per batch x mini-batches per update."""
     samples = cfg.run.prompts_per_step * cfg.sampling.n
@@ -206,7 +214,7 @@ def run_job(cfg: RunConfig, run_dir: str | Path, job: JobDef) -> dict[str, Any]:
     run = RunDir(Path(run_dir).resolve())  # absolute: workers do not share the driver's working directory
     cfg = absolute_paths(cfg)
     run.write_config(cfg)
-    cfg = with_schedule(cfg)
+    cfg = with_async_correction(with_schedule(cfg))
     policy_dir, judge_dir = prepare_models(cfg, run)
     check_data(cfg, policy_dir)  # streamed: fail fast on bad data; controllers read their own shards
     plan = placement_plan(cfg, job)

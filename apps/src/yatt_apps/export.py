@@ -57,7 +57,11 @@ def save_hf(model: Any, tokenizer_dir: str | Path, out_dir: str | Path) -> Path:
     try:
         base, state = _plain_model(model)
         base.save_pretrained(tmp, state_dict=state)
-        load_tokenizer(tokenizer_dir).save_pretrained(tmp)
+        try:
+            tokenizer = load_tokenizer(tokenizer_dir)
+        except OSError as err:
+            raise ValueError(f"no tokenizer at {tokenizer_dir}: {err}") from None
+        tokenizer.save_pretrained(tmp)
         if is_vlm(tokenizer_dir):
             load_image_processor(tokenizer_dir).save_pretrained(tmp)
     except BaseException:

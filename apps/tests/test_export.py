@@ -63,7 +63,9 @@ def test_save_hf_merges_lora_and_leaves_the_live_model(policy_dir, tmp_path):
 def test_save_hf_replaces_a_folder_only_when_complete(policy_dir, tmp_path):
     out = save_hf(load_causal_lm(policy_dir), policy_dir, tmp_path / "final")
     first = (out / "model.safetensors").read_bytes()
-    with pytest.raises(ValueError, match="no tokenizer at .*no-tokenizer-here"):  # a failed save keeps the old folder
+    with pytest.raises(
+        ValueError, match=r"no tokenizer at .*no-tokenizer-here"
+    ):  # a failed save keeps the old folder
         save_hf(load_causal_lm(policy_dir), tmp_path / "no-tokenizer-here", out)
     assert (out / "model.safetensors").read_bytes() == first and not (tmp_path / "final.tmp").exists()
     save_hf(_lora_model(policy_dir), policy_dir, out)

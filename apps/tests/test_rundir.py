@@ -99,7 +99,7 @@ def test_resume_from_scratch_and_torn_last_line(tmp_path):
     assert read_metrics(tmp_path) == [{"step": 0, "a": 5.0}]
 
 
-def test_wandb_offline_has_the_metric_names_of_metrics_jsonl(tmp_path, monkeypatch):
+def test_wandb_offline_has_the_metric_names_of_metrics_jsonl(tmp_path, monkeypatch, wandb_records):
     """log.wandb=true: the W&B run is written offline under RUN_DIR/wandb, and its logged keys are exactly
     the keys of metrics.jsonl (besides W&B's own underscore-prefixed keys)."""
     pytest.importorskip("wandb")
@@ -118,16 +118,18 @@ def test_wandb_offline_has_the_metric_names_of_metrics_jsonl(tmp_path, monkeypat
     offline = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
     assert len(offline) == 1
     deadline = time.monotonic() + 60  # finish() returns before W&B's service process has written everything
-    while "exit" not in _record_types(offline[0]) and time.monotonic() < deadline:
+    while "exit" not in wandb_records.types(offline[0]) and time.monotonic() < deadline:
         time.sleep(0.2)
-    logged = _wandb_history(offline[0])
+    logged = wandb_records.history(offline[0])
     assert [row["_step"] for row in logged] == [0, 1, 2]
     jsonl = read_metrics(tmp_path / "run")
     for row, want in zip(logged, jsonl, strict=True):
         assert {k: v for k, v in row.items() if not k.startswith("_")} == {
             k: v for k, v in want.items() if k != "step"
         }
-    (run_record,) = [rec.run for rec in _wandb_records(offline[0]) if rec.WhichOneof("record_type") == "run"]
+    (run_record,) = [
+        rec.run for rec in wandb_records.read(offline[0]) if rec.WhichOneof("record_type") == "run"
+    ]
     assert run_record.display_name == "offline-check" and run_record.project == "yatt-test"
     config = {item.key: json.loads(item.value_json) for item in run_record.config.update}
     assert config["log"] == {"wandb": True, "project": "yatt-test", "run_name": "offline-check"}
@@ -158,15 +160,3 @@ def _wandb_records(run: Path):
             chunk = b""
         elif kind == 0:
             chunk = b""
-
-
-def _record_types(run: Path) -> list[str]:
-    return [rec.WhichOneof("record_type") for rec in _wandb_records(run)]
-
-
-def _wandb_history(run: Path) -> list[dict]:
-    return [
-        {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in rec.history.item}
-        for rec in _wandb_records(run)
-        if rec.WhichOneof("record_type") == "history"
-    ]

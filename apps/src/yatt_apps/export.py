@@ -32,26 +32,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _plain_model(model: Any) -> tuple[Any, dict[str, Any] | None]:
     """(the HF model to call save_pretrained on, the state dict to save or None for its own): a DDP wrapper
-    is removed, and a peft model saves its base model with the adapters merged out of place (W + s B A), so
-    a live learner's weights are not touched."""
+    is removed; a peft model saves its base model with the adapters merged out of place (W + s B A), so a
+    live learner's weights are not touched; FSDP2 shards are gathered into full tensors (a collective)."""
     from yatt_algos.learner.export import hf_named_tensors, unwrap
 
     model = unwrap(model)
-    if not hasattr(model, "peft_config"):
+    peft = hasattr(model, "peft_config")
+    sharded = any(hasattr(param, "full_tensor") for param in model.parameters())
+    if not (peft or sharded):
         return model, None
-    merged = {name: tensor.contiguous() for name, tensor in hf_named_tensors(model)}
-    return model.get_base_model(), merged
+    state = {name: tensor.contiguous() for name, tensor in hf_named_tensors(model)}
+    return (model.get_base_model() if peft else model), state
 
 
-def save_hf(model: Any, tokenizer_dir: str | Path, out_dir: str | Path) -> Path:
-    """Write `model` (an HF model, possibly DDP-wrapped or a peft LoRA model) as an HF folder at `out_dir`,
-    with the tokenizer (chat template included) and, for a VLM, the image processor of `tokenizer_dir`.
+def save_hf(model: Any, tokenizer_dir: str | Path, out_dir: str | Path, *, write: bool = True) -> Path:
+    """Write `model` (an HF model, possibly DDP-wrapped, FSDP2-sharded or a peft LoRA model) as an HF folder
+    at `out_dir`, with the tokenizer (chat template included) and, for a VLM, the image processor of
+    `tokenizer_dir`.
 
     Atomic: written to `OUT.tmp` and renamed; an existing `out_dir` is replaced only after the new folder is
-    complete. Under FSDP2 every rank must call this together (the full weights are gathered)."""
+    complete. Under FSDP2 every rank must call this together (the full weights are gathered), with
+    `write=False` on all ranks but one."""
     from yatt_apps.models import is_vlm, load_image_processor, load_tokenizer
 
     out = Path(out_dir)
+    if not write:
+        _plain_model(model)  # take part in the gather only
+        return out
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)  # an earlier export that died half-way
     try:

@@ -13,13 +13,14 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a process ended by Ctrl-C
 
 
 class SigintGuard:
     """Within `with SigintGuard():` the first SIGINT raises KeyboardInterrupt and the second calls
-    `os._exit(130)`. Main thread only (Python delivers signals there)."""
+    `os._exit(130)`. Installed from the main thread only (Python delivers signals there); elsewhere a no-op."""
 
     def __init__(self) -> None:
         self.count = 0
@@ -33,11 +34,13 @@ class SigintGuard:
         raise KeyboardInterrupt
 
     def __enter__(self) -> SigintGuard:
-        self._previous = signal.signal(signal.SIGINT, self._handle)
+        if threading.current_thread() is threading.main_thread():  # elsewhere signals cannot be handled
+            self._previous = signal.signal(signal.SIGINT, self._handle)
         return self
 
     def __exit__(self, *exc) -> None:
-        signal.signal(signal.SIGINT, self._previous)
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
 
 
 def interrupted_message(run_dir: str) -> str:

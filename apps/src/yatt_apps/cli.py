@@ -163,14 +163,18 @@ def load_config(args: argparse.Namespace):
 
 
 def _run(cfg, run_dir: str, args: argparse.Namespace) -> int:
-    from yatt_apps.interrupt import EXIT_INTERRUPTED, interrupted_message
+    from yatt_apps.interrupt import EXIT_INTERRUPTED, GUARD, interrupted_message
     from yatt_apps.launch import run_job
 
     if cfg.app not in STEP_FACTORIES:
         raise ValueError(f"app {cfg.app!r} is not one of {sorted(STEP_FACTORIES)}")
     try:
         summary = run_job(cfg, run_dir, _load(STEP_FACTORIES[cfg.app]))
-    except KeyboardInterrupt:  # run_job's cleanup has run: controllers torn down, Ray shut down
+    except (KeyboardInterrupt, Exception) as err:  # run_job's cleanup has run: Ray is shut down
+        if not (isinstance(err, KeyboardInterrupt) or GUARD.count):
+            raise
+        # after a Ctrl-C, an error from the cleanup (a Ray process that got the terminal's SIGINT too) is
+        # part of the interruption, not a failed run
         print(interrupted_message(run_dir), file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
     if not args.json:
@@ -255,11 +259,11 @@ def plan_main(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from yatt_apps.interrupt import EXIT_INTERRUPTED, SigintGuard
+    from yatt_apps.interrupt import EXIT_INTERRUPTED, GUARD
 
     args = build_parser().parse_args(argv)
     try:
-        with SigintGuard():
+        with GUARD:
             return _load(COMMANDS[args.command][1])(args)
     except KeyboardInterrupt:  # outside a run (a job's own is handled in _run): nothing to clean up
         print(f"yatt {args.command}: interrupted", file=sys.stderr)

@@ -34,6 +34,7 @@ class SigintGuard:
         raise KeyboardInterrupt
 
     def __enter__(self) -> SigintGuard:
+        self.count = 0
         if threading.current_thread() is threading.main_thread():  # elsewhere signals cannot be handled
             self._previous = signal.signal(signal.SIGINT, self._handle)
         return self
@@ -55,3 +56,6 @@ def interrupted_message(run_dir: str) -> str:
     where = "from its start" if found is None else f"after the checkpoint of step {found[1].step}"
     head = f"interrupted at step {step}" if step is not None else "interrupted before the first step"
     return f"{head}; resume with: yatt resume {run_dir}\n(the run continues {where})"
+
+
+GUARD = SigintGuard()  # the `yatt` command's: `cli._run` asks it whether an error followed a Ctrl-C

@@ -1,7 +1,7 @@
 """`yatt config`: the full resolved config as YAML, with a one-line doc per key as a comment.
 
 A key's doc is its field's comment in the config class's source (the trailing `# ...` on the field's line,
-or the comment lines right above it), else an entry of `FIELD_DOCS` (class name.field name) for fields the
+or the comment lines above it or above its group of fields; first sentence), else an entry of `FIELD_DOCS` (class name.field name) for fields the
 source leaves uncommented; a section's doc is the first sentence of its class docstring. The printed YAML
 loads back as the same config (`yatt grpo --config printed.yaml`).
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import functools
 import inspect
+import re
 import textwrap
 from typing import Any
 
@@ -130,6 +131,7 @@ FIELD_DOCS: dict[str, str] = {
     "AlgoConfig.kl_target": "adaptive KL-reward coefficient's target (0: kl_reward_coef fixed)",
     "AlgoConfig.loss_agg_max_len": "Dr.GRPO's constant normalizer (0: the batch's padded length)",
     "AlgoConfig.overlong_buffer_len": "DAPO overlong shaping: penalized tokens before the maximum length (0: off)",
+    "RaySpec.address": "join this Ray cluster (auto, ray://host:10001, host:6379); empty: start a local Ray",
     "RolloutSpec.engine": "the policy's rollout engine: hf (transformers) or vllm",
     "RolloutSpec.max_turns": "turns per episode in a multi-turn environment",
     "LogSpec.wandb": "also log every step to Weights & Biases (needs yatt-apps[wandb])",
@@ -145,26 +147,38 @@ def _first_sentence(doc: str | None) -> str:
 
 @functools.cache
 def source_docs(cls: type) -> dict[str, str]:
-    """field name -> the comment on its line or right above it, from `cls`'s source ({} without source)."""
+    """field name -> its doc from `cls`'s source ({} without source): the comment on its line, else the
+    comment block above it or above the fields it is grouped with (no blank line between), first sentence."""
     try:
         lines, _ = inspect.getsourcelines(cls)
     except (OSError, TypeError):
         return {}
     tree = ast.parse(textwrap.dedent("".join(lines)))
+    fields = {
+        node.lineno - 1: node.target.id
+        for node in tree.body[0].body
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+    }
     docs = {}
-    for node in tree.body[0].body:
-        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
-            continue
-        line = lines[node.lineno - 1]
-        _, hash_, comment = line.partition("  # ")
-        above, row = [], node.lineno - 2
-        while row >= 0 and lines[row].strip().startswith("#"):
-            above.insert(0, lines[row].strip().lstrip("#").strip())
-            row -= 1
-        text = comment.strip() if hash_ else " ".join(above)
+    for row, name in fields.items():
+        _, hash_, comment = lines[row].partition("  # ")
+        text = comment.strip() if hash_ else _block_above(lines, row, fields)
+        text = re.sub(r"^Appended in [0-9.]+\. ", "", text)  # a wire-history note, not the key's doc
         if text:
-            docs[node.target.id] = text
+            docs[name] = _first_sentence(text)
     return docs
+
+
+def _block_above(lines: list[str], row: int, fields: dict[int, str]) -> str:
+    """The comment block right above `row`, looking past the uncommented fields of the same group."""
+    row -= 1
+    while row >= 0 and row in fields and "  # " not in lines[row]:
+        row -= 1
+    block = []
+    while row >= 0 and lines[row].strip().startswith("#"):
+        block.insert(0, lines[row].strip().lstrip("#").strip())
+        row -= 1
+    return " ".join(block)
 
 
 def field_doc(cls: type, name: str) -> str:

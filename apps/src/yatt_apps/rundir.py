@@ -31,6 +31,7 @@ from yatt_apps.overlay import to_yaml
 # metric-name prefixes drawn in summary.png, one panel each
 PLOT_PANELS = {"reward": "reward/mean", "kl": "train/kl", "response length": "rollout/response_len_mean"}
 TIMING_PREFIX = "time/"
+NOT_PHASES = {"time/step", "time/startup"}  # timings that are not a part of the step's stacked phase time
 METRICS = "metrics.jsonl"
 
 
@@ -175,7 +176,9 @@ def plot_summary(history: list[dict[str, float]], out: Path) -> Path | None:
         ax.plot(steps, [row.get(key, math.nan) for row in history], marker="o", ms=3)
         ax.set_title(title)
         ax.set_xlabel("step")
-    phases = sorted({k for row in history for k in row if k.startswith(TIMING_PREFIX) and k != "time/step"})
+    phases = sorted(
+        {k for row in history for k in row if k.startswith(TIMING_PREFIX) and k not in NOT_PHASES}
+    )
     bottom = [0.0] * len(steps)
     for phase in phases:
         values = [row.get(phase, 0.0) for row in history]

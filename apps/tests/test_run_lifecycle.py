@@ -226,23 +226,32 @@ def test_resume_of_the_finished_run_starts_nothing(two_step_run):
 
 
 def test_ctrl_c_stops_cleanly_and_resume_logs_every_step_once(tmp_path):
-    """SIGINT to the job's process group (what a terminal's Ctrl-C does) after step 2 is logged, with the
-    newest checkpoint at step 1: exit 130, the resume hint, no traceback, no Ray process left; the resumed
-    run redoes step 2 and logs steps 0..3 once each."""
+    """SIGINT to the job's process group (what a terminal's Ctrl-C does) once step 2 is logged: exit 130, the
+    resume hint with the last logged step and the checkpoint it continues from, no traceback, no Ray process
+    left; the resumed run redoes the steps after that checkpoint and logs steps 0..7 once each."""
+    from yatt_controller import checkpoint
+
     run_dir, ray_tmp = tmp_path / "run", _ray_tmp()
-    env = _env(ray_tmp)
-    proc = _start(run_dir, env, "--set", "run.num_steps=4", "--set", "controller.checkpoint_every=2")
+    proc = _start(
+        run_dir, _env(ray_tmp), "--set", "run.num_steps=8", "--set", "controller.checkpoint_every=2"
+    )
     _wait_for_step(proc, run_dir, 2)
     os.killpg(proc.pid, signal.SIGINT)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 130, err[-3000:]
-    last = _steps(run_dir)[-1]
-    assert f"interrupted at step {last}; resume with: yatt resume {run_dir}\n" in err, err[-3000:]
-    assert "(the run continues after the checkpoint of step 1)" in err
+    logged = _steps(run_dir)
+    assert logged == list(range(len(logged))) and 3 <= len(logged) < 8  # stopped before the end
+    found = checkpoint.latest(run_dir / "checkpoints")
+    assert found is not None and found[1].step < logged[-1] + 1
+    assert err.endswith(
+        f"interrupted at step {logged[-1]}; resume with: yatt resume {run_dir}\n"
+        f"(the run continues after the checkpoint of step {found[1].step})\n"
+    ), err[-3000:]
+    assert "yatt: stopping (Ctrl-C again to exit at once)" in err
     assert "Traceback" not in err, err[-3000:]
     assert _no_ray_left(ray_tmp) == []
     _yatt("resume", str(run_dir), "--json", env=_env(_ray_tmp()))
-    assert _steps(run_dir) == [0, 1, 2, 3]
+    assert _steps(run_dir) == list(range(8))
 
 
 def test_kill_9_then_resume_logs_every_step_once(tmp_path):

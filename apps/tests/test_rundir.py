@@ -88,6 +88,15 @@ def test_resume_truncates_to_the_checkpoint_step(tmp_path):
     assert _scalars(tmp_path / "tb", "reward/mean") == [(s, r["reward/mean"]) for s, r in enumerate(rows)]
 
 
+def test_a_torn_last_line_is_dropped_before_appending(tmp_path):
+    """A writer killed mid-line: the next RunDir drops the fragment, so the next row starts a line."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "a": 1.0}\n{"step": 1, "a"')
+    run = RunDir(tmp_path, tensorboard=False)
+    run.log(1, {"a": 2.0})
+    run.close(plot=False)
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 0, "a": 1.0}\n{"step": 1, "a": 2.0}\n'
+
+
 def test_resume_from_scratch_and_torn_last_line(tmp_path):
     """resume_step=-1 (no checkpoint yet) drops every record; a line torn by a kill is not a step."""
     (tmp_path / "metrics.jsonl").write_text('{"step": 0, "a": 1.0}\n{"step": 1, "a": 2.0}\n{"step": 2, "a"')

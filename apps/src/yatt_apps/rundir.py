@@ -54,13 +54,14 @@ def last_step(path: str | Path) -> int | None:
     return int(rows[-1]["step"]) if rows else None
 
 
-def truncate_metrics(path: str | Path, keep_through: int) -> int:
-    """Rewrite RUN_DIR/metrics.jsonl atomically with only the rows of steps <= `keep_through`; returns how
-    many rows were dropped."""
+def truncate_metrics(path: str | Path, keep_through: float = math.inf) -> int:
+    """Rewrite RUN_DIR/metrics.jsonl atomically with only the rows of steps <= `keep_through` (and without a
+    torn last line, which the next append would otherwise run into); returns how many rows were dropped."""
     file = Path(path) / METRICS
     rows = read_metrics(path)
     kept = [row for row in rows if int(row["step"]) <= keep_through]
-    if file.exists() and len(kept) != len(rows):
+    torn = file.exists() and file.stat().st_size > 0 and not file.read_bytes().endswith(b"\n")
+    if file.exists() and (len(kept) != len(rows) or torn):
         tmp = file.with_name(METRICS + ".tmp")
         with open(tmp, "w") as f:
             f.writelines(json.dumps(row) + "\n" for row in kept)
@@ -80,8 +81,7 @@ class RunDir:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         (self.path / "checkpoints").mkdir(exist_ok=True)
-        if resume_step is not None:
-            truncate_metrics(self.path, resume_step)
+        truncate_metrics(self.path, math.inf if resume_step is None else resume_step)
         self._last = last_step(self.path)
         self._metrics = open(self.path / METRICS, "a")  # noqa: SIM115 (held for the run)
         self._tensorboard = tensorboard

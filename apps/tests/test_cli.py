@@ -1,5 +1,6 @@
 """The `yatt` command without a cluster: presets validate and plan, bad input exits 2 with a message naming
-the field, file or row, before any Ray process starts."""
+the field, file or row, before any Ray process starts; help lists the presets and main keys; `yatt config`
+prints a config that loads back; resuming a finished run starts nothing."""
 
 import json
 
@@ -75,4 +76,137 @@ def test_overlong_prompt_exits_2_naming_the_row(tmp_path, capsys):
     run_dir = tmp_path / "run"
     assert main(["grpo", "--set", f"data.train={data}", "--set", "data.max_prompt_tokens=40",
                  "--run-dir", str(run_dir)]) == 2  # fmt: skip
-    assert "train.jsonl:2: prompt has" in capsys.readouterr().err  # the 1-based line
+    assert f"{data}:2: prompt has" in capsys.readouterr().err  # the jsonl line of the overlong row
+
+
+def test_help_lists_presets_and_main_keys(capsys):
+    for argv in (["--help"], ["grpo", "--help"], ["dapo", "--help"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 0
+        out = capsys.readouterr().out
+        for name in PRESETS:
+            assert f"  {name} " in out, (argv, name)
+        assert "the default: GRPO + rule rewards" in out
+        for key in ("model.path", "data.train", "run.num_steps", "controller.checkpoint_every", "log.wandb"):
+            assert key in out, (argv, key)
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_config_prints_every_key_with_a_doc_and_loads_back(preset, capsys, tmp_path):
+    from yatt_apps.keydocs import undocumented
+    from yatt_apps.overlay import build_config
+
+    assert main(["config", "--preset", preset, "--set", "optim.lr=0.25"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"# yatt config: preset {preset}\n")
+    lines = out.splitlines()[1:]
+    assert all("  # " in line and line.split("  # ", 1)[1].strip() for line in lines), [
+        line for line in lines if "  # " not in line
+    ]
+    assert "  lr: 0.25  # peak learning rate (AdamW)" in lines
+    assert undocumented(PRESETS[preset]()) == []
+    (tmp_path / "c.yaml").write_text(out)
+    want = build_config(RunConfig, PRESETS[preset](), None, ["optim.lr=0.25"])
+    assert build_config(RunConfig, RunConfig(), tmp_path / "c.yaml") == want
+
+
+def _fake_run(tmp_path, num_steps: int, checkpoint_step: int | None):
+    """A run directory as a job leaves it: config.yaml, and a checkpoint (yatt_controller's writer)."""
+    from yatt_apps.overlay import to_yaml
+    from yatt_controller import checkpoint
+
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    cfg = build_config_for_steps(num_steps)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    if checkpoint_step is not None:
+        checkpoint.write_checkpoint(run_dir / "checkpoints", checkpoint_step, {"controller-0.msgpack": b"x"})
+    return run_dir
+
+
+def build_config_for_steps(num_steps: int) -> RunConfig:
+    from yatt_apps.overlay import build_config
+
+    return build_config(RunConfig, PRESETS["tiny_cpu"](), None, [f"run.num_steps={num_steps}"])
+
+
+def test_resume_of_a_finished_run_starts_nothing(tmp_path, capsys, monkeypatch):
+    import yatt_apps.launch
+
+    def no_run(*args, **kwargs):
+        raise AssertionError("a finished run must not start a job")
+
+    monkeypatch.setattr(yatt_apps.launch, "run_job", no_run)
+    run_dir = _fake_run(tmp_path, num_steps=5, checkpoint_step=4)
+    assert main(["resume", str(run_dir)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == (
+        f"run {run_dir} is finished: its last step (4) is done; to train longer: "
+        f"yatt resume {run_dir} --set run.num_steps=N"
+    )
+    assert json.loads(out[-1]) == {"run_dir": str(run_dir), "finished": True, "step": 4}
+
+
+def test_finished_by_final_model_or_not_finished(tmp_path):
+    from yatt_apps.cli import finished_step
+
+    run_dir = _fake_run(tmp_path, num_steps=5, checkpoint_step=2)
+    assert finished_step(str(run_dir), 5) is None  # checkpoint of step 2, 5 steps to do
+    (run_dir / "metrics.jsonl").write_text("".join(f'{{"step": {s}}}\n' for s in range(5)))
+    assert finished_step(str(run_dir), 5) is None  # no final model: the run died after logging step 4
+    (run_dir / "final").mkdir()
+    (run_dir / "final" / "config.json").write_text("{}")
+    assert finished_step(str(run_dir), 5) == 4
+    assert finished_step(str(run_dir), 8) is None  # extended with --set run.num_steps=8
+    assert finished_step(str(run_dir), 3) == 2  # the checkpoint alone says so
+
+
+def test_interrupted_message_names_the_last_step_and_checkpoint(tmp_path):
+    from yatt_apps.interrupt import interrupted_message
+
+    run_dir = _fake_run(tmp_path, num_steps=5, checkpoint_step=1)
+    assert interrupted_message(str(run_dir)).startswith("interrupted before the first step; resume with: ")
+    (run_dir / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n{"step": 2}\n')
+    assert interrupted_message(str(run_dir)) == (
+        f"interrupted at step 2; resume with: yatt resume {run_dir}\n"
+        "(the run continues after the checkpoint of step 1)"
+    )
+
+
+def test_sigint_guard_first_raises_second_exits_130(tmp_path):
+    """In a child process: the first SIGINT is a KeyboardInterrupt (caught, then the child waits in a
+    cleanup), the second ends the process at once with 130."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, signal, sys, time\n"
+        "from yatt_apps.interrupt import SigintGuard\n"
+        "with SigintGuard():\n"
+        "    try:\n"
+        "        os.kill(os.getpid(), signal.SIGINT); time.sleep(30)\n"
+        "    except KeyboardInterrupt:\n"
+        "        print('first', flush=True)\n"
+        "        os.kill(os.getpid(), signal.SIGINT); time.sleep(30)\n"
+        "print('not reached')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 130 and out.stdout == "first\n"
+    assert "Ctrl-C again to exit at once" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_export_errors_name_the_step_and_folder(tmp_path, capsys):
+    run_dir = _fake_run(tmp_path, num_steps=5, checkpoint_step=None)
+    assert main(["export", str(run_dir), "--out", str(tmp_path / "o")]) == 2
+    assert f"{run_dir}: no complete checkpoint" in capsys.readouterr().err
+    from yatt_controller import checkpoint
+
+    checkpoint.write_checkpoint(run_dir / "checkpoints", 3, {"controller-0.msgpack": b"x"})
+    assert main(["export", str(run_dir), "--step", "2", "--out", str(tmp_path / "o")]) == 2
+    assert "--step 2: no checkpoint of that step; complete steps: [3]" in capsys.readouterr().err
+    assert main(["export", str(run_dir), "--out", str(tmp_path / "o")]) == 2
+    assert "no learner-0.0.bin (the learner's state)" in capsys.readouterr().err
+    (tmp_path / "o").mkdir()
+    assert main(["export", str(run_dir), "--out", str(tmp_path / "o")]) == 2
+    assert f"--out {tmp_path / 'o'} already exists" in capsys.readouterr().err

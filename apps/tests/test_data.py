@@ -66,17 +66,31 @@ def test_bad_files(tmp_path):
         load_rows(tmp_path / "d.csv")
     table = tmp_path / "bad.parquet"
     pq.write_table(pa.Table.from_pylist([{"prompt": "a", "answer": 1}, {"prompt": "b", "answer": 3}]), table)
-    with pytest.raises(ValueError, match=r"bad.parquet: row 0: field 'answer': Expected `str`, got `int`"):
+    with pytest.raises(
+        ValueError, match=r"bad.parquet: row 1 \(1-based\): field 'answer': Expected `str`, got `int`"
+    ):
         load_rows(table)
 
 
-def test_overlong_prompt_names_row():
+def test_overlong_prompt_names_row(tmp_path):
+    """The second row is named by its 1-based position: its jsonl line (a blank line before it counts), or
+    `row 2 (1-based)` where there is no file (the embedded task) or the file is parquet."""
     rows = [PromptRow(prompt="short", answer="1"), PromptRow(prompt="very long prompt", answer="2")]
     check_prompt_lengths(rows, [3, 8], 8, "train.jsonl")
     with pytest.raises(
-        ValueError, match=r"train.jsonl: row 1: prompt has 9 tokens, more than max_prompt_tokens=8"
+        ValueError,
+        match=r"^embedded arithmetic task: row 2 \(1-based\): prompt has 9 tokens, more than max_prompt_tokens=8",
     ):
-        check_prompt_lengths(rows, [3, 9], 8, "train.jsonl")
+        check_prompt_lengths(rows, [3, 9], 8, "embedded arithmetic task")
+    path = tmp_path / "train.jsonl"
+    path.write_text('{"prompt": "short", "answer": "1"}\n\n{"prompt": "very long prompt", "answer": "2"}\n')
+    assert load_rows(path) == rows
+    with pytest.raises(ValueError, match=rf"^{path}:3: prompt has 9 tokens"):
+        check_prompt_lengths(rows, [3, 9], 8, str(path))
+    table = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist([{"prompt": r.prompt, "answer": r.answer} for r in rows]), table)
+    with pytest.raises(ValueError, match=rf"^{table}: row 2 \(1-based\): prompt has 9 tokens"):
+        check_prompt_lengths(load_rows(table), [3, 9], 8, str(table))
 
 
 def test_arithmetic_task_is_deterministic_and_correct():

@@ -1,9 +1,13 @@
-"""The run directory keeps config, metrics (JSONL and TensorBoard) and draws the summary plot."""
+"""The run directory keeps config, metrics (JSONL, TensorBoard, W&B offline) and draws the summary plot; a
+resumed run's records hold every step once."""
 
 import json
+import time
+from pathlib import Path
 
 import msgspec
-from yatt_apps.rundir import RunDir
+import pytest
+from yatt_apps.rundir import RunDir, last_step, read_metrics
 
 
 class Cfg(msgspec.Struct, kw_only=True, frozen=True):
@@ -24,16 +28,21 @@ def test_metrics_tensorboard_and_plot(tmp_path):
                 "bad": float("nan"),
             },
         )
-    run.log(2, {"reward/mean": 0.25})  # a resumed run re-logs step 2: the last entry wins in history()
+    run.log(2, {"reward/mean": 0.25})  # a restart re-logs step 2: it replaces the first record
     png = run.close()
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert len(lines) == 4 and lines[1] == {
-        "step": 1,
-        "reward/mean": 0.1,
-        "train/kl": 0.01,
-        "time/rollout": 1.0,
-        "time/train": 0.5,
-    }
+    assert (
+        len(lines) == 3
+        and lines[2] == {"step": 2, "reward/mean": 0.25}
+        and lines[1]
+        == {
+            "step": 1,
+            "reward/mean": 0.1,
+            "train/kl": 0.01,
+            "time/rollout": 1.0,
+            "time/train": 0.5,
+        }
+    )
     assert [row["reward/mean"] for row in run.history()] == [0.0, 0.1, 0.25]
     assert (tmp_path / "run" / "config.yaml").read_text() == "lr: 2.0e-06\n"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
@@ -42,9 +51,121 @@ def test_metrics_tensorboard_and_plot(tmp_path):
 
     events = EventAccumulator(str(tmp_path / "run" / "tb"))
     events.Reload()
-    assert [e.value for e in events.Scalars("reward/mean")] == [
-        0.0,
-        0.10000000149011612,
-        0.20000000298023224,
-        0.25,
+    assert [(e.step, e.value) for e in events.Scalars("reward/mean")] == [
+        (0, 0.0),
+        (1, 0.10000000149011612),
+        (2, 0.25),
     ]
+
+
+def _scalars(tb: Path, tag: str) -> list[tuple[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tb))
+    events.Reload()
+    return [(e.step, e.value) for e in events.Scalars(tag)]
+
+
+def test_resume_truncates_to_the_checkpoint_step(tmp_path):
+    """A run killed after step 24 with its newest checkpoint at step 19: the resumed run's RunDir keeps steps
+    0..19, and the resumed steps 20..29 are appended once each, in JSONL and in TensorBoard's view."""
+    run = RunDir(tmp_path)
+    for step in range(25):
+        run.log(step, {"reward/mean": float(step)})
+    run.close(plot=False)
+    run = RunDir(tmp_path, resume_step=19)
+    assert [row["step"] for row in read_metrics(tmp_path)] == list(range(20))
+    assert not (tmp_path / "metrics.jsonl.tmp").exists()
+    for step in range(20, 30):
+        run.log(step, {"reward/mean": 100.0 + step})
+    run.close(plot=False)
+    rows = read_metrics(tmp_path)
+    assert [row["step"] for row in rows] == list(range(30))
+    assert [row["reward/mean"] for row in rows] == [float(s) for s in range(20)] + [
+        100.0 + s for s in range(20, 30)
+    ]
+    assert last_step(tmp_path) == 29
+    assert _scalars(tmp_path / "tb", "reward/mean") == [(s, r["reward/mean"]) for s, r in enumerate(rows)]
+
+
+def test_a_torn_last_line_is_dropped_before_appending(tmp_path):
+    """A writer killed mid-line: the next RunDir drops the fragment, so the next row starts a line."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "a": 1.0}\n{"step": 1, "a"')
+    run = RunDir(tmp_path, tensorboard=False)
+    run.log(1, {"a": 2.0})
+    run.close(plot=False)
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 0, "a": 1.0}\n{"step": 1, "a": 2.0}\n'
+
+
+def test_resume_from_scratch_and_torn_last_line(tmp_path):
+    """resume_step=-1 (no checkpoint yet) drops every record; a line torn by a kill is not a step."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "a": 1.0}\n{"step": 1, "a": 2.0}\n{"step": 2, "a"')
+    assert last_step(tmp_path) == 1
+    run = RunDir(tmp_path, tensorboard=False, resume_step=-1)
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
+    run.log(0, {"a": 5.0})
+    run.close(plot=False)
+    assert read_metrics(tmp_path) == [{"step": 0, "a": 5.0}]
+
+
+def test_wandb_offline_has_the_metric_names_of_metrics_jsonl(tmp_path, monkeypatch, wandb_records):
+    """log.wandb=true: the W&B run is written offline under RUN_DIR/wandb, and its logged keys are exactly
+    the keys of metrics.jsonl (besides W&B's own underscore-prefixed keys)."""
+    pytest.importorskip("wandb")
+    from yatt_apps.config import LogSpec, RunConfig
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = RunConfig(log=LogSpec(wandb=True, project="yatt-test", run_name="offline-check"))
+    run = RunDir(tmp_path / "run", tensorboard=False)
+    run.write_config(cfg)
+    for step in range(3):
+        run.log(
+            step, {"reward/mean": 0.5 * step, "train/kl": 0.01, "time/step": 1.5, "skipped": float("inf")}
+        )
+    run.close(plot=False)
+    offline = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert len(offline) == 1
+    deadline = time.monotonic() + 60  # finish() returns before W&B's service process has written everything
+    while "exit" not in wandb_records.types(offline[0]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    logged = wandb_records.history(offline[0])
+    assert [row["_step"] for row in logged] == [0, 1, 2]
+    jsonl = read_metrics(tmp_path / "run")
+    for row, want in zip(logged, jsonl, strict=True):
+        assert {k: v for k, v in row.items() if not k.startswith("_")} == {
+            k: v for k, v in want.items() if k != "step"
+        }
+    (run_record,) = [
+        rec.run for rec in wandb_records.read(offline[0]) if rec.WhichOneof("record_type") == "run"
+    ]
+    assert run_record.display_name == "offline-check" and run_record.project == "yatt-test"
+    config = {item.key: json.loads(item.value_json) for item in run_record.config.update}
+    assert config["log"] == {"wandb": True, "project": "yatt-test", "run_name": "offline-check"}
+
+
+def _wandb_records(run: Path):
+    """The records of an offline W&B run's .wandb file: a 7-byte header (":W&B", magic, version), then
+    LevelDB-log framing (32 KiB blocks of chunks: crc32, little-endian length, type 1 full / 2 first /
+    3 middle / 4 last; a block tail under 7 bytes is padding), each record a protobuf `Record`."""
+    from wandb.proto import wandb_internal_pb2
+
+    (file,) = run.glob("run-*.wandb")
+    data = file.read_bytes()
+    assert data[:4] == b":W&B"
+    pos, chunk = 7, b""
+    while pos + 7 <= len(data):
+        left = 32768 - pos % 32768
+        if left < 7:
+            pos += left
+            continue
+        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        chunk += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(chunk)
+            yield record
+            chunk = b""
+        elif kind == 0:
+            chunk = b""

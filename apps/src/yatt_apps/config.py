@@ -163,6 +163,15 @@ class CapoSpec(_Config, kw_only=True):
             raise ValueError("capo.w_whole and capo.w_process must be >= 0")
 
 
+class LogSpec(_Config, kw_only=True):
+    """Where metrics go besides metrics.jsonl and TensorBoard: an optional W&B run (`pip install
+    'yatt-apps[wandb]'`; `WANDB_MODE=offline` writes it locally without a network), same metric names."""
+
+    wandb: bool = False
+    project: str = "yatt"
+    run_name: str = ""  # "": the run directory's name
+
+
 class RunConfig(_Config, kw_only=True):
     """A whole job. `app` names the step function (grpo, dapo, ppo, capo, grpo-vlm)."""
 
@@ -183,6 +192,7 @@ class RunConfig(_Config, kw_only=True):
     critic_optim: OptimConfig | None = None  # ppo's critic; None: the policy's `optim`
     rollout: RolloutSpec = RolloutSpec()
     ray: RaySpec = RaySpec()
+    log: LogSpec = LogSpec()
 
     def __post_init__(self) -> None:
         if self.run.prompts_per_step % self.controller.num_controllers:

@@ -1,8 +1,9 @@
 """Datasets for the jobs: user files (jsonl or parquet with prompt and answer columns, images for VLM) and the
 embedded arithmetic task of the tiny preset.
 
-Every row is validated when the file is read: a bad row raises `ValueError` naming the file, the row (1-based
-line for jsonl, 0-based index for parquet) and the field, before any training starts.
+Every row is validated when the file is read: a bad row raises `ValueError` naming the file, the row (the
+1-based line for jsonl, `row N (1-based)` for parquet and for the prompt-length check) and the field, before
+any training starts.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def load_rows(
         import pyarrow.parquet as pq
 
         table = pq.read_table(path).to_pylist()
-        rows = [_row(raw, f"{path}: row {i}", keys, base) for i, raw in enumerate(table)]
+        rows = [_row(raw, f"{path}: row {i} (1-based)", keys, base) for i, raw in enumerate(table, start=1)]
     else:
         raise ValueError(f"{path}: unsupported dataset format {path.suffix!r} (use .jsonl or .parquet)")
     if not rows:
@@ -92,13 +93,25 @@ def load_rows(
 
 
 def check_prompt_lengths(rows: list[PromptRow], lengths: list[int], max_tokens: int, source: str) -> None:
-    """Fail on the first prompt longer than `max_tokens` tokens, naming its row."""
+    """Fail on the first prompt longer than `max_tokens` tokens, naming its row as `load_rows` does (the
+    jsonl line, or the 1-based row)."""
     for i, (row, n) in enumerate(zip(rows, lengths, strict=True)):
         if n > max_tokens:
             raise ValueError(
-                f"{source}: row {i}: prompt has {n} tokens, more than max_prompt_tokens={max_tokens}: "
+                f"{_where(source, i)}: prompt has {n} tokens, more than max_prompt_tokens={max_tokens}: "
                 f"{row.prompt[:60]!r}"
             )
+
+
+def _where(source: str, index: int) -> str:
+    """`FILE:LINE` for the `index`-th (0-based) row of a jsonl file (blank lines are not rows), else
+    `SOURCE: row N (1-based)`."""
+    path = Path(source)
+    if path.suffix == ".jsonl" and path.is_file():
+        lines = [n for n, line in enumerate(path.read_text().splitlines(), start=1) if line.strip()]
+        if index < len(lines):
+            return f"{path}:{lines[index]}"
+    return f"{source}: row {index + 1} (1-based)"
 
 
 def arithmetic_task(num_rows: int, *, seed: int = 0, max_operand: int = 20) -> list[PromptRow]:

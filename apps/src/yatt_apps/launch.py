@@ -20,6 +20,7 @@ from yatt_apps.config import RunConfig
 from yatt_apps.data import PromptRow, arithmetic_task, load_rows
 from yatt_apps.jobs import JobDef
 from yatt_apps.models import load_tokenizer, prepare_model, tokenizer_corpus
+from yatt_apps.progress import StepLogger
 from yatt_apps.row_sources import open_rows, stream_check
 from yatt_apps.rundir import RunDir
 
@@ -113,37 +114,6 @@ def with_schedule(cfg: RunConfig) -> RunConfig:
     return msgspec.structs.replace(cfg, optim=optim, critic_optim=critic)
 
 
-class StepLogger:
-    """The driver's `on_step`: one line of metrics per step into the run directory, and the progress bar."""
-
-    def __init__(self, run: RunDir, num_steps: int, start_step: int, progress: bool):
-        self.run, self.last = run, {}
-        self.bar = None
-        if progress:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=num_steps, initial=start_step, desc="yatt", unit="step", dynamic_ncols=True)
-
-    def __call__(self, step: int, reports: list[Any]) -> None:
-        lead = reports[0]
-        timings = {f"time/{k}": v for k, v in lead.timings_s.items()}
-        phases = sum(v for k, v in lead.timings_s.items() if k != "step")
-        step_s = lead.timings_s.get("step", phases)
-        metrics = {**lead.metrics, **timings, "time/idle": max(step_s - phases, 0.0)}
-        metrics["throughput/tokens_per_s"] = metrics.get("rollout/response_tokens", 0.0) / max(step_s, 1e-9)
-        if "placement/reward_devices" in metrics:  # live placement: the judge is the reward service
-            metrics["placement/judge_devices"] = metrics["placement/reward_devices"]
-        self.run.log(step, metrics)
-        self.last = {"step": step, **metrics}
-        if self.bar is not None:
-            self.bar.update(1)
-            self.bar.set_postfix(reward=f"{metrics.get('reward/mean', 0.0):.3f}", refresh=False)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
 def _init_ray(cfg: RunConfig) -> bool:
     """Join the cluster at `ray.address` (or $RAY_ADDRESS) with its real resources, or start the embedded
     local Ray declaring the config's devices as logical GPUs. False: Ray was already up (an embedding
@@ -211,7 +181,13 @@ def run_job(cfg: RunConfig, run_dir: str | Path, job: JobDef) -> dict[str, Any]:
         raise ValueError(f"algo.max_staleness > 0: the {cfg.app} job trains on-policy only (use yatt grpo)")
     if job.check is not None:
         job.check(cfg)
-    run = RunDir(Path(run_dir).resolve())  # absolute: workers do not share the driver's working directory
+    started_at = time.perf_counter()
+    from yatt_controller import checkpoint
+
+    path = Path(run_dir).resolve()  # absolute: workers do not share the driver's working directory
+    found = checkpoint.latest(str(path / "checkpoints"))
+    # a resumed run's records are cut back to its checkpoint's step (-1: a fresh start keeps none)
+    run = RunDir(path, resume_step=-1 if found is None else found[1].step)
     cfg = absolute_paths(cfg)
     run.write_config(cfg)
     cfg = with_async_correction(with_schedule(cfg))
@@ -220,16 +196,14 @@ def run_job(cfg: RunConfig, run_dir: str | Path, job: JobDef) -> dict[str, Any]:
     plan = placement_plan(cfg, job)
 
     import ray
-    from yatt_controller import checkpoint
     from yatt_controller.runner import Job
     from yatt_controller.runner import run as run_controllers
     from yatt_placement.realize import realize, release
 
     owns_ray = _init_ray(cfg)
     realized = realize(plan, cpus_per_device=cfg.placement.cpus_per_device)
-    found = checkpoint.latest(str(run.checkpoints))
     start = 0 if found is None else found[1].step + 1
-    logger = StepLogger(run, cfg.run.num_steps, start, cfg.run.progress)
+    logger = StepLogger(run, cfg.run.num_steps, start, cfg.run.progress, started_at=started_at)
     runtime = Job(
         build=functools.partial(job.build, cfg=cfg, policy_dir=policy_dir, judge_dir=judge_dir),
         step_fn=job.step(cfg, policy_dir, functools.partial(val_rows, cfg)),
@@ -240,7 +214,6 @@ def run_job(cfg: RunConfig, run_dir: str | Path, job: JobDef) -> dict[str, Any]:
         on_step=logger,
         **({"replan": hook} if (hook := replan_hook(cfg, job, plan)) else {}),
     )
-    started = time.perf_counter()
     try:
         result = run_controllers(cfg.controller, runtime, realized)
     finally:
@@ -249,11 +222,29 @@ def run_job(cfg: RunConfig, run_dir: str | Path, job: JobDef) -> dict[str, Any]:
         if owns_ray:
             ray.shutdown()
         plot = run.close()
+    final = export_final(run, cfg)
     return {
         **logger.last,
         "restarts": result.restarts,
         "driver_bytes": result.driver_bytes,
-        "seconds": time.perf_counter() - started,
+        "moves": len(result.moves),
+        "seconds": time.perf_counter() - started_at,
         "run_dir": str(run.path),
         "plot": str(plot),
+        "final": str(final) if final else "",
     }
+
+
+def export_final(run: RunDir, cfg: RunConfig) -> Path | None:
+    """RUN_DIR/final: the trained policy as an HF folder, from the checkpoint of the run's last step (the
+    runtime always checkpoints it when checkpointing is on); None when there is no such checkpoint."""
+    from yatt_controller import checkpoint
+
+    from yatt_apps.export import find_checkpoint, load_policy, policy_dir, run_config, save_hf
+
+    found = checkpoint.latest(str(run.checkpoints))
+    if found is None or found[1].step != cfg.run.num_steps - 1:
+        return None
+    ckpt, _ = find_checkpoint(run.path, found[1].step)
+    model = load_policy(run.path, ckpt)
+    return save_hf(model, policy_dir(run.path, run_config(run.path)), run.path / "final")  # atomic replace

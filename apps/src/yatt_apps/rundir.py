@@ -1,18 +1,28 @@
-"""A run directory: the resolved config, metrics as JSONL and TensorBoard events, checkpoints, and a final plot.
+"""A run directory: the resolved config, metrics as JSONL and TensorBoard events (and optionally W&B),
+checkpoints, and a final plot.
 
 Layout:
     RUN_DIR/config.yaml         the resolved config (what `yatt resume RUN_DIR` reloads)
     RUN_DIR/metrics.jsonl       one JSON object per step (appended, flushed, so a killed run keeps its history)
     RUN_DIR/tb/                 TensorBoard events of the same scalars
+    RUN_DIR/wandb/              the W&B run's local files, with `log.wandb=true`
     RUN_DIR/checkpoints/        written by yatt_controller's atomic checkpointer
+    RUN_DIR/final/              the trained policy as an HF folder, written when the run ends
     RUN_DIR/summary.png         reward, KL, response length and phase times, drawn at the end
+
+Exact records: every step appears once. A resumed run (`resume_step`, the checkpoint it continues from)
+drops the logged steps after that checkpoint (they are run again) from metrics.jsonl, rewritten atomically,
+and from TensorBoard's view (`purge_step`); a step logged again within one process (a restart from a
+checkpoint) rewinds the same way.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -21,54 +31,134 @@ from yatt_apps.overlay import to_yaml
 # metric-name prefixes drawn in summary.png, one panel each
 PLOT_PANELS = {"reward": "reward/mean", "kl": "train/kl", "response length": "rollout/response_len_mean"}
 TIMING_PREFIX = "time/"
+NOT_PHASES = {"time/step", "time/startup"}  # timings that are not a part of the step's stacked phase time
+METRICS = "metrics.jsonl"
+
+
+def read_metrics(path: str | Path) -> list[dict[str, float]]:
+    """The rows of a run directory's metrics.jsonl, in file order ([] when there is none); a torn last line
+    (a killed writer) is skipped."""
+    file = Path(path) / METRICS
+    rows = []
+    for line in file.read_text().splitlines() if file.exists() else []:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def last_step(path: str | Path) -> int | None:
+    """The last step logged in a run directory's metrics.jsonl, or None."""
+    rows = read_metrics(path)
+    return int(rows[-1]["step"]) if rows else None
+
+
+def truncate_metrics(path: str | Path, keep_through: float = math.inf) -> int:
+    """Rewrite RUN_DIR/metrics.jsonl atomically with only the rows of steps <= `keep_through` (and without a
+    torn last line, which the next append would otherwise run into); returns how many rows were dropped."""
+    file = Path(path) / METRICS
+    rows = read_metrics(path)
+    kept = [row for row in rows if int(row["step"]) <= keep_through]
+    torn = file.exists() and file.stat().st_size > 0 and not file.read_bytes().endswith(b"\n")
+    if file.exists() and (len(kept) != len(rows) or torn):
+        tmp = file.with_name(METRICS + ".tmp")
+        with open(tmp, "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in kept)
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(file)
+    return len(rows) - len(kept)
 
 
 class RunDir:
-    """Owns one run's directory. `log` appends a step's scalars; `close` flushes and draws the plot."""
+    """Owns one run's directory. `log` appends a step's scalars; `close` flushes and draws the plot.
 
-    def __init__(self, path: str | Path, *, tensorboard: bool = True):
+    `resume_step`: None for a run that appends to whatever is there; a step k when the run continues from
+    the checkpoint of step k (-1: from scratch), so the records of steps after k are dropped first."""
+
+    def __init__(self, path: str | Path, *, tensorboard: bool = True, resume_step: int | None = None):
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         (self.path / "checkpoints").mkdir(exist_ok=True)
-        self._metrics = open(self.path / "metrics.jsonl", "a")  # noqa: SIM115 (held for the run)
-        self._tb = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(str(self.path / "tb"))
+        truncate_metrics(self.path, math.inf if resume_step is None else resume_step)
+        self._last = last_step(self.path)
+        self._metrics = open(self.path / METRICS, "a")  # noqa: SIM115 (held for the run)
+        self._tensorboard = tensorboard
+        self._tb = self._tb_writer(None if resume_step is None else resume_step + 1)
+        self._wandb = None
 
     @property
     def checkpoints(self) -> Path:
         return self.path / "checkpoints"
 
+    def _tb_writer(self, purge_step: int | None):
+        """A TensorBoard writer; with `purge_step`, TensorBoard discards the events of steps >= purge_step
+        written before (a resumed run's view starts again at its checkpoint)."""
+        if not self._tensorboard:
+            return None
+        from torch.utils.tensorboard import SummaryWriter
+
+        return SummaryWriter(str(self.path / "tb"), purge_step=purge_step)
+
     def write_config(self, config: msgspec.Struct) -> None:
+        """Write config.yaml; a config with `log.wandb` on also opens the W&B run, with it as the run's config."""
         tmp = self.path / "config.yaml.tmp"
         tmp.write_text(to_yaml(config))
         tmp.replace(self.path / "config.yaml")
+        log = getattr(config, "log", None)
+        if log is not None and log.wandb and self._wandb is None:
+            self._wandb = open_wandb(self.path, log, msgspec.to_builtins(config))
+
+    def _rewind(self, step: int) -> None:
+        """Drop the records of steps >= `step` (a restart runs them again)."""
+        self._metrics.close()
+        truncate_metrics(self.path, step - 1)
+        self._metrics = open(self.path / METRICS, "a")  # noqa: SIM115
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = self._tb_writer(step)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
+        if self._last is not None and step <= self._last:
+            self._rewind(step)
         clean = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(float(v))}
         self._metrics.write(json.dumps({"step": step, **clean}) + "\n")
         self._metrics.flush()
+        self._last = step
         if self._tb is not None:
             for key, value in clean.items():
                 self._tb.add_scalar(key, value, step)
+        if self._wandb is not None:
+            self._wandb.log(clean, step=step)
 
     def history(self) -> list[dict[str, float]]:
-        """The logged steps, last entry per step winning (a resumed run re-logs the steps after its checkpoint)."""
-        by_step: dict[int, dict[str, float]] = {}
-        path = self.path / "metrics.jsonl"
-        for line in path.read_text().splitlines() if path.exists() else []:
-            if line.strip():
-                row = json.loads(line)
-                by_step[int(row["step"])] = row
+        """The logged steps, last entry per step winning."""
+        by_step = {int(row["step"]): row for row in read_metrics(self.path)}
         return [by_step[s] for s in sorted(by_step)]
 
     def close(self, *, plot: bool = True) -> Path | None:
         self._metrics.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
         return plot_summary(self.history(), self.path / "summary.png") if plot else None
+
+
+def open_wandb(path: Path, log: Any, config: dict[str, Any]):
+    """A W&B run writing under RUN_DIR/wandb (mode from WANDB_MODE; offline needs no network). Each attempt
+    of a run (the first, every `yatt resume`) is its own W&B run grouped under the run directory's name:
+    W&B keeps a run's steps increasing, so a resumed attempt could not log its steps again into the first."""
+    try:
+        import wandb
+    except ImportError:
+        raise ValueError("log.wandb=true needs wandb: pip install 'yatt-apps[wandb]'") from None
+    return wandb.init(
+        project=log.project, name=log.run_name or path.name, group=path.name, dir=str(path), config=config,
+        reinit="create_new",
+    )  # fmt: skip
 
 
 def plot_summary(history: list[dict[str, float]], out: Path) -> Path | None:
@@ -86,7 +176,9 @@ def plot_summary(history: list[dict[str, float]], out: Path) -> Path | None:
         ax.plot(steps, [row.get(key, math.nan) for row in history], marker="o", ms=3)
         ax.set_title(title)
         ax.set_xlabel("step")
-    phases = sorted({k for row in history for k in row if k.startswith(TIMING_PREFIX) and k != "time/step"})
+    phases = sorted(
+        {k for row in history for k in row if k.startswith(TIMING_PREFIX) and k not in NOT_PHASES}
+    )
     bottom = [0.0] * len(steps)
     for phase in phases:
         values = [row.get(phase, 0.0) for row in history]

@@ -1,0 +1,173 @@
+"""`yatt export`: a trained policy out of a run as an HF model folder, without Ray.
+
+A run's `models/policy` is the initial model; the trained weights live in the learner blobs of its checkpoints
+(`checkpoints/step-N/learner-<dp>.<tp>.bin`, a `torch.save`d learner state: model, optimizer, scheduler,
+counters, RNG). `export_checkpoint` verifies a complete checkpoint against its manifest, rebuilds the policy
+from its initial folder (config, with the run's LoRA adapters when the learner used LoRA), loads the learner's
+model weights, and writes an HF folder with `save_hf`: config, safetensors weights, tokenizer and chat
+template (and the image processor of a VLM), LoRA merged into the base weights. `yatt merge` and
+`AutoModelForCausalLM.from_pretrained` read it like any HF folder.
+
+`save_hf` is also what a run uses to write `RUN_DIR/final` from the live learner at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+# the blob of data-parallel rank 0, tensor-parallel rank 0: every DP rank holds the full model (DDP, and
+# FSDP2's full state dict), so one rank's file restores it
+LEARNER_BLOB = "learner-0.0.bin"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir", help="a run directory written by a job command")
+    parser.add_argument("--step", type=int, help="the checkpoint's step (default: the newest complete one)")
+    parser.add_argument("--out", required=True, metavar="DIR", help="the HF folder to write (must not exist)")
+
+
+def _plain_model(model: Any) -> tuple[Any, dict[str, Any] | None]:
+    """(the HF model to call save_pretrained on, the state dict to save or None for its own): a DDP wrapper
+    is removed; a peft model saves its base model with the adapters merged out of place (W + s B A), so a
+    live learner's weights are not touched; FSDP2 shards are gathered into full tensors (a collective)."""
+    from yatt_algos.learner.export import hf_named_tensors, unwrap
+
+    model = unwrap(model)
+    peft = hasattr(model, "peft_config")
+    sharded = any(hasattr(param, "full_tensor") for param in model.parameters())
+    if not (peft or sharded):
+        return model, None
+    state = {name: tensor.contiguous() for name, tensor in hf_named_tensors(model)}
+    return (model.get_base_model() if peft else model), state
+
+
+def save_hf(model: Any, tokenizer_dir: str | Path, out_dir: str | Path, *, write: bool = True) -> Path:
+    """Write `model` (an HF model, possibly DDP-wrapped, FSDP2-sharded or a peft LoRA model) as an HF folder
+    at `out_dir`, with the tokenizer (chat template included) and, for a VLM, the image processor of
+    `tokenizer_dir`.
+
+    Atomic: written to `OUT.tmp` and renamed; an existing `out_dir` is replaced only after the new folder is
+    complete. Under FSDP2 every rank must call this together (the full weights are gathered), with
+    `write=False` on all ranks but one."""
+    from yatt_apps.models import is_vlm, load_image_processor, load_tokenizer
+
+    out = Path(out_dir)
+    if not write:
+        _plain_model(model)  # take part in the gather only
+        return out
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)  # an earlier export that died half-way
+    try:
+        base, state = _plain_model(model)
+        base.save_pretrained(tmp, state_dict=state)
+        try:
+            tokenizer = load_tokenizer(tokenizer_dir)
+        except OSError as err:
+            raise ValueError(f"no tokenizer at {tokenizer_dir}: {err}") from None
+        tokenizer.save_pretrained(tmp)
+        if is_vlm(tokenizer_dir):
+            load_image_processor(tokenizer_dir).save_pretrained(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = out.with_name(out.name + ".old")
+    if out.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        out.rename(old)
+    tmp.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
+    return out
+
+
+def find_checkpoint(run_dir: Path, step: int | None) -> tuple[Path, int]:
+    """(the verified checkpoint directory, its step): the newest complete one, or step `step`."""
+    from yatt_controller import checkpoint
+
+    root = run_dir / "checkpoints"
+    steps = checkpoint.complete_steps(root)
+    if step is None:
+        found = checkpoint.latest(root)
+        if found is None:
+            raise ValueError(
+                f"{run_dir}: no complete checkpoint in {root} (a run writes one every "
+                "controller.checkpoint_every steps)"
+            )
+        return found[0], found[1].step
+    path = root / f"step-{step:08d}"
+    if step not in steps:
+        raise ValueError(f"{run_dir}: --step {step}: no checkpoint of that step; complete steps: {steps}")
+    return path, checkpoint.verify(path).step
+
+
+def load_policy(run_dir: Path, ckpt: Path):
+    """The run's policy with the checkpoint's learner weights loaded (LoRA adapters attached, not merged)."""
+    import torch
+    from yatt_algos.learner.checkpoint import check_learner_state
+    from yatt_algos.learner.torch_engine import apply_lora
+
+    from yatt_apps.models import load_causal_lm
+
+    cfg = run_config(run_dir)
+    blob = ckpt / LEARNER_BLOB
+    if not blob.is_file():
+        raise ValueError(f"{ckpt}: no {LEARNER_BLOB} (the learner's state); files: {sorted(_names(ckpt))}")
+    if any(name.startswith("learner-0.") and name != LEARNER_BLOB for name in _names(ckpt)):
+        raise ValueError(f"{ckpt}: a tensor-parallel learner checkpoint; export reads unsharded ones only")
+    state = torch.load(blob, map_location="cpu", weights_only=True)
+    check_learner_state(state)
+    model = apply_lora(
+        load_causal_lm(policy_dir(run_dir, cfg), trust_remote_code=cfg.model.trust_remote_code), cfg.learner
+    )
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as err:
+        raise ValueError(f"{blob}: the learner's weights do not fit the run's policy model: {err}") from None
+    return model.eval()
+
+
+def _names(path: Path) -> list[str]:
+    return [p.name for p in path.iterdir()]
+
+
+def run_config(run_dir: Path):
+    from yatt_apps.config import RunConfig
+    from yatt_apps.overlay import build_config
+
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        raise ValueError(f"{run_dir} is not a run directory (no config.yaml)")
+    return build_config(RunConfig, RunConfig(), path)
+
+
+def policy_dir(run_dir: Path, cfg) -> Path:
+    """The policy's initial HF folder: the user's `model.path`, or the tiny model built into the run."""
+    return Path(cfg.model.path) if cfg.model.path else run_dir / "models" / "policy"
+
+
+def export_checkpoint(run_dir: str | Path, step: int | None, out: str | Path) -> dict[str, Any]:
+    """Export the checkpoint of `step` (None: the newest complete one) of `run_dir` as an HF folder `out`;
+    returns a record of what was written."""
+    run_dir, out = Path(run_dir), Path(out)
+    if out.exists():
+        raise ValueError(f"--out {out} already exists; choose a new directory")
+    ckpt, found = find_checkpoint(run_dir, step)
+    model = load_policy(run_dir, ckpt)
+    save_hf(model, policy_dir(run_dir, run_config(run_dir)), out)
+    return {
+        "out": str(out),
+        "step": found,
+        "checkpoint": str(ckpt),
+        "lora_merged": hasattr(model, "peft_config"),
+    }
+
+
+def main(args: argparse.Namespace) -> int:
+    record = export_checkpoint(args.run_dir, args.step, args.out)
+    if not args.json:
+        print(f"exported step {record['step']} of {args.run_dir} to {record['out']}")
+    print(json.dumps(record))
+    return 0

@@ -1,0 +1,55 @@
+"""Shared by the apps tests: a reader of W&B's offline run files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+
+def _read(run: Path):
+    """The records of an offline W&B run's .wandb file: a 7-byte header (":W&B", magic, version), then
+    LevelDB-log framing (32 KiB blocks of chunks: crc32, little-endian length, type 1 full / 2 first /
+    3 middle / 4 last; a block tail under 7 bytes is padding), each record a protobuf `Record`."""
+    from wandb.proto import wandb_internal_pb2
+
+    (file,) = run.glob("run-*.wandb")
+    data = file.read_bytes()
+    assert data[:4] == b":W&B"
+    pos, chunk = 7, b""
+    while pos + 7 <= len(data):
+        left = 32768 - pos % 32768
+        if left < 7:
+            pos += left
+            continue
+        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        chunk += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(chunk)
+            yield record
+            chunk = b""
+        elif kind == 0:
+            chunk = b""
+
+
+def _types(run: Path) -> list[str]:
+    return [rec.WhichOneof("record_type") for rec in _read(run)]
+
+
+def _history(run: Path) -> list[dict]:
+    """The logged rows (W&B adds _step, _runtime, _timestamp)."""
+    return [
+        {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in rec.history.item}
+        for rec in _read(run)
+        if rec.WhichOneof("record_type") == "history"
+    ]
+
+
+@pytest.fixture
+def wandb_records():
+    pytest.importorskip("wandb")
+    return SimpleNamespace(read=_read, types=_types, history=_history)

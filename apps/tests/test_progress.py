@@ -1,0 +1,59 @@
+"""The per-step logger: metrics into the run directory, start-up split off the first step, seconds per step
+and ETA from the steps after it (hand-worked numbers; the clock is driven by the test)."""
+
+from __future__ import annotations
+
+import pytest
+from yatt_apps import progress
+from yatt_apps.progress import StepLogger
+from yatt_apps.rundir import RunDir, read_metrics
+from yatt_controller.types import StepReport
+
+
+def _report(step: int, step_s: float, rollout: float, train: float) -> StepReport:
+    return StepReport(
+        step=step,
+        controller_rank=0,
+        metrics={"reward/mean": 0.1 * step, "rollout/response_tokens": 80.0},
+        timings_s={"rollout": rollout, "train": train, "step": step_s},
+    )
+
+
+def test_startup_is_split_off_the_first_step(tmp_path, monkeypatch):
+    clock = iter([110.0, 114.0, 117.0, 122.0])  # perf_counter when each step's reports arrive
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: next(clock))
+    run = RunDir(tmp_path, tensorboard=False)
+    logger = StepLogger(run, num_steps=10, start_step=0, progress=False, started_at=50.0)
+    # step 0 ran 40 s, of which 30 s idle (workers still loading): it started at 110 - 40 = 70, 20 s after
+    # the run started, so start-up is 20 + 30 = 50 s and the step itself 10 s
+    logger(0, [_report(0, 40.0, 6.0, 4.0)])
+    row = read_metrics(tmp_path)[0]
+    assert row["time/startup"] == 50.0 and row["time/idle"] == 0.0 and row["time/step"] == 40.0
+    assert row["throughput/tokens_per_s"] == 8.0  # 80 tokens in the 10 busy seconds
+    assert logger.seconds_per_step() == 10.0 and logger.eta_s(0) == 90.0
+    logger(1, [_report(1, 3.5, 2.0, 1.0)])  # arrives 4 s after step 0's report
+    row = read_metrics(tmp_path)[1]
+    assert (
+        "time/startup" not in row and row["time/idle"] == 0.5 and row["throughput/tokens_per_s"] == 80 / 3.5
+    )
+    assert logger.seconds_per_step() == 7.0 and logger.eta_s(1) == 56.0  # (10 + 4) / 2 x 8 steps left
+    logger(2, [_report(2, 2.5, 2.0, 0.5)])  # 3 s later
+    assert logger.seconds_per_step() == pytest.approx(17 / 3)
+    assert logger.postfix(2, {"reward/mean": 0.2}) == ", 5.67s/step, ETA 00:40, reward=0.200"
+    assert logger.last["step"] == 2 and logger.last["time/idle"] == 0.0
+    run.close(plot=False)
+
+
+def test_resumed_attempt_counts_startup_from_its_first_step(tmp_path, monkeypatch):
+    """A resumed run's first step (here 7) carries the attempt's start-up; without started_at only the
+    step's idle time counts."""
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: 1000.0)
+    run = RunDir(tmp_path, tensorboard=False)
+    logger = StepLogger(run, num_steps=9, start_step=7, progress=True)
+    logger(7, [_report(7, 12.0, 1.0, 1.0)])
+    logger.close()
+    run.close(plot=False)
+    (row,) = read_metrics(tmp_path)
+    assert row["step"] == 7 and row["time/startup"] == 10.0 and row["time/idle"] == 0.0
+    assert logger.bar.n == 8 and logger.eta_s(7) == 2.0  # one step left at 2 s
+    assert progress._clock(3725) == "1:02:05"

@@ -1,0 +1,270 @@
+"""Around a real run (tiny preset, real Ray, `yatt` in a fresh process, as a user runs it): export of its
+checkpoints as HF folders and their merge, the W&B offline files, resume of a finished run, Ctrl-C, and
+kill -9 followed by `yatt resume`, after which every step appears once in metrics.jsonl.
+
+Each job gets its own Ray temp dir (RAY_TMPDIR), so its Ray processes can be told from other sessions'.
+Marked slow: every run starts Ray and the tiny models' host processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+SHORT = ["--set", "run.eval_every=0", "--set", "run.prompts_per_step=4"]
+
+
+def _env(ray_tmp: str, **extra: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_TMPDIR": ray_tmp, "WANDB_SILENT": "true", **extra}
+
+
+def _ray_tmp() -> str:
+    return tempfile.mkdtemp(prefix="yr", dir="/tmp")  # short: Ray's socket paths live under it
+
+
+def _yatt(*argv: str, env: dict[str, str], check: bool = True) -> subprocess.CompletedProcess:
+    out = subprocess.run(
+        [sys.executable, "-m", "yatt_apps.cli", *argv], env=env, capture_output=True, text=True, timeout=1200
+    )
+    if check:
+        assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+def _steps(run_dir: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _ray_processes(ray_tmp: str) -> list[str]:
+    """Live processes started for a Ray session under `ray_tmp` (their command lines name it)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if ray_tmp in cmdline and state != "Z":
+            found.append(f"{proc.name}: {cmdline[:120]}")
+    return found
+
+
+def _no_ray_left(ray_tmp: str, within_s: float = 30.0) -> list[str]:
+    deadline = time.monotonic() + within_s
+    while (left := _ray_processes(ray_tmp)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return left
+
+
+def _kill_leftovers(ray_tmp: str) -> None:
+    """After a kill -9 the run's Ray processes are orphans of this test: end them by pid."""
+    for line in _ray_processes(ray_tmp):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(line.split(":")[0]), signal.SIGKILL)
+
+
+def _start(run_dir: Path, env: dict[str, str], *sets: str) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "yatt_apps.cli", "grpo", "--run-dir", str(run_dir), *SHORT, *sets]
+    return subprocess.Popen(
+        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+
+
+def _wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout_s: float = 900.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        if (run_dir / "metrics.jsonl").exists() and step in _steps(run_dir):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"step {step} was not logged within {timeout_s} s")
+
+
+# ---- a finished 2-step run: export, merge, W&B, resume ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_step_run(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("life") / "run"
+    ray_tmp = _ray_tmp()
+    env = _env(ray_tmp, WANDB_MODE="offline")
+    _yatt(
+        "grpo",
+        "--run-dir",
+        str(run_dir),
+        *SHORT,
+        "--set",
+        "run.num_steps=2",
+        "--set",
+        "controller.checkpoint_every=1",
+        "--set",
+        "log.wandb=true",
+        "--json",
+        env=env,
+    )
+    assert _no_ray_left(ray_tmp) == []
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def exported(two_step_run) -> dict[int, Path]:
+    from yatt_apps.cli import main
+
+    out = {}
+    for step in (0, 1):
+        out[step] = two_step_run.parent / f"export-{step}"
+        assert (
+            main(["export", str(two_step_run), "--step", str(step), "--out", str(out[step]), "--json"]) == 0
+        )
+    return out
+
+
+def _learner_reference(run_dir: Path, step: int):
+    """The learner's policy at `step`, straight from the checkpoint blob: the initial model with the blob's
+    model weights loaded."""
+    import torch
+    from yatt_apps.models import load_causal_lm
+
+    state = torch.load(run_dir / "checkpoints" / f"step-{step:08d}" / "learner-0.0.bin", weights_only=True)
+    model = load_causal_lm(run_dir / "models" / "policy")
+    model.load_state_dict(state["model"])
+    return model.eval()
+
+
+def _greedy(model, ids) -> list[int]:
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
+    return out[0, ids.shape[1] :].tolist()
+
+
+def test_exported_steps_load_differ_and_match_the_learner(two_step_run, exported):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    models = {
+        s: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval() for s, p in exported.items()
+    }
+    first, second = (dict(models[s].named_parameters()) for s in (0, 1))
+    assert any(not torch.equal(first[k], second[k]) for k in first)  # step 1's update moved the weights
+    tok = AutoTokenizer.from_pretrained(exported[1])
+    assert tok.chat_template  # the chat template travels with the model
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "3 + 4 ="}], add_generation_prompt=True, tokenize=False
+    )
+    ids = tok(prompt, return_tensors="pt").input_ids
+    reference = _learner_reference(two_step_run, 1)
+    assert _greedy(models[1], ids) == _greedy(reference, ids)
+    with torch.no_grad():
+        torch.testing.assert_close(models[1](ids).logits, reference(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_merge_of_two_exported_folders(exported, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    from yatt_apps.merge import merge_directories
+
+    record = merge_directories(
+        [exported[0], exported[1]], tmp_path / "merged", beta=0.7, preference=[0.5, 0.5]
+    )
+    assert record["lambda"] == pytest.approx([0.5, 0.5])
+    merged = load_file(tmp_path / "merged" / "model.safetensors")
+    a, b = (load_file(exported[s] / "model.safetensors") for s in (0, 1))
+    for name, tensor in merged.items():
+        torch.testing.assert_close(tensor, 0.5 * a[name] + 0.5 * b[name])
+    AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+
+
+def test_final_folder_equals_the_last_checkpoint(two_step_run, exported):
+    """The run's own RUN_DIR/final (written from the live learner at the end) holds step 1's weights."""
+    from safetensors.torch import load_file
+
+    if not (two_step_run / "final").exists():
+        pytest.skip("this checkout's launch does not write RUN_DIR/final yet")
+    final = load_file(two_step_run / "final" / "model.safetensors")
+    assert final.keys() == load_file(exported[1] / "model.safetensors").keys()
+    for name, tensor in load_file(exported[1] / "model.safetensors").items():
+        assert (final[name] == tensor).all(), name
+
+
+def test_wandb_offline_run_has_the_metric_names(two_step_run, wandb_records):
+    (offline,) = (two_step_run / "wandb").glob("offline-run-*")
+    logged = wandb_records.history(offline)
+    rows = [json.loads(line) for line in (two_step_run / "metrics.jsonl").read_text().splitlines()]
+    assert [row["_step"] for row in logged] == [row["step"] for row in rows] == [0, 1]
+    for got, want in zip(logged, rows, strict=True):
+        assert {k for k in got if not k.startswith("_")} == set(want) - {"step"}
+        assert got["reward/mean"] == pytest.approx(want["reward/mean"])
+
+
+def test_resume_of_the_finished_run_starts_nothing(two_step_run):
+    ray_tmp = _ray_tmp()
+    started = time.monotonic()
+    out = _yatt("resume", str(two_step_run), env=_env(ray_tmp))
+    assert f"run {two_step_run} is finished: its last step (1) is done" in out.stdout
+    assert json.loads(out.stdout.splitlines()[-1])["finished"] is True
+    assert "Ray" not in out.stderr and not any(Path(ray_tmp).iterdir())  # Ray never started
+    assert time.monotonic() - started < 120
+
+
+# ---- Ctrl-C, kill -9, resume -----------------------------------------------------------------------------
+
+
+def test_ctrl_c_stops_cleanly_and_resume_logs_every_step_once(tmp_path):
+    """SIGINT to the job's process group (what a terminal's Ctrl-C does) once step 2 is logged: exit 130, the
+    resume hint with the last logged step and the checkpoint it continues from, no traceback, no Ray process
+    left; the resumed run redoes the steps after that checkpoint and logs steps 0..7 once each."""
+    from yatt_controller import checkpoint
+
+    run_dir, ray_tmp = tmp_path / "run", _ray_tmp()
+    proc = _start(
+        run_dir, _env(ray_tmp), "--set", "run.num_steps=8", "--set", "controller.checkpoint_every=2"
+    )
+    _wait_for_step(proc, run_dir, 2)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err[-3000:]
+    logged = _steps(run_dir)
+    assert logged == list(range(len(logged))) and 3 <= len(logged) < 8  # stopped before the end
+    found = checkpoint.latest(run_dir / "checkpoints")
+    assert found is not None and found[1].step <= logged[-1] + 1  # +1: written, its report not yet in
+    assert err.endswith(
+        f"interrupted at step {logged[-1]}; resume with: yatt resume {run_dir}\n"
+        f"(the run continues after the checkpoint of step {found[1].step})\n"
+    ), err[-3000:]
+    assert "yatt: stopping (Ctrl-C again to exit at once)" in err
+    assert "Traceback" not in err, err[-3000:]
+    assert _no_ray_left(ray_tmp) == []
+    _yatt("resume", str(run_dir), "--json", env=_env(_ray_tmp()))
+    assert _steps(run_dir) == list(range(8))
+
+
+def test_kill_9_then_resume_logs_every_step_once(tmp_path):
+    run_dir, ray_tmp = tmp_path / "run", _ray_tmp()
+    proc = _start(
+        run_dir, _env(ray_tmp), "--set", "run.num_steps=4", "--set", "controller.checkpoint_every=2"
+    )
+    try:
+        _wait_for_step(proc, run_dir, 2)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=60)
+    finally:
+        _kill_leftovers(ray_tmp)
+    assert _steps(run_dir)[:3] == [0, 1, 2]
+    _yatt("resume", str(run_dir), "--json", env=_env(_ray_tmp()))
+    assert _steps(run_dir) == [0, 1, 2, 3]

@@ -62,6 +62,8 @@ FIELD_DOCS: dict[str, str] = {
     "SamplingParams.stop_token_ids": "extra token ids that end a response",
     "SamplingParams.seed": "a fixed seed per request (None: drawn from the run's seed)",
     "SamplingParams.logprobs": "return the sampled tokens' logprobs",
+    "SamplingParams.choices": "constrain each completion to exactly one of these strings (unset: free text)",
+    "SamplingParams.allowed_token_ids": "constrain every sampled token to these ids (unset: any)",
     "AlgoConfig.adv_estimator": "advantage estimator: grpo, gae, rloo, reinforce_pp, ...",
     "AlgoConfig.policy_loss": "policy loss: ppo_clip, gspo, cispo, ...",
     "AlgoConfig.loss_agg_mode": "how token losses are averaged: token-mean, seq-mean-token-mean, ...",
@@ -198,6 +200,8 @@ def commented_yaml(config: msgspec.Struct, indent: int = 0) -> list[str]:
     pad, out = "  " * indent, []
     for field in msgspec.structs.fields(config):
         value, doc = getattr(config, field.name), field_doc(type(config), field.name)
+        if value is msgspec.UNSET:  # an optional field left unset (e.g. sampling.choices): not written
+            continue
         if isinstance(value, msgspec.Struct):
             section = _first_sentence(type(value).__doc__)
             out.append(f"{pad}{field.name}:" + (f"  # {doc or section}" if doc or section else ""))

@@ -262,3 +262,15 @@ def test_thinking_template_keeps_generated_tokens(tok):
     first = [*thinking.encode(texts[0], add_special_tokens=False), thinking.eos_token_id]
     assert traj.token_ids[: len(first)] == first
     assert thinking.decode(traj.token_ids).count("<think>") == 2
+
+
+def test_overlong_prompt_fails_alone(engine, tok):
+    reqs, rows = _requests(tok)
+    long_prompt = GenerateRequest(
+        request_id="long", prompt=Prompt(token_ids=[5] * 30), sampling=reqs[0].sampling
+    )
+    driver = AgentDriver(engine, tok, ScriptedEnv, max_turns=1, max_total_tokens=30)
+    trajectories = driver.run([long_prompt, reqs[1]], rows)
+    assert [t.finish_reason for t in trajectories] == ["error", "error", "stop", "stop"]
+    assert trajectories[0].error == "request long: prompt has 30 tokens, max_total_tokens is 30"
+    assert trajectories[0].token_ids == [] and trajectories[2].num_turns == 1

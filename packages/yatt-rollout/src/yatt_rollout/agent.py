@@ -148,7 +148,14 @@ class AgentDriver:
             env = self.factory()
             observation = env.reset(row)
             ids = list(req.prompt.token_ids) or self.codec.prompt_ids(observation.messages, env.tools)
-            out.append(_Episode(request=req, index=index, env=env, ids=ids, prompt_len=len(ids)))
+            ep = _Episode(request=req, index=index, env=env, ids=ids, prompt_len=len(ids))
+            if len(ids) >= self.max_total_tokens:  # fails alone, as a bad request does in an engine
+                ep.stop = "error"
+                ep.error = (
+                    f"request {req.request_id}: prompt has {len(ids)} tokens, "
+                    f"max_total_tokens is {self.max_total_tokens}"
+                )
+            out.append(ep)
         return out
 
     def _has_room(self, ep: _Episode) -> bool:

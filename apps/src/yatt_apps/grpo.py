@@ -97,6 +97,10 @@ def grpo_step(
         kept = [i for i, k in enumerate(keep) if k]
         batch = pad_batch([prompt_ids[owner[i]] for i in kept], [completions[i].token_ids for i in kept],
                           tok.pad_token_id)  # fmt: skip
+        if cfg.rollout.env:  # multi-turn: the environment's tokens are not the policy's (mask 0)
+            from yatt_apps.agent import mask_env_tokens
+
+            mask_env_tokens(batch, [prompt_ids[owner[i]] for i in kept], [completions[i] for i in kept])
         group_ids = torch.tensor([owner[i] for i in kept])
         score_t = torch.tensor([scores[i] for i in kept], dtype=torch.float32)
         advantages, _ = ADVANTAGE_ESTIMATORS[cfg.algo.adv_estimator](
@@ -119,6 +123,10 @@ def grpo_step(
         [scores[i] for i in kept], len(keep) - len(kept), len(rows), completions, batch["response_mask"],
         lp, rollout_lp, scored,
     )  # fmt: skip
+    if cfg.rollout.env:  # turns, tool calls, tool errors by kind, truncated episodes
+        from yatt_apps.agent import agent_sums
+
+        sums.update(agent_sums(completions))
     if val_rows is not None and cfg.run.eval_every and ctx.step % cfg.run.eval_every == 0:
         with ctx.phase("eval"):
             sums.update(evaluate(ctx, val_rows, cfg, tok))
@@ -176,7 +184,10 @@ def old_logprobs(ctx, batch: dict[str, Any], responses: list) -> tuple[dict[str,
     lp = ctx.get(ctx.learner.rank_zero("logprobs", batch))
     rollout_lp = torch.zeros_like(lp["old_logprobs"])
     for row, completion in enumerate(responses):
-        rollout_lp[row, batch["response_mask"][row]] = torch.tensor(completion.logprobs)
+        logprobs = completion.logprobs
+        if hasattr(completion, "response_mask"):  # a multi-turn trajectory: the model's tokens only
+            logprobs = [lp for lp, m in zip(logprobs, completion.response_mask, strict=True) if m]
+        rollout_lp[row, batch["response_mask"][row]] = torch.tensor(logprobs)
     return lp, rollout_lp
 
 
@@ -241,6 +252,10 @@ def summarize(total: dict[str, float], stats: dict[str, float]) -> dict[str, flo
         out["train/kl"] = total["kl/sum"] / tokens
     if total.get("val/total"):
         out["val/accuracy"] = total["val/correct"] / total["val/total"]
+    if "agent/trajectories" in total:  # a multi-turn job (yatt_apps.agent)
+        from yatt_rollout.agent import agent_metrics
+
+        out.update(agent_metrics(total))
     for key, value in total.items():
         if key.startswith("reward/") and key.endswith("/sum") and key != "reward/sum":
             out[key.removesuffix("/sum") + "_mean"] = value / samples

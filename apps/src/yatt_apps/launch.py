@@ -98,7 +98,12 @@ def _build(pool, *, cfg: RunConfig, policy_dir: str, judge_dir: str):
     actor = WorkerGroup.create(
         pool, "actor", PolicyWorker, args=(cfg, policy_dir, _free_port()), pass_worker_info=True
     )
-    rollout = WorkerGroup.create(pool, "rollout", RolloutWorker, args=(cfg, policy_dir))
+    rollout_cls = RolloutWorker
+    if cfg.rollout.env:  # multi-turn episodes of a registered environment
+        from yatt_apps.agent import AgentRolloutWorker
+
+        rollout_cls = AgentRolloutWorker
+    rollout = WorkerGroup.create(pool, "rollout", rollout_cls, args=(cfg, policy_dir))
     if cfg.app == "capo":  # the reward service also hosts the step critic on the judge model
         from yatt_apps.capo import CritiqueWorker
 
@@ -176,6 +181,10 @@ def run_job(cfg: RunConfig, run_dir: str | Path, step_factory: StepFactory) -> d
     """Run (or resume, when `run_dir` holds checkpoints) `cfg` and return the last step's metrics."""
     for key, value in ENV.items():
         os.environ.setdefault(key, value)
+    if cfg.rollout.env:  # an unknown environment or an app without multi-turn support fails here
+        from yatt_apps.agent import check_env
+
+        check_env(cfg)
     run = RunDir(Path(run_dir).resolve())  # absolute: workers do not share the driver's working directory
     cfg = absolute_paths(cfg)
     run.write_config(cfg)

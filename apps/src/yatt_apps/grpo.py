@@ -186,7 +186,7 @@ def old_logprobs(ctx, batch: dict[str, Any], responses: list) -> tuple[dict[str,
     for row, completion in enumerate(responses):
         logprobs = completion.logprobs
         if hasattr(completion, "response_mask"):  # a multi-turn trajectory: the model's tokens only
-            logprobs = [lp for lp, m in zip(logprobs, completion.response_mask, strict=True) if m]
+            logprobs = [v for v, m in zip(logprobs, completion.response_mask, strict=True) if m]
         rollout_lp[row, batch["response_mask"][row]] = torch.tensor(logprobs)
     return lp, rollout_lp
 

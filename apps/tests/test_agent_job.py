@@ -127,5 +127,7 @@ def test_grpo_calculator_job_two_steps(tmp_path: Path):
         assert 1.0 < row["agent/turns_mean"] <= 3.0
         # the response mask counts model tokens only: at most 3 turns of max_new_tokens (6) each
         assert 0 < row["rollout/response_len_mean"] <= 18.0
+        # the learner's logprobs of the model tokens equal the engine's: masks and logprobs line up
+        assert row["train/rollout_mismatch"] < 1e-4
         assert row["agent/tool_calls"] >= sum(v for k, v in row.items() if k.startswith("agent/tool_errors/"))
     assert torch.isfinite(torch.tensor([v for v in rows[-1].values() if isinstance(v, float)])).all()

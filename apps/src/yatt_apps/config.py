@@ -217,7 +217,7 @@ def tiny_cpu() -> RunConfig:
     policy learns within tens of steps, so the reward visibly rises), and a GenRM judge with K=2 judgements
     (the tiny judge's verdicts are noise; it exercises the real judging path and its status accounting)."""
     return RunConfig(
-        judge=ModelSpec(seed=1),
+        judge=ModelSpec(seed=1, max_position_embeddings=1024),  # judge prompts hold whole multi-turn episodes
         rewards=[
             RewardSpec(kind="math_verify", weight=1.0),
             RewardSpec(

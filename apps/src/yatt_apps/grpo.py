@@ -62,6 +62,10 @@ def grpo_step(
         batch = pad_batch(
             [prompt_ids[scored.owner[i]] for i in kept], [c.token_ids for c in samples], tok.pad_token_id
         )
+        if cfg.rollout.env:  # multi-turn: the environment's tokens are not the policy's (mask 0)
+            from yatt_apps.agent import mask_env_tokens
+
+            mask_env_tokens(batch, [prompt_ids[scored.owner[i]] for i in kept], samples)
         group_ids = torch.tensor([scored.owner[i] for i in kept])
         score_t = torch.tensor([scored.scores[i] for i in kept], dtype=torch.float32)
         components = [scored.components[i] for i in kept]
@@ -96,6 +100,10 @@ def grpo_step(
     if cfg.algo.max_staleness:
         sums |= producer.async_sums(ctx, scored, kept, version, (train_started, time.perf_counter()))
         producer.store_queue(ctx, cfg)  # a checkpoint after this step holds the batches in flight
+    if cfg.rollout.env:  # turns, tool calls, tool errors by kind, truncated episodes
+        from yatt_apps.agent import agent_sums
+
+        sums |= agent_sums(scored.completions)
     return summarize(ctx.all_reduce(sums), stats, ctx.world_size)
 
 

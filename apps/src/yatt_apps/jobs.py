@@ -84,7 +84,12 @@ def build_services(
     actor = WorkerGroup.create(
         pool, "actor", PolicyWorker, args=(cfg, policy_dir, key), pass_worker_info=True
     )
-    rollout = WorkerGroup.create(pool, "rollout", RolloutWorker, args=(cfg, policy_dir))
+    rollout_cls = RolloutWorker
+    if cfg.rollout.env:  # multi-turn episodes of a registered environment
+        from yatt_apps.agent import AgentRolloutWorker
+
+        rollout_cls = AgentRolloutWorker
+    rollout = WorkerGroup.create(pool, "rollout", rollout_cls, args=(cfg, policy_dir))
     cls = reward_cls or RewardWorker
     reward = WorkerGroup.create(pool, reward_role(cfg), cls, args=reward_args or (cfg, judge_dir))
     groups = {"actor": actor, "rollout": rollout, "reward": reward}

@@ -179,6 +179,10 @@ def run_job(cfg: RunConfig, run_dir: str | Path, job: JobDef) -> dict[str, Any]:
         os.environ.setdefault(key, value)
     if cfg.algo.max_staleness and not job.asynchronous:
         raise ValueError(f"algo.max_staleness > 0: the {cfg.app} job trains on-policy only (use yatt grpo)")
+    if cfg.rollout.env:  # an unknown environment or an app without multi-turn support fails here
+        from yatt_apps.agent import check_env
+
+        check_env(cfg)
     if job.check is not None:
         job.check(cfg)
     started_at = time.perf_counter()

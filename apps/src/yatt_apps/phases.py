@@ -276,7 +276,10 @@ def old_logprobs(ctx, batch: dict[str, Any], responses: list) -> tuple[dict[str,
     lp = concat_rows(ctx.get(ctx.learner.shard_rows("logprobs", batch)))
     rollout_lp = torch.zeros_like(lp["old_logprobs"])
     for row, completion in enumerate(responses):
-        rollout_lp[row, batch["response_mask"][row]] = torch.tensor(completion.logprobs)
+        logprobs = completion.logprobs
+        if hasattr(completion, "response_mask"):  # a multi-turn trajectory: the model's tokens only
+            logprobs = [v for v, m in zip(logprobs, completion.response_mask, strict=True) if m]
+        rollout_lp[row, batch["response_mask"][row]] = torch.tensor(logprobs)
     return lp, rollout_lp
 
 
@@ -429,6 +432,10 @@ def summarize(total: dict[str, float], stats: dict[str, float], world_size: int 
         out["judge/parse_rate"] = total["judge/parsed"] / max(total["judge/judged"], 1.0)
         if total["judge/compared"]:
             out["judge/agreement"] = total["judge/agree"] / total["judge/compared"]
+    if "agent/trajectories" in total:  # a multi-turn job (yatt_apps.agent)
+        from yatt_rollout.agent import agent_metrics
+
+        out.update(agent_metrics(total))
     for key, value in total.items():
         if key.startswith("reward/") and key.endswith("/sum") and key != "reward/sum":
             out[key.removesuffix("/sum") + "_mean"] = value / samples

@@ -45,3 +45,58 @@ EXAMPLES = [
         failed_requests=1,
     ),
 ]
+
+# multi-turn environments and tools (appended in 0.3.0)
+from yatt_rollout.types import (  # noqa: E402
+    Action,
+    Message,
+    Observation,
+    SandboxResult,
+    StepResult,
+    ToolCall,
+    ToolResult,
+    ToolSpec,
+    Trajectory,
+)
+
+_TOOL_MSG = Message(role="tool", content="7")
+EXAMPLES += [
+    _TOOL_MSG,
+    ToolSpec(
+        name="calculator",
+        description="Evaluate an integer arithmetic expression.",
+        parameters={"type": "object", "properties": {"expression": {"type": "string"}}},
+    ),
+    ToolCall(name="calculator", arguments={"expression": "3 + 4"}),
+    ToolResult(status="timeout", output="error: timeout: the code ran past its 2.0 s wall-time limit"),
+    SandboxResult(
+        status="ok", stdout="42\n", stderr="", exit_code=0, wall_s=0.05, network_isolation="namespace"
+    ),
+    Observation(messages=[_TOOL_MSG]),
+    Action(
+        text='<tool_call>{"name": "calculator", "arguments": {"expression": "3 + 4"}}</tool_call>',
+        tool_calls=[ToolCall(name="calculator", arguments={"expression": "3 + 4"})],
+        malformed=["not JSON"],
+    ),
+    StepResult(
+        observation=Observation(messages=[_TOOL_MSG]),
+        reward=1.0,
+        done=True,
+        tool_calls=1,
+        tool_errors=["malformed"],
+    ),
+    Trajectory(
+        request_id="s0-c0-p3",
+        index=1,
+        token_ids=[40, 41, 3, 7, 8, 42],
+        logprobs=[-0.5, -1.25, 0.0, 0.0, 0.0, -0.125],
+        response_mask=[1, 1, 0, 0, 0, 1],
+        finish_reason="stop",
+        policy_version=2,
+        stop_reason="max_turns",
+        num_turns=2,
+        reward=1.0,
+        tool_calls=1,
+        tool_errors={"malformed": 1},
+    ),
+]

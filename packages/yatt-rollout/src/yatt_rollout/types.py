@@ -180,3 +180,116 @@ class ReplicaLoad(_Wire, kw_only=True):
     completed_requests: int = 0
     generated_tokens: int = 0
     failed_requests: int = 0
+
+
+# ---- multi-turn environments and tools (yatt_rollout.env, .agent, .sandbox, .tools) -------------------------
+
+ToolStatus = Literal[
+    "ok", "timeout", "memory", "crash", "output_limit", "network", "malformed", "unknown_tool", "error"
+]
+# every kind of failed tool call, in a fixed order (metrics keys must agree across controllers)
+TOOL_ERROR_KINDS: tuple[str, ...] = (
+    "timeout",
+    "memory",
+    "crash",
+    "output_limit",
+    "network",
+    "malformed",
+    "unknown_tool",
+    "error",
+)
+StopReason = Literal["done", "max_turns", "max_length", "error"]
+
+
+class Message(_Wire, kw_only=True):
+    """One chat message; `role` is what the chat template knows (system, user, assistant, tool)."""
+
+    role: str
+    content: str
+
+
+class ToolSpec(_Wire, kw_only=True):
+    """A tool as a JSON-schema function, the shape chat templates render (`{"type": "function", ...}`).
+
+    Producer: a tool (`yatt_rollout.tools`). Consumer: the prompt renderer and the environment's dispatch.
+    """
+
+    name: str
+    description: str
+    parameters: dict = {}  # a JSON schema of the arguments object
+
+
+class ToolCall(_Wire, kw_only=True):
+    """One parsed `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` of the model's text."""
+
+    name: str
+    arguments: dict = {}
+
+
+class ToolResult(_Wire, kw_only=True):
+    """What a tool returns; `status != "ok"` is a failed call, shown to the model as an error observation."""
+
+    status: ToolStatus
+    output: str
+
+
+class SandboxResult(_Wire, kw_only=True):
+    """One sandboxed Python run. `network_isolation` says how the network was cut: "namespace" (a fresh,
+    empty network namespace) or "patched" (socket creation blocked in the child's Python)."""
+
+    status: ToolStatus
+    stdout: str
+    stderr: str
+    exit_code: int
+    wall_s: float
+    network_isolation: str = ""
+
+
+class Observation(_Wire, kw_only=True):
+    """What an environment shows the model: messages appended to the conversation (a reset's are the
+    prompt; a step's are tool or user turns, tokenised as a delta)."""
+
+    messages: list[Message] = []
+
+
+class Action(_Wire, kw_only=True):
+    """The model's turn as the environment sees it: the decoded text, its parsed tool calls, and the
+    problems of calls that did not parse (each is one malformed call)."""
+
+    text: str
+    tool_calls: list[ToolCall] = []
+    malformed: list[str] = []
+
+
+class StepResult(_Wire, kw_only=True):
+    """An environment's answer to one action; `tool_errors` lists the kind of every failed call."""
+
+    observation: Observation
+    reward: float = 0.0
+    done: bool = False
+    tool_calls: int = 0
+    tool_errors: list[str] = []
+
+
+class Trajectory(_Wire, kw_only=True):
+    """One multi-turn episode, token-in/token-out. Field names shared with `Completion` mean the same.
+
+    `token_ids` is everything after the prompt: model turns and environment replies, exactly as sampled and
+    tokenised (never re-tokenised). `response_mask[i]` is 1 on model-generated tokens and 0 on environment
+    tokens; `logprobs[i]` is the sampling-time logprob of a model token and 0.0 on environment tokens.
+    Producer: `yatt_rollout.agent.AgentDriver`. Consumer: the training controller.
+    """
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    response_mask: list[int]
+    finish_reason: FinishReason
+    policy_version: int
+    stop_reason: StopReason = "done"
+    num_turns: int = 0
+    reward: float = 0.0  # the environment's rewards summed over the episode
+    tool_calls: int = 0
+    tool_errors: dict[str, int] = {}
+    error: str = ""

@@ -1,0 +1,133 @@
+"""Multi-turn GRPO (`rollout.env=calculator`): the calculator environment, the response-mask hook, config
+checks, and (slow) the job end to end as a user runs it: `yatt grpo --set rollout.env=calculator
+--set rollout.max_turns=3` with two parallel controllers and the HF engine."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+from yatt_apps.agent import CalculatorEnv, check_env, mask_env_tokens
+from yatt_apps.config import RolloutSpec, tiny_cpu
+from yatt_apps.grpo import pad_batch
+from yatt_rollout.env import ENVIRONMENTS
+from yatt_rollout.types import Action, ToolCall, Trajectory
+
+
+def test_calculator_env_tools_feedback_and_reward():
+    env = CalculatorEnv()
+    env.reset({"prompt": "12 - 5 ="})  # no answer in the row: the prompt's own value (7) is the reference
+    calc = env.step(
+        Action(text="", tool_calls=[ToolCall(name="calculator", arguments={"expression": "12 - 5"})])
+    )
+    assert (calc.done, calc.tool_calls, [m.content for m in calc.observation.messages]) == (False, 1, ["7"])
+    wrong = env.step(Action(text="the answer is 8"))
+    assert (wrong.done, wrong.reward) == (False, 0.0)
+    assert [(m.role, m.content) for m in wrong.observation.messages] == [("user", CalculatorEnv.FEEDBACK)]
+    right = env.step(Action(text="so 12 - 5 = 7"))
+    assert (right.done, right.reward) == (True, 1.0)
+    env.reset({"prompt": "3 + 4 =", "answer": "-1"})  # a row's answer wins over the prompt's value
+    assert env.step(Action(text="-1")).reward == 1.0
+
+
+def test_mask_env_tokens_keeps_only_model_tokens():
+    prompts = [[1, 2, 3], [4, 5]]
+    trajs = [
+        Trajectory(
+            request_id="p0",
+            index=0,
+            token_ids=[10, 11, 3, 7, 12],
+            logprobs=[-1.0, -2.0, 0.0, 0.0, -3.0],
+            response_mask=[1, 1, 0, 0, 1],
+            finish_reason="stop",
+            policy_version=0,
+        ),
+        Trajectory(
+            request_id="p1",
+            index=0,
+            token_ids=[20],
+            logprobs=[-0.5],
+            response_mask=[1],
+            finish_reason="stop",
+            policy_version=0,
+        ),
+    ]
+    batch = pad_batch(prompts, [t.token_ids for t in trajs], pad_id=0)
+    mask_env_tokens(batch, prompts, trajs)
+    assert batch["response_mask"].int().tolist() == [[0, 0, 0, 1, 1, 0, 0, 1], [0, 0, 1, 0, 0, 0, 0, 0]]
+    assert batch["attention_mask"].int().tolist() == [[1] * 8, [1, 1, 1, 0, 0, 0, 0, 0]]
+
+
+def test_check_env_names_the_key():
+    cfg = msgspec.structs.replace(tiny_cpu(), rollout=RolloutSpec(env="nope", max_turns=3))
+    with pytest.raises(
+        ValueError, match=r"rollout.env 'nope' is not a registered environment; registered: \["
+    ):
+        check_env(cfg)
+    with pytest.raises(
+        ValueError, match=r"rollout.env is supported by the \['grpo'\] app\(s\), not app='ppo'"
+    ):
+        check_env(msgspec.structs.replace(cfg, app="ppo", rollout=RolloutSpec(env="calculator")))
+    with pytest.raises(ValueError, match=r"rollout.env 'yatt_apps.agent:Missing': cannot load 'Missing'"):
+        check_env(msgspec.structs.replace(cfg, rollout=RolloutSpec(env="yatt_apps.agent:Missing")))
+    check_env(msgspec.structs.replace(cfg, rollout=RolloutSpec(env="yatt_apps.agent:CalculatorEnv")))
+    assert ENVIRONMENTS["yatt_apps.agent:CalculatorEnv"] is CalculatorEnv
+
+
+@pytest.mark.slow
+def test_grpo_calculator_job_two_steps(tmp_path: Path):
+    run_dir = tmp_path / "agent"
+    argv = [
+        "grpo",
+        "--run-dir",
+        str(run_dir),
+        "--set",
+        "rollout.env=calculator",
+        "--set",
+        "rollout.max_turns=3",
+        "--set",
+        "run.num_steps=2",
+        "--set",
+        "run.eval_every=1",
+        "--json",
+    ]
+    out = subprocess.run(
+        [sys.executable, "-m", "yatt_apps.cli", *argv],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["driver_bytes"] == 0 and summary["restarts"] == 0  # parallel controllers
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [0, 1]
+    for row in rows:
+        for key in (
+            "agent/turns_mean",
+            "agent/tool_calls",
+            "agent/truncated",
+            "agent/tool_errors/malformed",
+            "agent/tool_errors/timeout",
+            "reward/mean",
+            "train/loss",
+            "val/accuracy",
+        ):
+            assert key in row and math.isfinite(row[key]), key
+        # a random tiny policy is almost never right: the feedback loop gives it more than one turn
+        assert 1.0 < row["agent/turns_mean"] <= 3.0
+        # the response mask counts model tokens only: at most 3 turns of max_new_tokens (6) each
+        assert 0 < row["rollout/response_len_mean"] <= 18.0
+        # the learner's logprobs of the model tokens equal the engine's: masks and logprobs line up
+        assert row["train/rollout_mismatch"] < 1e-4
+        assert row["agent/tool_calls"] >= sum(v for k, v in row.items() if k.startswith("agent/tool_errors/"))
+    assert torch.isfinite(torch.tensor([v for v in rows[-1].values() if isinstance(v, float)])).all()

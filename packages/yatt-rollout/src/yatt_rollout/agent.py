@@ -1,0 +1,262 @@
+"""The multi-turn driver: episodes of model turns and environment replies on one token sequence.
+
+Token-in/token-out. Each turn, `AgentDriver.run` sends the current token ids of ALL active episodes to the
+engine in one `generate` call (so the engine batches turns of different samples), appends each episode's
+generated ids as they came, then the environment's reply tokenised on its own as a delta: the reply messages
+are rendered by the chat template after a fixed stand-in conversation and the text after the stand-in's
+end-of-turn token is tokenised once. Earlier turns are never re-rendered or re-tokenised, so a thinking
+template that strips earlier `<think>` blocks cannot change what the model saw, and the training sequence is
+exactly the sampled one.
+
+A turn that ended without the end-of-turn token (its `max_new_tokens` ran out) is closed by the driver: the
+eos id goes before the reply, as an environment token. The response mask is 1 exactly on generated tokens;
+rollout logprobs are the engine's on those and 0.0 on environment tokens. An episode stops when the
+environment says done, after `max_turns` model turns, or when the next turn or reply would pass
+`max_total_tokens` (prompt included; counted as truncated, `finish_reason="length"`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from yatt_rollout.env import ENVIRONMENTS, Environment, parse_tool_calls, tool_schemas, tools_system_prompt
+from yatt_rollout.types import (
+    TOOL_ERROR_KINDS,
+    Action,
+    Completion,
+    GenerateRequest,
+    Message,
+    Prompt,
+    ToolSpec,
+    Trajectory,
+)
+
+# the stand-in conversation after which an environment reply is rendered (its content never reaches a model)
+_STAND_IN = [
+    Message(role="system", content="S"),
+    Message(role="user", content="U"),
+    Message(role="assistant", content="A"),
+]
+
+
+class TurnCodec:
+    """Chat-template rendering for one tokenizer: a prompt from messages (and tools), and an environment
+    reply as a token delta. Tools go through the template's own `tools` support where it has one, else as
+    the Hermes block in the system message."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        if tokenizer.eos_token is None:
+            raise ValueError("TurnCodec: the tokenizer has no eos token (the end of a chat turn)")
+        self.tok = tokenizer
+        self.eos_id = tokenizer.eos_token_id
+        self.native_tools = "tools" in (tokenizer.chat_template or "")
+
+    def _render(self, messages: Sequence[Message], tools: Sequence[ToolSpec], generation: bool) -> str:
+        docs = [{"role": m.role, "content": m.content} for m in messages]
+        kwargs: dict[str, Any] = {}
+        if tools and self.native_tools:
+            kwargs["tools"] = tool_schemas(tools)
+        elif tools:
+            block = tools_system_prompt(tools)
+            if docs and docs[0]["role"] == "system":
+                docs[0] = {"role": "system", "content": docs[0]["content"] + "\n\n" + block}
+            else:
+                docs.insert(0, {"role": "system", "content": block})
+        return self.tok.apply_chat_template(docs, add_generation_prompt=generation, tokenize=False, **kwargs)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=False))
+
+    def prompt_ids(self, messages: Sequence[Message], tools: Sequence[ToolSpec] = ()) -> list[int]:
+        """The prompt of an episode: its messages with the assistant turn opened."""
+        return self.encode(self._render(messages, tools, generation=True))
+
+    def reply_ids(self, messages: Sequence[Message]) -> list[int]:
+        """The tokens that follow a model turn's eos: the reply messages, then the next assistant turn
+        opened. Raises ValueError when the template renders the stand-in differently with the reply."""
+        eos = self.tok.eos_token
+        before = self._render(_STAND_IN, (), generation=False)
+        after = self._render([*_STAND_IN, *messages], (), generation=True)
+        cut = before.rfind(eos) + len(eos)
+        if cut < len(eos) or after[:cut] != before[:cut]:
+            raise ValueError("chat template: a reply changes how the conversation before it renders")
+        return self.encode(after[cut:])
+
+
+@dataclass
+class _Episode:
+    request: GenerateRequest
+    index: int
+    env: Environment
+    ids: list[int]  # prompt + response so far
+    prompt_len: int
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    turns: int = 0
+    reward: float = 0.0
+    tool_calls: int = 0
+    tool_errors: Counter = field(default_factory=Counter)
+    version: int | None = None
+    stop: str = ""  # "" while active, else the StopReason
+    error: str = ""
+
+
+class AgentDriver:
+    """Runs episodes of `env` (a registered name or a factory) against `engine` (any `Generator`)."""
+
+    def __init__(
+        self,
+        engine: Any,
+        tokenizer: Any,
+        env: str | Callable[[], Environment],
+        *,
+        max_turns: int,
+        max_total_tokens: int,
+    ) -> None:
+        if max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+        if max_total_tokens < 2:
+            raise ValueError(f"max_total_tokens must be >= 2, got {max_total_tokens}")
+        if isinstance(env, str) and env not in ENVIRONMENTS:
+            raise ValueError(f"unknown environment {env!r}; registered: {sorted(ENVIRONMENTS)}")
+        self.engine, self.codec = engine, TurnCodec(tokenizer)
+        self.factory = ENVIRONMENTS[env] if isinstance(env, str) else env
+        self.max_turns, self.max_total_tokens = max_turns, max_total_tokens
+
+    def run(self, requests: Sequence[GenerateRequest], rows: Sequence[Mapping[str, Any]]) -> list[Trajectory]:
+        """`sampling.n` episodes per request, each with its own environment reset on the request's row.
+        A request's `prompt.token_ids` is the prompt; empty, the reset observation (and the environment's
+        tools) rendered by the chat template is. Trajectories come in request order, then sample index."""
+        episodes = [ep for req, row in zip(requests, rows, strict=True) for ep in self._start(req, row)]
+        for turn in range(self.max_turns):
+            active = [ep for ep in episodes if not ep.stop and self._has_room(ep)]
+            if not active:
+                break
+            completions = self.engine.generate([self._turn_request(ep, turn) for ep in active])
+            for ep, completion in zip(active, completions, strict=True):
+                self._advance(ep, completion, last_turn=turn == self.max_turns - 1)
+        return [self._trajectory(ep) for ep in episodes]
+
+    def _start(self, req: GenerateRequest, row: Mapping[str, Any]) -> list[_Episode]:
+        out = []
+        for index in range(req.sampling.n):
+            env = self.factory()
+            observation = env.reset(row)
+            ids = list(req.prompt.token_ids) or self.codec.prompt_ids(observation.messages, env.tools)
+            ep = _Episode(request=req, index=index, env=env, ids=ids, prompt_len=len(ids))
+            if len(ids) >= self.max_total_tokens:  # fails alone, as a bad request does in an engine
+                ep.stop = "error"
+                ep.error = (
+                    f"request {req.request_id}: prompt has {len(ids)} tokens, "
+                    f"max_total_tokens is {self.max_total_tokens}"
+                )
+            out.append(ep)
+        return out
+
+    def _has_room(self, ep: _Episode) -> bool:
+        if len(ep.ids) >= self.max_total_tokens:  # not even one new token fits
+            ep.stop = "max_length"
+        return not ep.stop
+
+    def _turn_request(self, ep: _Episode, turn: int) -> GenerateRequest:
+        """One sample of the episode's next turn, its budget cut to the room left; a seeded request gives
+        every (sample, turn) its own seed."""
+        s = ep.request.sampling
+        seed = None if s.seed is None else s.seed + ep.index * 100_003 + turn * 1_000_033
+        budget = min(s.max_new_tokens, self.max_total_tokens - len(ep.ids))
+        sampling = msgspec.structs.replace(s, n=1, max_new_tokens=budget, seed=seed)
+        return GenerateRequest(
+            request_id=f"{ep.request.request_id}/{ep.index}/t{turn}",
+            prompt=Prompt(token_ids=list(ep.ids)),
+            sampling=sampling,
+        )
+
+    def _advance(self, ep: _Episode, c: Completion, *, last_turn: bool) -> None:
+        """Append the turn's tokens, let the environment answer, and append its reply (or stop)."""
+        if c.finish_reason == "error":
+            ep.stop, ep.error = "error", c.error
+            return
+        ep.ids += c.token_ids
+        ep.mask += [1] * len(c.token_ids)
+        ep.logprobs += list(c.logprobs) if c.logprobs else [0.0] * len(c.token_ids)
+        ep.turns += 1
+        ep.version = c.policy_version if ep.version is None else min(ep.version, c.policy_version)
+        cut_off = len(ep.ids) >= self.max_total_tokens  # the turn ran into the length limit
+        text = self.codec.tok.decode(c.token_ids, skip_special_tokens=True)
+        calls, malformed = parse_tool_calls(text)
+        try:
+            result = ep.env.step(Action(text=text, tool_calls=calls, malformed=malformed))
+            ends = result.done or last_turn or cut_off
+            reply = [] if ends else self.codec.reply_ids(result.observation.messages)
+        except Exception as err:  # an environment bug ends its own episode, never the rollout
+            ep.stop, ep.error = "error", f"environment step failed: {type(err).__name__}: {err}"
+            return
+        ep.reward += result.reward
+        ep.tool_calls += result.tool_calls
+        ep.tool_errors.update(result.tool_errors)
+        if ends:  # a cut-off turn is truncated even when the environment takes it as the answer
+            ep.stop = "max_length" if cut_off else "done" if result.done else "max_turns"
+            return
+        if c.token_ids[-1] != self.codec.eos_id:  # the turn ran out of tokens: close it for the template
+            reply = [self.codec.eos_id, *reply]
+        if len(ep.ids) + len(reply) >= self.max_total_tokens:  # no room for the reply and one more token
+            ep.stop = "max_length"
+            return
+        ep.ids += reply
+        ep.mask += [0] * len(reply)
+        ep.logprobs += [0.0] * len(reply)
+
+    def _trajectory(self, ep: _Episode) -> Trajectory:
+        stop = ep.stop or "max_turns"
+        finish = {"max_length": "length", "error": "error"}.get(stop, "stop")
+        return Trajectory(
+            request_id=ep.request.request_id,
+            index=ep.index,
+            token_ids=ep.ids[ep.prompt_len :],
+            logprobs=ep.logprobs,
+            response_mask=ep.mask,
+            finish_reason=finish,
+            policy_version=ep.version
+            if ep.version is not None
+            else getattr(self.engine, "policy_version", 0),
+            stop_reason=stop,
+            num_turns=ep.turns,
+            reward=ep.reward,
+            tool_calls=ep.tool_calls,
+            tool_errors=dict(ep.tool_errors),
+            error=ep.error,
+        )
+
+
+# ---- metrics --------------------------------------------------------------------------------------------
+
+
+def agent_sums(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """Counters to sum over controllers (every key always present): trajectories, turns, tool calls,
+    failed calls by kind, truncated episodes (stopped at the length limit), environment reward."""
+    sums = {
+        "agent/trajectories": float(len(trajectories)),
+        "agent/turns": float(sum(t.num_turns for t in trajectories)),
+        "agent/tool_calls": float(sum(t.tool_calls for t in trajectories)),
+        "agent/truncated": float(sum(t.stop_reason == "max_length" for t in trajectories)),
+        "agent/env_reward": float(sum(t.reward for t in trajectories)),
+    }
+    for kind in TOOL_ERROR_KINDS:
+        sums[f"agent/tool_errors/{kind}"] = float(sum(t.tool_errors.get(kind, 0) for t in trajectories))
+    return sums
+
+
+def agent_metrics(sums: Mapping[str, float]) -> dict[str, float]:
+    """The logged metrics from (summed) `agent_sums`: agent/turns_mean, agent/env_reward_mean, and the
+    counts agent/tool_calls, agent/tool_errors/<kind>, agent/truncated as they are."""
+    n = max(sums["agent/trajectories"], 1.0)
+    out = {"agent/turns_mean": sums["agent/turns"] / n, "agent/env_reward_mean": sums["agent/env_reward"] / n}
+    for key, value in sums.items():
+        if key in ("agent/tool_calls", "agent/truncated") or key.startswith("agent/tool_errors/"):
+            out[key] = value
+    return out

@@ -275,13 +275,20 @@ def test_vllm_rollout_and_judge(ray_session, tmp_path):
 
 @pytest.mark.slow
 def test_fsdp2_learner_and_resume_parity(ray_session, tmp_path):
-    """FSDP2 over two learner ranks (gloo): 2 steps; a run stopped after step 0 and resumed from its
-    checkpoint logs the same step 1 as the straight run (the export's gather runs on both ranks)."""
-    cfg = small(learner=LearnerConfig(backend="fsdp2"))
-    cfg = replace(cfg, controller=replace(cfg.controller, checkpoint_every=1))
+    """FSDP2 over two learner ranks (gloo), rule rewards only: 2 steps, checkpoints after each. A copy of that
+    run directory cut back to its step-0 checkpoint, resumed, logs the same step 1 as the straight run (the
+    export's gather runs on both ranks at the pushes after building, after restoring and after each update)."""
+    import shutil
+
+    base = small(learner=LearnerConfig(backend="fsdp2"))
+    cfg = replace(base, judge=None, rewards=[s for s in base.rewards if s.kind != "genrm"],
+                  controller=replace(base.controller, checkpoint_every=1))  # fmt: skip
     straight = run(cfg, tmp_path / "straight")
     assert straight["step"] == 1 and 0.0 < straight["train/rollout_mismatch"] < 1e-4
-    run(replace(cfg, run=replace(cfg.run, num_steps=1)), tmp_path / "resumed")
+    shutil.copytree(tmp_path / "straight", tmp_path / "resumed")
+    steps = sorted(p for p in (tmp_path / "resumed" / "checkpoints").iterdir() if p.is_dir())
+    assert len(steps) == 2
+    shutil.rmtree(steps[-1])  # the step-1 checkpoint: the resumed run restarts from step 0's
     resumed = run(cfg, tmp_path / "resumed")
     assert resumed["step"] == 1
     a, b = comparable(metrics(tmp_path / "straight")[1]), comparable(metrics(tmp_path / "resumed")[1])

@@ -154,8 +154,9 @@ class PolicyWorker:
     published under `key`.
 
     Weight export under FSDP2 (and Megatron TP) is a collective: `gather_weights` runs it on every rank (the
-    step calls it on all its own learner ranks before the push) and `named_weights` then serves that copy
-    to whichever rank's host the weight sync asks."""
+    step calls it on all its own learner ranks before the push; construction and a checkpoint restore, which
+    every rank runs together, call it for the runtime's push that follows them) and `named_weights` then
+    serves that copy to whichever rank's host the weight sync asks, until the next update."""
 
     def __init__(self, cfg: RunConfig, model_dir: str, key: str, *, worker_info: Any) -> None:
         import torch
@@ -170,6 +171,7 @@ class PolicyWorker:
             group = join_learner_group(worker_info, key)
             self.learner, self.reference = _torch_learners(cfg, model_dir, group, reference)
         self._gathered: list | None = None
+        self.gather_weights()  # every rank builds together: the runtime's first push (version 0) reads this
 
     def logprobs(self, batch: dict[str, Any]) -> dict[str, Any]:
         """Old (current policy) and reference logprobs [B, T] and the policy's entropy [B, T]."""
@@ -218,6 +220,7 @@ class PolicyWorker:
 
         self._gathered = None
         self.learner.load_state_dict(torch.load(io.BytesIO(data), weights_only=True))
+        self.gather_weights()  # every rank restores together; the push after a resume reads this
 
 
 def build_engine(cfg: RunConfig, spec: ModelSpec, engine: str, model_dir: str, *, seed: int, processor=None):

@@ -304,12 +304,15 @@ def test_fsdp2_learner_and_resume_parity(ray_session, tmp_path):
 
 @pytest.mark.slow
 def test_megatron_learner_under_the_cpu_shim(ray_session, tmp_path):
-    """Megatron-Core (TP 1, DP 2 over gloo, TEST-ONLY CPU shim): 2 steps; after step 0's update the weights
-    pushed to the HF engines reproduce the Megatron learner's logprobs of the engines' own samples."""
-    summary = run(small(learner=LearnerConfig(backend="megatron")), tmp_path / "megatron")
-    assert summary["step"] == 1 and summary["restarts"] == 0
+    """Megatron-Core (TP 1, DP 2 over gloo, TEST-ONLY CPU shim), 3 steps. Step 0's samples all score 0 (no
+    update); step 1's update moves the weights (KL to the reference appears at step 2), and step 2's samples,
+    made by the HF engines from the pushed weights, have the Megatron learner's logprobs to 1e-4."""
+    cfg = small(learner=LearnerConfig(backend="megatron"))
+    cfg = replace(cfg, run=replace(cfg.run, num_steps=3, schedule_steps=3))
+    summary = run(cfg, tmp_path / "megatron")
+    assert summary["step"] == 2 and summary["restarts"] == 0
     rows = metrics(tmp_path / "megatron")
-    assert rows[0]["train/grad_norm"] > 0
+    assert rows[1]["train/grad_norm"] > 0 and rows[2]["train/kl"] != 0.0
     assert all(0.0 < row["train/rollout_mismatch"] < 1e-4 for row in rows.values())
 
 

@@ -13,7 +13,7 @@ import asyncio
 import io
 from typing import Any
 
-from yatt_apps.config import MEGATRON_CPU_SHIM, MEGATRON_NEEDS_CUDA, ModelSpec, RunConfig
+from yatt_apps.config import MEGATRON_CPU_SHIM, ModelSpec, RunConfig
 from yatt_apps.models import load_causal_lm, load_tokenizer
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -130,14 +130,20 @@ def _megatron_learners(cfg: RunConfig, model_dir: str, info: Any, key: str, refe
 
         megatron_shim.install()  # TEST ONLY
     elif not torch.cuda.is_available():
-        raise ValueError(MEGATRON_NEEDS_CUDA.replace("(ray.address is empty, so the job runs on this machine)",
-                                                     "on this learner worker's node"))  # fmt: skip
+        raise ValueError(
+            "learner.backend='megatron' needs CUDA on every learner worker, and this one has none: give the "
+            "actor role GPU nodes, or use learner.backend=ddp or fsdp2"
+        )
     from megatron.core import parallel_state as ps
     from yatt_algos.learner.megatron_backend import MegatronPolicyLearner
 
     join_learner_group(info, key, always=True)
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(tensor_model_parallel_size=info.tp_size, pipeline_model_parallel_size=1)
+    if torch.cuda.is_available():  # Megatron's CUDA RNG tracker (the shim replaced it on CPU)
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(cfg.run.seed)
     hf = load_causal_lm(model_dir, trust_remote_code=cfg.model.trust_remote_code)
     params_dtype = getattr(torch, dtype_name(cfg.model))
 

@@ -252,13 +252,19 @@ def ray_session():
 
     if ray.is_initialized():
         ray.shutdown()
+    import psutil  # a Ray dependency
+
     for attempt in range(3):  # Ray's node start-up has a fixed 30 s limit, which a busy machine can miss
+        before = {p.pid for p in psutil.Process().children()}
         try:
             ray.init(address="local", num_cpus=16, num_gpus=4, include_dashboard=False,
                      object_store_memory=512 * 2**20, log_to_driver=False)  # fmt: skip
             break
         except Exception:
             ray.shutdown()
+            for child in psutil.Process().children():  # what the failed start left behind, by pid
+                if child.pid not in before:
+                    child.kill()
             if attempt == 2:
                 raise
     yield

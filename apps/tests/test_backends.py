@@ -117,6 +117,25 @@ def test_backend_and_dtype_resolution():
     ]
 
 
+def test_tensor_parallel_peers_hold_no_engine():
+    """A replica over k devices: its first worker serves (vLLM's TP spans them); the k - 1 peers build nothing
+    and answer with nothing (dispatch returns the first worker's answer)."""
+    from yatt_apps.workers import RewardWorker, RolloutWorker
+    from yatt_controller.types import WorkerInfo
+
+    peer = WorkerInfo(role="rollout", dp_rank=0, dp_size=1, tp_rank=1, tp_size=2)
+    rollout = RolloutWorker(tiny_cpu(), "/nonexistent", worker_info=peer)
+    reward = RewardWorker(tiny_cpu(), "/nonexistent", worker_info=peer)
+    assert (rollout.engine, reward.engine, rollout.generate(["r"]), reward.score(["r"])) == (
+        None,
+        None,
+        [],
+        {},
+    )
+    rollout.load_weights([("w", None)], 3)  # nothing to load into
+    rollout.sleep(2), rollout.wake_up(), reward.sleep(1), reward.wake_up()
+
+
 # ---- hub ids ----------------------------------------------------------------------------------------------
 
 

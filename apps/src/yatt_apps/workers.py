@@ -310,10 +310,13 @@ class RewardWorker:
     engine (`judge.engine`: HF or vLLM) in this process. `score` applies the failure policy and returns plain
     data."""
 
-    def __init__(self, cfg: RunConfig, judge_dir: str = "") -> None:
+    def __init__(self, cfg: RunConfig, judge_dir: str = "", *, worker_info: Any = None) -> None:
         from yatt_multimodal.reward_specs import build_combined
 
         _one_thread()
+        self.engine = self.reward = None
+        if worker_info is not None and worker_info.tp_rank > 0:
+            return  # a judge over k devices (vLLM TP) lives in its replica's first worker, as in RolloutWorker
         resources: dict[str, Any] = {}
         if judge_dir:
             from yatt_multimodal.prompt_codecs import HFChatCodec
@@ -336,6 +339,8 @@ class RewardWorker:
     def score(self, requests: list) -> dict[str, Any]:
         from yatt_multimodal.rewards import resolve_failures
 
+        if self.reward is None:  # a TP peer: dispatch returns the replica's first worker's answer
+            return {}
         batch = asyncio.run(self.reward.score(requests))
         resolved = resolve_failures(batch, self.reward.failure_policy)
         return {"scores": resolved.scores, "keep": resolved.keep, "statuses": [r.status for r in batch.rewards],

@@ -9,6 +9,7 @@ cluster test, which runs first with no session up and joins its own head.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -211,19 +212,26 @@ def comparable(row: dict) -> dict:
 
 def _start_head(tmp: Path) -> tuple[subprocess.Popen, str]:
     """`ray start --head` in its own process group (so the test stops exactly it: never `ray stop`), blocking;
-    returns the process and the address it prints."""
+    returns the process and the address it prints. Retried: on a busy machine the head can miss Ray's fixed
+    30 s node start-up limit."""
     cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--port=0", "--num-cpus=8",
            "--num-gpus=4", "--include-dashboard=false", "--block", f"--temp-dir={tmp}"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env={**os.environ, "RAY_ADDRESS": ""})  # fmt: skip
-    deadline = time.monotonic() + 120
-    for line in proc.stdout:
-        if "--address='" in line:
-            return proc, line.split("--address='", 1)[1].split("'", 1)[0]
-        if time.monotonic() > deadline:
-            break
-    os.killpg(proc.pid, signal.SIGKILL)
-    raise RuntimeError("ray start --head printed no address")
+    lines: list[str] = []
+    for _ in range(3):
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True, env={**os.environ, "RAY_ADDRESS": ""})  # fmt: skip
+        deadline = time.monotonic() + 180
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if "--address='" in line:
+                return proc, line.split("--address='", 1)[1].split("'", 1)[0]
+            if time.monotonic() > deadline:
+                break
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    raise RuntimeError("ray start --head printed no address:\n" + "".join(lines[-20:]))
 
 
 @pytest.mark.slow

@@ -49,19 +49,14 @@ class CritiqueWorker(RewardWorker):
     def __init__(self, cfg: RunConfig, judge_dir: str, policy_dir: str) -> None:
         from yatt_multimodal.genprm import GenPRM
         from yatt_multimodal.prompt_codecs import HFChatCodec
-        from yatt_rollout.hf_engine import HFEngine
 
-        from yatt_apps.models import load_causal_lm, load_tokenizer
+        from yatt_apps.models import load_tokenizer
+        from yatt_apps.workers import build_engine
 
         super().__init__(cfg)  # the rule terms only: the judge model serves the critic
-        trust = cfg.judge.trust_remote_code
-        judge_tok = load_tokenizer(judge_dir, trust_remote_code=trust)
-        engine = HFEngine(
-            load_causal_lm(judge_dir, trust_remote_code=trust),
-            judge_tok,
-            max_batch_size=256,
-            seed=cfg.run.seed + 1,
-        )
+        judge_tok = load_tokenizer(judge_dir, trust_remote_code=cfg.judge.trust_remote_code)
+        engine = build_engine(cfg, cfg.judge, cfg.judge.engine, judge_dir, seed=cfg.run.seed + 1)
+        self.engine = engine  # slept and woken like the GenRM's (RewardWorker.sleep / wake_up)
         self.critic = GenPRM(
             engine, HFChatCodec(judge_tok), cfg.capo.critic, tokenizer=load_tokenizer(policy_dir)
         )
@@ -75,12 +70,6 @@ class CritiqueWorker(RewardWorker):
     def score_and_critique(self, requests: list) -> dict[str, Any]:
         """The rule terms (r_v) and the K step critiques of each request, in one call (one stream stage)."""
         return {**self.score(requests), "critiques": self.critique(requests)}
-
-    def sleep(self, level: int = 1) -> None:
-        self.critic.engine.sleep(level)
-
-    def wake_up(self) -> None:
-        self.critic.engine.wake_up()
 
 
 def capo_credit(

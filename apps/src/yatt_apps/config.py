@@ -202,6 +202,62 @@ class RunConfig(_Config, kw_only=True):
             )
         if any(spec.kind == "genrm" for spec in self.rewards) and self.judge is None:
             raise ValueError("rewards has a 'genrm' term but judge (the judge model) is not set")
+        for problem in hardware_problems(self):
+            raise ValueError(problem)
+
+
+def hardware_problems(cfg: RunConfig) -> list[str]:
+    """Engine, backend, tensor-parallel and device combinations that cannot run, each naming its keys."""
+    per_node = cfg.placement.cluster.devices_per_node
+    engines = [("model", "rollout.engine", cfg.rollout.engine, cfg.model)]
+    if cfg.judge is not None:
+        engines.append(("judge", "judge.engine", cfg.judge.engine, cfg.judge))
+    problems = []
+    for name, engine_key, engine, spec in engines:
+        tp = spec.tensor_parallel
+        if tp < 1:
+            problems.append(f"{name}.tensor_parallel must be >= 1, got {tp}")
+        elif engine == "hf" and tp > 1:
+            problems.append(f"{engine_key}='hf' cannot use {name}.tensor_parallel={tp} (the HF engine runs on one "
+                            f"device); set {engine_key}=vllm or {name}.tensor_parallel=1")  # fmt: skip
+        elif per_node % tp:
+            problems.append(f"{name}.tensor_parallel={tp} does not divide placement.cluster.devices_per_node="
+                            f"{per_node} (a replica spans devices of one host)")  # fmt: skip
+    vlm = cfg.model.arch == "qwen2_vl"
+    if vlm and cfg.rollout.engine == "vllm":
+        problems.append("rollout.engine='vllm' does not serve a VLM policy (model.arch='qwen2_vl'): use 'hf'")
+    backend = cfg.learner.backend
+    if backend == "megatron":
+        if vlm:
+            problems.append(
+                "learner.backend='megatron' converts Llama/Qwen2 text models, not model.arch='qwen2_vl'"
+            )
+        if cfg.learner.lora_rank:
+            problems.append(
+                "learner.backend='megatron' has no LoRA (learner.lora_rank > 0): use 'ddp' or 'fsdp2'"
+            )
+        if not megatron_device_ok(cfg):
+            problems.append(MEGATRON_NEEDS_CUDA)
+    return problems
+
+
+MEGATRON_CPU_SHIM = "YATT_TEST_MEGATRON_CPU_SHIM"  # the test-only CPU shim (yatt_apps.megatron_shim)
+MEGATRON_NEEDS_CUDA = (
+    "learner.backend='megatron' needs CUDA devices and none is visible here (ray.address is empty, so the job "
+    "runs on this machine); use learner.backend=ddp or fsdp2 on CPU"
+)
+
+
+def megatron_device_ok(cfg: RunConfig) -> bool:
+    """Megatron-Core runs on CUDA only (outside the labelled test shim). Checked here when the job runs on this
+    machine; a job joining a cluster (`ray.address` / $RAY_ADDRESS) is checked by its learner workers."""
+    import os
+
+    if os.environ.get(MEGATRON_CPU_SHIM) == "1" or cfg.ray.address or os.environ.get("RAY_ADDRESS"):
+        return True
+    import torch
+
+    return torch.cuda.is_available()
 
 
 # ---- presets --------------------------------------------------------------------------------------------
@@ -324,7 +380,10 @@ def qwen2_5_math_1_5b_genrm_72b() -> RunConfig:
     return RunConfig(
         run=RunSpec(name="grpo-genrm-1.5b-72b", num_steps=500, prompts_per_step=512, eval_every=20),
         model=ModelSpec(path="/models/Qwen2.5-Math-1.5B-SFT", num_params=1.5e9),
-        judge=ModelSpec(path="/models/Qwen2.5-Math-72B-Instruct", num_params=72e9, tensor_parallel=8),
+        judge=ModelSpec(
+            path="/models/Qwen2.5-Math-72B-Instruct", num_params=72e9, tensor_parallel=8, engine="vllm"
+        ),
+        rollout=RolloutSpec(engine="vllm"),
         data=DataSpec(
             train="/data/gsm8k/train.parquet", val="/data/gsm8k/test.parquet", max_prompt_tokens=512
         ),

@@ -89,12 +89,18 @@ def build_services(
         from yatt_apps.agent import AgentRolloutWorker
 
         rollout_cls = AgentRolloutWorker
-    rollout = WorkerGroup.create(pool, "rollout", rollout_cls, args=(cfg, policy_dir))
+    rollout = WorkerGroup.create(pool, "rollout", rollout_cls, args=(cfg, policy_dir), pass_worker_info=True)
     cls = reward_cls or RewardWorker
-    reward = WorkerGroup.create(pool, reward_role(cfg), cls, args=reward_args or (cfg, judge_dir))
+    reward = WorkerGroup.create(
+        pool,
+        reward_role(cfg),
+        cls,
+        args=reward_args or (cfg, judge_dir),
+        pass_worker_info=cls is RewardWorker,
+    )
     groups = {"actor": actor, "rollout": rollout, "reward": reward}
     stateful = tuple(extra(pool, groups)) if extra is not None else ()
-    sync = WeightSync(actor, [rollout], mode="auto")
+    sync = WeightSync(actor, [rollout], mode="auto", backend="auto")  # NCCL where the workers have CUDA
     return Services(groups=groups, learner="actor", weight_sync=sync, checkpointed=stateful)
 
 

@@ -146,7 +146,8 @@ def prepare_models(cfg: RunConfig, run: RunDir) -> tuple[str, str]:
     rows = train_rows(cfg)
     corpus = tokenizer_corpus((rows[i] for i in range(len(rows))), judge_text) if tiny else []
     policy_dir = str(prepare_model(cfg.model, run.path / "models" / "policy", corpus))
-    judge_dir = str(prepare_model(cfg.judge, run.path / "models" / "judge", corpus)) if cfg.judge else ""
+    judge = run.path / "models" / "judge"
+    judge_dir = str(prepare_model(cfg.judge, judge, corpus, key="judge.path")) if cfg.judge else ""
     return policy_dir, judge_dir
 
 
@@ -165,7 +166,9 @@ def absolute_paths(cfg: RunConfig) -> RunConfig:
     replace = msgspec.structs.replace
 
     def absolute(path: str) -> str:
-        return str(Path(path).resolve()) if path else path
+        from yatt_apps.model_sources import is_hub_id
+
+        return str(Path(path).resolve()) if path and not is_hub_id(path) else path
 
     data = replace(cfg.data, train=absolute(cfg.data.train), val=absolute(cfg.data.val))
     model = replace(cfg.model, path=absolute(cfg.model.path))

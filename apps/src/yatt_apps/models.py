@@ -17,14 +17,13 @@ def tokenizer_corpus(rows: Iterable[object], extra: Iterable[str] = ()) -> list[
     return texts + list(extra)
 
 
-def prepare_model(spec: ModelSpec, out: Path, corpus: list[str]) -> Path:
+def prepare_model(spec: ModelSpec, out: Path, corpus: list[str], *, key: str = "model.path") -> Path:
     """The HF directory of `spec`: `spec.path` if given (checked), else a tiny model written to `out`
     (reused when it is already there, as on resume)."""
-    if spec.path:
-        path = Path(spec.path)
-        if not (path / "config.json").is_file():
-            raise ValueError(f"model.path {spec.path!r} is not an HF model directory (no config.json)")
-        return path
+    if spec.path:  # a local folder or a hub id (cached snapshot, else downloaded unless offline)
+        from yatt_apps.model_sources import resolve_model_dir
+
+        return resolve_model_dir(spec.path, key=key)
     if (out / "config.json").is_file():
         return out
     if spec.arch == "qwen2_vl":
@@ -66,14 +65,15 @@ def is_vlm(path: str | Path) -> bool:
     return (Path(path) / "preprocessor_config.json").is_file()
 
 
-def load_causal_lm(path: str | Path, *, trust_remote_code: bool = False):
-    """An HF causal LM (or an image-text-to-text VLM) in float32 on CPU, from a local directory only."""
+def load_causal_lm(path: str | Path, *, trust_remote_code: bool = False, dtype: str = "float32"):
+    """An HF causal LM (or an image-text-to-text VLM) on CPU in `dtype` (a torch dtype name), from a local
+    directory only."""
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     auto = AutoModelForImageTextToText if is_vlm(path) else AutoModelForCausalLM
     return auto.from_pretrained(
-        str(path), dtype=torch.float32, local_files_only=True, trust_remote_code=trust_remote_code
+        str(path), dtype=getattr(torch, dtype), local_files_only=True, trust_remote_code=trust_remote_code
     )
 
 

@@ -292,7 +292,10 @@ def train(ctx, experience: dict[str, Any], group: str | None = None) -> dict[str
 
 def sync_weights(ctx) -> None:
     """Version v+1 to every rollout replica: the in-process copy where a replica shares a learner rank's
-    process, the broadcast group elsewhere."""
+    process, the broadcast group elsewhere. An FSDP2 (or Megatron tensor-parallel) export is a collective,
+    so first every controller has each of its own learner ranks gather the full weights (together they cover
+    every rank); the push, made from whichever ranks' hosts the sync uses, then reads those copies."""
+    ctx.get(ctx.learner.broadcast("gather_weights"))
     ctx.sync_weights()
 
 

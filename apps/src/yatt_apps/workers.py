@@ -1,8 +1,10 @@
 """The classes a job hosts on its devices (through yatt_controller's WorkerGroup): the policy learner rank with
 its frozen reference, the rollout engine, and the reward service (rules and the GenRM judge).
 
-Each is built inside its own host process from model directories, so nothing heavy crosses from the driver.
-They speak plain data: dicts of CPU tensors in, dicts of tensors or floats out.
+Each is built inside its own host process from model directories, so nothing heavy crosses from the driver,
+on the device Ray gave that process (CUDA when it has one, else the CPU) in the configured dtype. The config
+chooses the engines (`rollout.engine`, `judge.engine`: HF or vLLM) and the learner (`learner.backend`: torch
+DDP, torch FSDP2, Megatron-Core). They speak plain data: dicts of CPU tensors in, dicts of tensors or floats out.
 """
 
 from __future__ import annotations
@@ -11,8 +13,10 @@ import asyncio
 import io
 from typing import Any
 
-from yatt_apps.config import RunConfig
+from yatt_apps.config import MEGATRON_CPU_SHIM, ModelSpec, RunConfig
 from yatt_apps.models import load_causal_lm, load_tokenizer
+
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 def _one_thread() -> None:
@@ -21,14 +25,42 @@ def _one_thread() -> None:
     torch.set_num_threads(1)  # several hosted roles share a CPU core on the tiny preset
 
 
-def join_learner_group(info: Any, key: str):
-    """The torch.distributed group of a learner's data-parallel ranks (None for one rank). Rank 0 binds its
-    store on a port the OS picks, on its node's IP, and publishes `ip:port` under `key` in Ray's key-value
-    store; the other ranks wait for it. No port is chosen by one process and bound by another (that races)."""
+def device() -> str:
+    """This process's device: Ray sets CUDA_VISIBLE_DEVICES to the GPU it assigned, so that one is cuda:0."""
     import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def dtype_name(spec: ModelSpec) -> str:
+    """The torch dtype name of `spec.dtype`; auto is bf16 on CUDA and fp32 on the CPU."""
+    if spec.dtype != "auto":
+        return DTYPES[spec.dtype]
+    return "bfloat16" if device() == "cuda" else "float32"
+
+
+def sync_backend() -> str:
+    """The torch.distributed backend for learner groups and weight broadcasts: NCCL on CUDA, else gloo."""
+    return "nccl" if device() == "cuda" else "gloo"
+
+
+def learner_backend(cfg: RunConfig) -> str:
+    """ddp, fsdp2 or megatron; the older `learner.data_parallel='fsdp2'` alone also means fsdp2."""
+    if cfg.learner.backend == "ddp" and cfg.learner.data_parallel == "fsdp2":
+        return "fsdp2"
+    return cfg.learner.backend
+
+
+def join_learner_group(info: Any, key: str, *, always: bool = False):
+    """The torch.distributed group of every learner worker (None for one, unless `always`): dp_size x tp_size
+    ranks, rank = dp_rank x tp_size + tp_rank (a TP replica's workers are consecutive, Megatron's order).
+    Rank 0 binds its store on a port the OS picks, on its node's IP, and publishes `ip:port` under `key` in
+    Ray's key-value store; the other ranks wait for it. No port is chosen by one process and bound by another
+    (that races). NCCL on CUDA, gloo on the CPU."""
     import torch.distributed as dist
 
-    if info.dp_size == 1:
+    world, rank = info.dp_size * info.tp_size, info.dp_rank * info.tp_size + info.tp_rank
+    if world == 1 and not always:
         return None
     import datetime
 
@@ -36,14 +68,13 @@ def join_learner_group(info: Any, key: str):
     from ray.experimental import internal_kv
 
     timeout = datetime.timedelta(seconds=300)
-    if info.dp_rank == 0:
+    if rank == 0:
         ip = ray.util.get_node_ip_address()
-        store = dist.TCPStore(ip, 0, info.dp_size, is_master=True, timeout=timeout, wait_for_workers=False)
+        store = dist.TCPStore(ip, 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
         internal_kv._internal_kv_put(key, f"{ip}:{store.port}", overwrite=True)
     else:
-        store = _wait_for_store(key, info.dp_size, timeout)
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, store=store, rank=info.dp_rank, world_size=info.dp_size, timeout=timeout)
+        store = _wait_for_store(key, world, timeout)
+    dist.init_process_group(sync_backend(), store=store, rank=rank, world_size=world, timeout=timeout)
     return dist.group.WORLD
 
 
@@ -62,49 +93,130 @@ def _wait_for_store(key: str, world: int, timeout):
     return dist.TCPStore(ip, int(port), world, is_master=False, timeout=timeout)
 
 
+def _to_cpu(out: dict[str, Any]) -> dict[str, Any]:
+    return {key: value.cpu() if hasattr(value, "cpu") else value for key, value in out.items()}
+
+
+def _torch_learners(cfg: RunConfig, model_dir: str, group: Any, reference: bool):
+    """The policy's TorchPolicyLearner (DDP or FSDP2 over `group`) on this process's device, and a frozen
+    full copy for the reference when `reference`."""
+    import msgspec
+    from yatt_algos.learner.torch_backend import TorchPolicyLearner
+
+    fsdp = learner_backend(cfg) == "fsdp2"
+    learner = msgspec.structs.replace(cfg.learner, data_parallel="fsdp2" if fsdp else "ddp")
+    trust, dtype, dev = cfg.model.trust_remote_code, dtype_name(cfg.model), device()
+
+    def model():
+        return load_causal_lm(model_dir, trust_remote_code=trust, dtype=dtype).to(dev)
+
+    policy = TorchPolicyLearner(model(), algo=cfg.algo, optim_config=cfg.optim, learner=learner, group=group)
+    ref = (
+        TorchPolicyLearner(model(), algo=cfg.algo, optim_config=None, learner=learner) if reference else None
+    )
+    return policy, ref
+
+
+def _megatron_learners(cfg: RunConfig, model_dir: str, info: Any, key: str, reference: bool):
+    """Megatron-Core learners over every actor worker: tensor parallel = the actor replica's size (its workers
+    get the same rows), data parallel = the replicas, pipeline parallel 1. CUDA only, except under the
+    labelled test-only CPU shim ($YATT_TEST_MEGATRON_CPU_SHIM=1, `yatt_apps.megatron_shim`)."""
+    import os
+
+    import torch
+
+    if os.environ.get(MEGATRON_CPU_SHIM) == "1" and not torch.cuda.is_available():
+        from yatt_apps import megatron_shim
+
+        megatron_shim.install()  # TEST ONLY
+    elif not torch.cuda.is_available():
+        raise ValueError(
+            "learner.backend='megatron' needs CUDA on every learner worker, and this one has none: give the "
+            "actor role GPU nodes, or use learner.backend=ddp or fsdp2"
+        )
+    from megatron.core import parallel_state as ps
+    from yatt_algos.learner.megatron_backend import MegatronPolicyLearner
+
+    join_learner_group(info, key, always=True)
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(tensor_model_parallel_size=info.tp_size, pipeline_model_parallel_size=1)
+    if torch.cuda.is_available():  # Megatron's CUDA RNG tracker (the shim replaced it on CPU)
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(cfg.run.seed)
+    hf = load_causal_lm(model_dir, trust_remote_code=cfg.model.trust_remote_code)
+    params_dtype = getattr(torch, dtype_name(cfg.model))
+
+    def build(optim):
+        return MegatronPolicyLearner(hf.config, hf.state_dict(), algo=cfg.algo, optim_config=optim,
+                                     learner=cfg.learner, params_dtype=params_dtype)  # fmt: skip
+
+    return build(cfg.optim), build(None) if reference else None
+
+
 class PolicyWorker:
-    """One data-parallel rank of the policy learner (torch backend), plus the frozen reference model when
-    the objective has a KL term. Ranks meet in a gloo (CPU) or NCCL (GPU) group published under `key`."""
+    """One rank of the policy learner (`learner.backend`: torch DDP or FSDP2, or Megatron-Core), plus the frozen
+    reference model when the objective has a KL term. Ranks meet in a gloo (CPU) or NCCL (GPU) group
+    published under `key`.
+
+    Weight export under FSDP2 (and Megatron TP) is a collective: `gather_weights` runs it on every rank (the
+    step calls it on all its own learner ranks before the push; construction and a checkpoint restore, which
+    every rank runs together, call it for the runtime's push that follows them) and `named_weights` then
+    serves that copy to whichever rank's host the weight sync asks, until the next update."""
 
     def __init__(self, cfg: RunConfig, model_dir: str, key: str, *, worker_info: Any) -> None:
         import torch
-        from yatt_algos.learner.torch_backend import TorchPolicyLearner
 
         _one_thread()
         torch.manual_seed(cfg.run.seed)
-        group = join_learner_group(worker_info, key)
-        trust = cfg.model.trust_remote_code
-        self.learner = TorchPolicyLearner(
-            load_causal_lm(model_dir, trust_remote_code=trust), algo=cfg.algo, optim_config=cfg.optim,
-            learner=cfg.learner, group=group,
-        )  # fmt: skip
-        self.reference = None
-        if cfg.algo.kl_loss_coef or cfg.algo.kl_reward_coef:
-            self.reference = TorchPolicyLearner(
-                load_causal_lm(model_dir, trust_remote_code=trust), algo=cfg.algo, optim_config=None,
-                learner=cfg.learner,
-            )  # fmt: skip
+        self.backend = learner_backend(cfg)
+        reference = bool(cfg.algo.kl_loss_coef or cfg.algo.kl_reward_coef)
+        if self.backend == "megatron":
+            self.learner, self.reference = _megatron_learners(cfg, model_dir, worker_info, key, reference)
+        else:
+            group = join_learner_group(worker_info, key)
+            self.learner, self.reference = _torch_learners(cfg, model_dir, group, reference)
+        self._gathered: list | None = None
+        self.gather_weights()  # every rank builds together: the runtime's first push (version 0) reads this
 
     def logprobs(self, batch: dict[str, Any]) -> dict[str, Any]:
         """Old (current policy) and reference logprobs [B, T] and the policy's entropy [B, T]."""
+        self._gathered = None
         old, entropy = self.learner.compute_logprobs_and_entropy(batch)
         out = {"old_logprobs": old, "entropy": entropy}
         if self.reference is not None:
             out["ref_logprobs"] = self.reference.compute_logprobs(batch)
-        return out
+        return _to_cpu(out)
 
     def train(self, experience: dict[str, Any]) -> dict[str, float]:
+        self._gathered = None
         stats = self.learner.update(experience)
         return {"loss": stats.loss, "grad_norm": stats.grad_norm, "lr": stats.lr,
                 "num_skipped_steps": float(stats.num_skipped_steps), **stats.metrics}  # fmt: skip
 
+    def gather_weights(self) -> int:
+        """Run the collective export on this rank (FSDP2 all-gathers its shards, Megatron its TP shards) and
+        keep the full HF-named tensors for the next push; the torch DDP export reads the live weights and needs
+        no gather. Returns the bytes gathered."""
+        if self.backend == "ddp":
+            return 0
+        self._gathered = [pair for bucket in self.learner.export_weights(64 << 20) for pair in bucket]
+        return sum(t.numel() * t.element_size() for _, t in self._gathered)
+
     def named_weights(self):
+        if self._gathered is not None:
+            yield from self._gathered
+            return
+        if self.backend != "ddp":
+            raise RuntimeError(f"learner.backend={self.backend!r}: call gather_weights on every learner rank "
+                               "before a weight push (its export is a collective)")  # fmt: skip
         for bucket in self.learner.export_weights(64 << 20):
             yield from bucket
 
     def checkpoint_state(self) -> bytes:
         import torch
 
+        self._gathered = None
         buf = io.BytesIO()
         torch.save(self.learner.state_dict(), buf)
         return buf.getvalue()
@@ -112,55 +224,106 @@ class PolicyWorker:
     def load_checkpoint_state(self, data: bytes) -> None:
         import torch
 
+        self._gathered = None
         self.learner.load_state_dict(torch.load(io.BytesIO(data), weights_only=True))
+        self.gather_weights()  # every rank restores together; the push after a resume reads this
+
+
+def build_engine(cfg: RunConfig, spec: ModelSpec, engine: str, model_dir: str, *, seed: int, processor=None):
+    """The engine serving `spec` (`engine`: "hf" or "vllm") on this process's device in the spec's dtype. A
+    vLLM engine spans the replica's `spec.tensor_parallel` devices (vLLM's own tensor parallelism)."""
+    trust = spec.trust_remote_code
+    if engine == "vllm":
+        return _vllm_engine(cfg, spec, model_dir, seed=seed)
+    from yatt_rollout.hf_engine import HFEngine
+
+    model = load_causal_lm(model_dir, trust_remote_code=trust, dtype=dtype_name(spec))
+    tok = load_tokenizer(model_dir, trust_remote_code=trust)
+    return HFEngine(model, tok, processor=processor, max_batch_size=256, seed=seed, device=device())
+
+
+def _vllm_engine(cfg: RunConfig, spec: ModelSpec, model_dir: str, *, seed: int):
+    """vLLM on the model directory: context = the model's max_position_embeddings; on CUDA native sleep, and
+    a third of the device's memory where the device is shared with other roles."""
+    import json
+    import os
+    from pathlib import Path
+
+    from yatt_rollout.vllm_engine import VLLMEngine
+
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", "/tmp/yatt-inductor-cache")  # compile once per machine
+    hf_config = json.loads((Path(model_dir) / "config.json").read_text())
+    kwargs: dict[str, Any] = {"tensor_parallel_size": spec.tensor_parallel}
+    if spec.tensor_parallel > 1:
+        kwargs["distributed_executor_backend"] = "ray"  # vLLM's TP workers on the replica's devices
+    if device() == "cuda":
+        shared = cfg.placement.mode != "disaggregated"
+        kwargs |= {"enable_sleep_mode": True, **({"gpu_memory_utilization": 0.3} if shared else {})}
+    return VLLMEngine(model_dir, dtype=dtype_name(spec), seed=seed, trust_remote_code=spec.trust_remote_code,
+                      max_model_len=int(hf_config.get("max_position_embeddings", 2048)), **kwargs)  # fmt: skip
+
+
+def load_named(engine: Any, named: list, version: int) -> None:
+    """Named tensors already in this process into any engine (the vLLM one takes buckets)."""
+    if hasattr(engine, "load_weights"):
+        engine.load_weights(named, version)
+        return
+    from yatt_rollout.buckets import make_buckets
+
+    engine.update_weights(make_buckets(named, max_bytes=256 << 20), version)
 
 
 class RolloutWorker:
-    """A yatt-rollout HF engine over the policy's weights; receives weight pushes in process."""
+    """The policy's rollout engine (`rollout.engine`: HF or vLLM); receives weight pushes in process. With a
+    vLLM replica over k devices (tensor parallel) the replica's first worker holds the engine and the other
+    k - 1 keep its devices (they answer every call with nothing; dispatch returns the first worker's answer)."""
 
-    def __init__(self, cfg: RunConfig, model_dir: str) -> None:
-        from yatt_rollout.hf_engine import HFEngine
-
+    def __init__(self, cfg: RunConfig, model_dir: str, *, worker_info: Any = None) -> None:
         from yatt_apps.models import is_vlm, load_image_processor
 
         _one_thread()
-        trust = cfg.model.trust_remote_code
+        self.engine = None
+        if worker_info is not None and worker_info.tp_rank > 0:
+            return
         processor = load_image_processor(model_dir) if is_vlm(model_dir) else None  # image prompts
-        self.engine = HFEngine(
-            load_causal_lm(model_dir, trust_remote_code=trust), load_tokenizer(model_dir, trust_remote_code=trust),
-            processor=processor, max_batch_size=256, seed=cfg.run.seed,
-        )  # fmt: skip
+        self.engine = build_engine(cfg, cfg.model, cfg.rollout.engine, model_dir, seed=cfg.run.seed,
+                                   processor=processor)  # fmt: skip
 
     def generate(self, requests: list) -> list:
-        return self.engine.generate(requests)
+        return self.engine.generate(requests) if self.engine is not None else []
 
     def load_weights(self, named: list, version: int) -> None:
-        self.engine.load_weights(named, version)
+        if self.engine is not None:
+            load_named(self.engine, named, version)
 
     def sleep(self, level: int = 1) -> None:
-        self.engine.sleep(level)
+        if self.engine is not None:
+            self.engine.sleep(level)
 
     def wake_up(self) -> None:
-        self.engine.wake_up()
+        if self.engine is not None:
+            self.engine.wake_up()
 
 
 class RewardWorker:
     """The weighted sum of `cfg.rewards`: rule terms and, when configured, a GenRM judge served by its own
-    yatt-rollout engine in this process. `score` applies the failure policy and returns plain data."""
+    engine (`judge.engine`: HF or vLLM) in this process. `score` applies the failure policy and returns plain
+    data."""
 
-    def __init__(self, cfg: RunConfig, judge_dir: str = "") -> None:
+    def __init__(self, cfg: RunConfig, judge_dir: str = "", *, worker_info: Any = None) -> None:
         from yatt_multimodal.reward_specs import build_combined
 
         _one_thread()
+        self.engine = self.reward = None
+        if worker_info is not None and worker_info.tp_rank > 0:
+            return  # a judge over k devices (vLLM TP) lives in its replica's first worker, as in RolloutWorker
         resources: dict[str, Any] = {}
         if judge_dir:
             from yatt_multimodal.prompt_codecs import HFChatCodec
-            from yatt_rollout.hf_engine import HFEngine
 
-            trust = cfg.judge.trust_remote_code
-            tok = load_tokenizer(judge_dir, trust_remote_code=trust)
-            model = load_causal_lm(judge_dir, trust_remote_code=trust)
-            engine = HFEngine(model, tok, max_batch_size=256, seed=cfg.run.seed + 1)
+            spec = cfg.judge
+            tok = load_tokenizer(judge_dir, trust_remote_code=spec.trust_remote_code)
+            engine = build_engine(cfg, spec, spec.engine, judge_dir, seed=cfg.run.seed + 1)
             resources = {"engine": engine, "codec": HFChatCodec(tok), "seed": cfg.run.seed + 1}
         self.engine = resources.get("engine")
         self.reward = build_combined(cfg.rewards, **resources)
@@ -176,6 +339,8 @@ class RewardWorker:
     def score(self, requests: list) -> dict[str, Any]:
         from yatt_multimodal.rewards import resolve_failures
 
+        if self.reward is None:  # a TP peer: dispatch returns the replica's first worker's answer
+            return {}
         batch = asyncio.run(self.reward.score(requests))
         resolved = resolve_failures(batch, self.reward.failure_policy)
         return {"scores": resolved.scores, "keep": resolved.keep, "statuses": [r.status for r in batch.rewards],

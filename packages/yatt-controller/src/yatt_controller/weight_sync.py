@@ -79,7 +79,11 @@ def open_store(groups: dict[str, Any], group: str) -> tuple[str, int]:
 def join_group(
     groups: dict[str, Any], group: str, addr: str, port: int, rank: int, world: int, backend: str
 ) -> None:
-    """Join `group` as `rank` of `world`; every member must call this concurrently (it blocks until all do)."""
+    """Join `group` as `rank` of `world`; every member must call this concurrently (it blocks until all do).
+    `backend="auto"`: NCCL where this process has CUDA, gloo otherwise (the driver that builds the sync cannot
+    see the workers' devices)."""
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
     store = groups.get(f"{group}/store") or dist.TCPStore(

@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
              "yatt_apps.cli:job_main", "job"),
     "grpo-vlm": ("GRPO on a vision-language policy with image prompts (default: tiny Qwen2-VL, counting squares)",
                  "yatt_apps.vlm:job_main", "job"),
+    "sft": ("supervised fine-tuning on prompt/response rows (loss on the response); writes an HF folder", "yatt_apps.cli:job_main", "job"),
     "plan": ("print the placement plan of a config as a table (or --json)", "yatt_apps.cli:plan_main", "job"),
     "resume": ("continue a run from its newest complete checkpoint", "yatt_apps.cli:resume_main", "resume"),
     "merge": ("Bone Soup: merge saved backbones into one HF model for a preference over objectives",
@@ -42,6 +43,7 @@ STEP_FACTORIES: dict[str, str] = {
     "ppo": "yatt_apps.ppo:step_function",
     "capo": "yatt_apps.capo:step_function",
     "grpo-vlm": "yatt_apps.vlm:step_function",
+    "sft": "yatt_apps.sft:step_function",
 }
 
 # job command -> its preset when --preset is not given (otherwise tiny_cpu)
@@ -50,6 +52,7 @@ DEFAULT_PRESETS: dict[str, str] = {
     "ppo": "tiny_cpu_ppo",
     "capo": "tiny_cpu_capo",
     "grpo-vlm": "tiny_cpu_vlm",
+    "sft": "tiny_cpu_sft",
 }
 
 

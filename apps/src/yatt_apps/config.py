@@ -43,6 +43,22 @@ class ModelSpec(_Config, kw_only=True):
     # the engine serving this model where it is served (the judge's; the policy's is `rollout.engine`)
     engine: Literal["hf", "vllm"] = "hf"
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
+    # A tiny model (path empty) warm-started by a short SFT on the embedded arithmetic task (yatt_apps.warmstart):
+    # "policy" on its answers, "genrm" as a verify_yes_no judge, "step_critique" as CAPO's step critic. The result
+    # is cached under $YATT_CACHE_DIR (default ~/.cache/yatt/models), keyed by everything that shapes it.
+    warm_start: Literal["none", "policy", "genrm", "step_critique"] = "none"
+    warm_start_steps: int = 0  # optimizer steps; 0: no warm start
+    warm_start_lr: float = 3e-3
+    warm_start_batch_size: int = 32
+
+    def __post_init__(self) -> None:
+        if self.warm_start_steps < 0 or self.warm_start_batch_size < 1 or self.warm_start_lr <= 0:
+            raise ValueError(
+                "model.warm_start_steps must be >= 0, warm_start_batch_size >= 1, warm_start_lr > 0"
+            )
+        if self.warm_start != "none" and (self.path or self.arch == "qwen2_vl"):
+            raise ValueError(f"model.warm_start={self.warm_start!r} warm-starts a tiny text model: it needs "
+                             "model.path empty and arch qwen2 or llama")  # fmt: skip
 
 
 class DataSpec(_Config, kw_only=True):
@@ -137,6 +153,15 @@ class CapoSpec(_Config, kw_only=True):
             raise ValueError("capo.w_whole and capo.w_process must be >= 0")
 
 
+class SFTSpec(_Config, kw_only=True):
+    """`yatt sft`'s data: prompt/response rows (jsonl or parquet); empty `train` uses the embedded task's
+    answers. Steps come from `run.num_steps` and `run.prompts_per_step` rows each (the data cycles in epochs)."""
+
+    train: str = ""
+    prompt_key: str = "prompt"
+    response_key: str = "response"
+
+
 class RunConfig(_Config, kw_only=True):
     """A whole job. `app` names the step function (grpo, dapo, ppo, capo, grpo-vlm)."""
 
@@ -156,6 +181,7 @@ class RunConfig(_Config, kw_only=True):
     dynamic_sampling: DynamicSamplingSpec = DynamicSamplingSpec()  # dapo
     critic_optim: OptimConfig | None = None  # ppo's critic; None: the policy's `optim`
     rollout: RolloutSpec = RolloutSpec()
+    sft: SFTSpec = SFTSpec()  # sft
 
     def __post_init__(self) -> None:
         if self.run.prompts_per_step % self.controller.num_controllers:
@@ -279,6 +305,23 @@ def tiny_cpu_vlm() -> RunConfig:
     )
 
 
+def tiny_cpu_sft() -> RunConfig:
+    """`yatt sft` on the embedded task: a tiny Qwen2 built from a config, trained on the worked answers
+    (prompt "a + b =", response the answer) with the loss on response tokens only, 32 rows per step over two
+    controllers (data parallel), greedy accuracy on the validation rows every 10 steps; writes RUN_DIR/final."""
+    base = tiny_cpu()
+    return msgspec.structs.replace(
+        base,
+        app="sft",
+        run=msgspec.structs.replace(base.run, name="sft-tiny", prompts_per_step=32),
+        judge=None,
+        rewards=[],
+        algo=AlgoConfig(),
+        optim=OptimConfig(lr=3e-3, num_warmup_steps=2, num_training_steps=30, micro_batch_size=32,
+                          clip_grad_norm=1.0),
+    )  # fmt: skip
+
+
 def qwen2_5_math_1_5b_genrm_72b() -> RunConfig:
     """WeChat-YATT's flagship recipe (PAPERS.md): Qwen2.5-Math-1.5B policy, Qwen2.5-Math-72B-Instruct judge on
     GSM8K, 64 devices, partial colocation; 4 samples per prompt at temperature 1.0, top-p 0.9; lr 5e-7 with 20
@@ -310,5 +353,6 @@ PRESETS: dict[str, Callable[[], RunConfig]] = {
     "tiny_cpu_ppo": tiny_cpu_ppo,
     "tiny_cpu_capo": tiny_cpu_capo,
     "tiny_cpu_vlm": tiny_cpu_vlm,
+    "tiny_cpu_sft": tiny_cpu_sft,
     "qwen2_5_math_1_5b_genrm_72b": qwen2_5_math_1_5b_genrm_72b,
 }

@@ -31,6 +31,10 @@ StepFactory = Callable[[RunConfig, str, Callable[[], list[PromptRow]] | None], C
 
 
 def train_rows(cfg: RunConfig) -> list[PromptRow]:
+    if cfg.app == "sft":  # HOOK(hsft, issue 14): until the generic job declaration replaces it
+        from yatt_apps.sft import train_rows as sft_rows
+
+        return sft_rows(cfg)
     data = cfg.data
     if not data.train:
         return arithmetic_task(data.num_train_rows, seed=cfg.run.seed)
@@ -60,6 +64,10 @@ def placement_plan(cfg: RunConfig):
     from yatt_placement.planner import plan
     from yatt_placement.types import RoleSpec
 
+    if cfg.app == "sft":  # HOOK(hsft, issue 14): until the generic job declaration replaces it
+        from yatt_apps.sft import roles as sft_roles
+
+        return plan(cfg.placement.cluster, sft_roles(cfg), cfg.placement.mode)
     policy = _num_params(cfg.model)
     roles = [
         RoleSpec(role="actor", num_params=policy, trainable=True, tensor_parallel=cfg.model.tensor_parallel),
@@ -95,6 +103,10 @@ def _build(pool, *, cfg: RunConfig, policy_dir: str, judge_dir: str):
 
     from yatt_apps.workers import PolicyWorker, RewardWorker, RolloutWorker
 
+    if cfg.app == "sft":  # HOOK(hsft, issue 14): until the generic job declaration replaces it
+        from yatt_apps.sft import build as sft_build
+
+        return sft_build(pool, cfg=cfg, policy_dir=policy_dir, judge_dir=judge_dir)
     actor = WorkerGroup.create(
         pool, "actor", PolicyWorker, args=(cfg, policy_dir, _free_port()), pass_worker_info=True
     )
@@ -169,7 +181,8 @@ def absolute_paths(cfg: RunConfig) -> RunConfig:
     data = replace(cfg.data, train=absolute(cfg.data.train), val=absolute(cfg.data.val))
     model = replace(cfg.model, path=absolute(cfg.model.path))
     judge = None if cfg.judge is None else replace(cfg.judge, path=absolute(cfg.judge.path))
-    return replace(cfg, data=data, model=model, judge=judge)
+    sft = replace(cfg.sft, train=absolute(cfg.sft.train))  # HOOK(hsft, issue 14)
+    return replace(cfg, data=data, model=model, judge=judge, sft=sft)
 
 
 def run_job(cfg: RunConfig, run_dir: str | Path, step_factory: StepFactory) -> dict[str, Any]:
@@ -205,6 +218,8 @@ def run_job(cfg: RunConfig, run_dir: str | Path, step_factory: StepFactory) -> d
     found = checkpoint.latest(str(run.checkpoints))
     start = 0 if found is None else found[1].step + 1
     logger = StepLogger(run, cfg.run.num_steps, start, cfg.run.progress)
+    if cfg.app == "sft":  # HOOK(hsft, issue 14): the SFT job writes RUN_DIR/final on its last step
+        step_factory = functools.partial(step_factory, final_dir=str(run.path / "final"))
     job = Job(
         build=functools.partial(_build, cfg=cfg, policy_dir=policy_dir, judge_dir=judge_dir),
         step_fn=step_factory(cfg, policy_dir, functools.partial(val_rows, cfg)),

@@ -29,7 +29,23 @@ def prepare_model(spec: ModelSpec, out: Path, corpus: list[str]) -> Path:
         return out
     if spec.arch == "qwen2_vl":
         return _prepare_tiny_vlm(spec, out, corpus)
-    from yatt_rollout.tiny import save_tiny, tiny_causal_lm, train_tokenizer
+    if spec.warm_start != "none" and spec.warm_start_steps:  # trained briefly on the embedded task, cached
+        from yatt_apps.warmstart import cached_or_build, extra_corpus
+
+        corpus = corpus + extra_corpus(spec)
+        return cached_or_build(spec, out, corpus, lambda: tiny_text_model(spec, corpus))
+    from yatt_rollout.tiny import save_tiny
+
+    model, tok = tiny_text_model(spec, corpus)
+    tmp = out.with_name(out.name + ".tmp")
+    save_tiny(model, tok, tmp)
+    tmp.replace(out)  # a half-written model directory is never taken for a complete one
+    return out
+
+
+def tiny_text_model(spec: ModelSpec, corpus: list[str]):
+    """(model, tokenizer) of a tiny text model built from `spec`, its tokenizer trained on `corpus`."""
+    from yatt_rollout.tiny import tiny_causal_lm, train_tokenizer
 
     tok = train_tokenizer(corpus, vocab_size=spec.vocab_size)
     model = tiny_causal_lm(
@@ -38,10 +54,7 @@ def prepare_model(spec: ModelSpec, out: Path, corpus: list[str]) -> Path:
         max_position_embeddings=spec.max_position_embeddings, eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
     )  # fmt: skip
-    tmp = out.with_name(out.name + ".tmp")
-    save_tiny(model, tok, tmp)
-    tmp.replace(out)  # a half-written model directory is never taken for a complete one
-    return out
+    return model, tok
 
 
 def _prepare_tiny_vlm(spec: ModelSpec, out: Path, corpus: list[str]) -> Path:

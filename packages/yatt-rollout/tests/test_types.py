@@ -13,6 +13,10 @@ from yatt_rollout.types import GenerateRequest, Prompt, SamplingParams, WeightBu
         ("top_p", 0.0, r"top_p must be in \(0, 1\]"),
         ("temperature", -1.0, "temperature must be >= 0"),
         ("top_k", -1, "top_k must be >= 0"),
+        ("choices", [], r"choices must not be empty \(leave it unset"),
+        ("choices", ["yes", ""], r"choices\[1\] is an empty string"),
+        ("allowed_token_ids", [], "allowed_token_ids must not be empty"),
+        ("allowed_token_ids", [3, -1], "allowed_token_ids has a negative id -1"),
     ],
 )
 def test_sampling_bounds(field, value, message):
@@ -33,3 +37,14 @@ def test_weight_bucket_decodes_without_copy():
     )
     bucket = msgspec.msgpack.decode(wire, type=WeightBucket)
     assert bucket.data.obj is wire and bytes(bucket.data) == payload
+
+
+def test_constraints_are_sent_only_when_set():
+    assert msgspec.json.encode(SamplingParams()).endswith(b'"logprobs":true}')  # old readers decode it
+    both = {"choices": ["yes"], "allowed_token_ids": [1]}
+    with pytest.raises(ValueError, match="choices and allowed_token_ids cannot both be set"):
+        SamplingParams(**both)
+    with pytest.raises(msgspec.ValidationError, match="cannot both be set"):
+        msgspec.json.decode(msgspec.json.encode(both), type=SamplingParams)
+    params = SamplingParams(choices=["yes", "no"])
+    assert msgspec.json.decode(msgspec.json.encode(params), type=SamplingParams).choices == ["yes", "no"]

@@ -164,3 +164,27 @@ def test_update_weights_both_engines_match_a_fresh_model(engines, tok):
         assert {c.policy_version for c in got} == {3}
         for g, e in zip(got, expected, strict=True):
             torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(e.logprobs), atol=1e-4, rtol=0)
+
+
+def test_choices_and_allowed_ids_constrain_every_output(engines, tok):
+    vllm_engine, _ = engines
+    choices = ["1", "12", "12 + 7", "no"]
+    prompt = tok.encode("12 + 7 =")
+    reqs = [
+        _req(f"c{i}", prompt, n=8, temperature=1.5, max_new_tokens=12, seed=i, choices=choices)
+        for i in range(2)
+    ]
+    allowed = [tok.eos_token_id, *tok.encode("0123", add_special_tokens=False)]
+    reqs.append(_req("ids", prompt, n=4, max_new_tokens=10, seed=1, allowed_token_ids=allowed))
+    out = vllm_engine.generate(reqs)
+    assert len(out) == 20
+    for c in out[:16]:
+        assert c.finish_reason == "stop" and c.token_ids[-1] == tok.eos_token_id
+        assert tok.decode(c.token_ids[:-1]) in choices
+    assert len({tok.decode(c.token_ids[:-1]) for c in out[:16]}) >= 3  # a random model picks among them
+    assert all(set(c.token_ids) <= set(allowed) for c in out[16:])
+    bad = vllm_engine.generate([_req("oov", prompt, allowed_token_ids=[1, 10_000])])[0]
+    assert (
+        bad.error
+        == f"request oov: sampling.allowed_token_ids has 10000, outside the vocabulary [0, {len(tok)})"
+    )

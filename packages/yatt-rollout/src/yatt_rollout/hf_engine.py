@@ -27,6 +27,7 @@ import torch
 
 from yatt_rollout import sampling
 from yatt_rollout.buckets import bucket_tensors
+from yatt_rollout.constraints import BatchConstraint, Spec, choice_token_ids
 from yatt_rollout.media import expand_image_tokens, load_image
 from yatt_rollout.requests import check_request, error_completions
 from yatt_rollout.types import Completion, GenerateRequest, WeightBucket
@@ -41,6 +42,7 @@ class _Request:
     token_ids: list[int]
     vision: dict[str, torch.Tensor]  # pixel_values, image_grid_thw (empty for text prompts)
     future: Future
+    constraint: Spec | None = None  # choices' token ids or allowed ids (constraints.py)
     done: dict[int, Completion] = field(default_factory=dict)
 
 
@@ -48,6 +50,80 @@ class _Request:
 class _Row:
     request: _Request
     index: int  # sample index within the request, 0..n-1
+
+
+@dataclass
+class _LiveRows:
+    """Per-row decoding state of a batch, on the device: the rows still running (`live`, batch indices),
+    their sampling parameters, stop ids and budgets, and the [B, W] token and logprob buffers they fill.
+    `record` keeps everything aligned with the model's batch as rows leave it."""
+
+    live: torch.Tensor  # [L] long: batch index of each running row
+    params: dict[str, torch.Tensor]  # host tensors [L]: temperature, top_k, top_p
+    gens: list[torch.Generator | None]
+    stop_ids: torch.Tensor  # [L, S] long, padded with -1
+    budget: torch.Tensor  # [L] long: the row's token budget
+    tokens: torch.Tensor  # [B, W] long
+    logprobs: torch.Tensor  # [B, W] float32
+    ends: torch.Tensor  # [B] long: tokens each row produced (set when it ends)
+    stopped: torch.Tensor  # [B] bool: ended on a stop token
+    constraint: BatchConstraint | None  # None when no row is constrained
+
+    @classmethod
+    def build(
+        cls, batch: list[_Row], budget: list[int], eos_ids: list[int], vocab: int, device: torch.device
+    ) -> _LiveRows:
+        sp = [r.request.req.sampling for r in batch]
+        stops = [sorted(set(eos_ids) | set(s.stop_token_ids)) for s in sp]
+        width = max(map(len, stops), default=0) or 1
+        stop_ids = torch.tensor([ids + [-1] * (width - len(ids)) for ids in stops], dtype=torch.long)
+        n, w = len(batch), max(budget)
+        return cls(
+            live=torch.arange(n, device=device),
+            params=sampling.row_params(
+                [s.temperature for s in sp], [s.top_k for s in sp], [s.top_p for s in sp]
+            ),
+            gens=[_row_generator(s.seed, r.index, device) for s, r in zip(sp, batch, strict=True)],
+            stop_ids=stop_ids.to(device),
+            budget=torch.tensor(budget, device=device),
+            tokens=torch.zeros((n, w), dtype=torch.long, device=device),
+            logprobs=torch.zeros((n, w), dtype=torch.float32, device=device),
+            ends=torch.zeros(n, dtype=torch.long, device=device),
+            stopped=torch.zeros(n, dtype=torch.bool, device=device),
+            constraint=BatchConstraint.build([r.request.constraint for r in batch], vocab, eos_ids, device),
+        )
+
+    def record(self, step: int, tokens: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor | None:
+        """Store step `step`'s tokens [L] and logprobs [L]. None if every row goes on, else the positions
+        (device tensor) of the rows that do, and the state is narrowed to them."""
+        self.tokens[self.live, step] = tokens
+        self.logprobs[self.live, step] = logprobs
+        if self.constraint is not None:
+            self.constraint.advance(tokens)
+        hit = (tokens[:, None] == self.stop_ids).any(-1)
+        ended = hit | (self.budget <= step + 1)
+        if not bool(ended.any()):  # the one host read of a step
+            return None
+        done = self.live[ended]
+        self.ends[done] = step + 1
+        self.stopped[done] = hit[ended]
+        keep = (~ended).nonzero()[:, 0]
+        host_keep = keep.tolist()
+        self.live, self.stop_ids, self.budget = self.live[keep], self.stop_ids[keep], self.budget[keep]
+        self.params = {k: v[host_keep] for k, v in self.params.items()}
+        self.gens = [self.gens[j] for j in host_keep]
+        if self.constraint is not None:
+            self.constraint.select(keep)
+        return keep
+
+    def results(self) -> list[tuple[list[int], list[float], str]]:
+        """(tokens, logprobs, finish reason) per batch row: the batch's one transfer to the host."""
+        ends, stopped = self.ends.tolist(), self.stopped.tolist()
+        tokens, logprobs = self.tokens.tolist(), self.logprobs.tolist()
+        return [
+            (t[:e], lp[:e], "stop" if s else "length")
+            for t, lp, e, s in zip(tokens, logprobs, ends, stopped, strict=True)
+        ]
 
 
 class HFEngine:
@@ -77,6 +153,7 @@ class HFEngine:
         text_config = model.config.get_text_config()
         self.vocab_size = text_config.vocab_size
         self.max_context = max_context or text_config.max_position_embeddings
+        self.tokenizer = tokenizer
         self.eos_ids = _eos_ids(model, tokenizer)
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad_id = pad if pad is not None else min(self.eos_ids, default=0)
@@ -85,7 +162,7 @@ class HFEngine:
         self.slots = WeightSlots(model)
         self.stats = {"batches": 0, "rows": 0, "generated_tokens": 0}
         self.recent_batches: deque[list[str]] = deque(maxlen=256)  # request ids of the latest batches
-        self._default_gen = torch.Generator().manual_seed(seed)
+        self._default_gen = torch.Generator(self.device).manual_seed(seed)
         self._version = 0
         self._asleep = False
         self._busy = False
@@ -150,10 +227,18 @@ class HFEngine:
                 self._cv.wait()
             self.slots.load(named)
             self._version = version
+            self._cv.notify_all()  # a worker waiting for discarded weights may go on
 
     def sleep(self, level: int = 1) -> None:
-        """Level 1: weights go to host memory (a no-op on CPU), the engine refuses new work until
-        `wake_up`. Level 2: weights are discarded; after `wake_up`, `update_weights` must refill them."""
+        """Stop serving and free memory until `wake_up`; `generate` meanwhile is a RuntimeError.
+
+        Level 1 frees caches: the KV cache lives only while a batch runs, so this returns the allocator's
+        free blocks (CUDA's cache; on CPU, glibc's free heap pages via `malloc_trim`); on an accelerator the
+        weights also move to host memory. Level 2 also discards the weights (each parameter's storage is
+        released, its name, shape and dtype kept), so the process's resident memory drops by about their
+        bytes; after `wake_up` the weights come back only through the next `load_weights` /
+        `update_weights` (of every parameter), and `generate` refuses until then.
+        """
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
         with self._cv:
@@ -164,13 +249,12 @@ class HFEngine:
                 self.slots.discard()
             elif self.device.type != "cpu":
                 self.model.to("cpu")
-                torch.cuda.empty_cache()
+            _release_free_memory(self.device)
 
     def wake_up(self) -> None:
+        """Serve again. After level 2, weights must still be loaded before `generate`."""
         with self._cv:
-            if self.slots.discarded:
-                self.slots.reallocate(self.device)
-            else:
+            if not self.slots.discarded:  # after level 2 the weights return with the next load
                 self.model.to(self.device)
             self._asleep = False
             self._cv.notify_all()
@@ -189,7 +273,34 @@ class HFEngine:
         if req.prompt.media:
             ids, vision = self._vision_inputs(req, ids)
             check_request(req, vocab_size=self.vocab_size, max_context=self.max_context, num_tokens=len(ids))
-        return _Request(req, ids, vision, fut)
+        return _Request(req, ids, vision, fut, self._constraint(req))
+
+    def _constraint(self, req: GenerateRequest) -> Spec | None:
+        """The request's choices as token ids (or its allowed ids); ValueError naming the field."""
+        s, rid = req.sampling, req.request_id
+        if s.allowed_token_ids:
+            bad = max(s.allowed_token_ids)
+            if bad >= self.vocab_size:
+                raise ValueError(
+                    f"request {rid}: sampling.allowed_token_ids has {bad}, outside the vocabulary [0, {self.vocab_size})"
+                )
+            return ("allowed", (tuple(sorted(set(s.allowed_token_ids))),))
+        if not s.choices:
+            return None
+        if self.tokenizer is None:
+            raise ValueError(f"request {rid}: sampling.choices needs a tokenizer; this HFEngine has none")
+        if not self.eos_ids:
+            raise ValueError(
+                f"request {rid}: sampling.choices needs an eos token to end a choice; the engine has none"
+            )
+        seqs = choice_token_ids(self.tokenizer, s.choices)
+        longest = max(map(len, seqs)) + 1
+        if s.max_new_tokens < longest:
+            raise ValueError(
+                f"request {rid}: sampling.max_new_tokens is {s.max_new_tokens}; the longest choice takes "
+                f"{longest} tokens with eos"
+            )
+        return ("choices", seqs)
 
     def _vision_inputs(
         self, req: GenerateRequest, ids: list[int]
@@ -229,7 +340,7 @@ class HFEngine:
                 self._pending += more
             batch, self._pending = self._pending[: self.max_batch_size], self._pending[self.max_batch_size :]
             with self._cv:
-                while self._asleep:
+                while self._asleep or self.slots.missing:  # rows queued before a sleep wait for weights
                     self._cv.wait()
                 self._busy = True
                 version = self._version
@@ -292,54 +403,38 @@ class HFEngine:
     @torch.inference_mode()
     def _decode(self, batch: list[_Row]) -> list[tuple[list[int], list[float], str]]:
         """Prefill the left-padded batch, then one cached step per token. A row that stops leaves the batch
-        (its KV cache rows too), so the others run at their own size."""
+        (its KV cache rows too), so the others run at their own size.
+
+        Tokens and logprobs stay on the device until the batch ends (one transfer each); per step the host
+        reads one flag (did any row end?) and, on the steps where rows end, which ones."""
         input_ids, mask, budget = self._left_pad(batch)
-        stops = [set(self.eos_ids) | set(r.request.req.sampling.stop_token_ids) for r in batch]
-        sp = [r.request.req.sampling for r in batch]
-        params = sampling.row_params(
-            [s.temperature for s in sp], [s.top_k for s in sp], [s.top_p for s in sp]
-        )
-        gens = [_row_generator(s.seed, r.index) for s, r in zip(sp, batch, strict=True)]
+        rows = _LiveRows.build(batch, budget, self.eos_ids, self.vocab_size, self.device)
         text_pos = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, T]; padding positions are never attended
         kwargs, deltas = self._prefill_inputs(batch, input_ids, mask, text_pos)
         out = self.model(input_ids=input_ids, attention_mask=mask, use_cache=True, logits_to_keep=1, **kwargs)
-        cache = out.past_key_values
-        tokens_out: list[list[int]] = [[] for _ in batch]
-        logprobs_out: list[list[float]] = [[] for _ in batch]
-        reasons = ["length"] * len(batch)
-        live = list(range(len(batch)))  # the batch rows that the tensors hold, in order
-        pos = text_pos[:, -1:]  # [L, 1]
+        cache, pos = out.past_key_values, text_pos[:, -1:]  # pos [L, 1]
         for step in itertools.count():
-            logits = out.logits[:, -1].float().cpu()  # [L, V]
-            tokens = sampling.sample(logits, params, gens, self._default_gen)
-            token_list, logp_list = tokens.tolist(), sampling.raw_logprobs(logits, tokens).tolist()
-            keep = []  # positions in `live` of the rows that go on
-            for j, i in enumerate(live):
-                tokens_out[i].append(token_list[j])
-                logprobs_out[i].append(logp_list[j])
-                if token_list[j] in stops[i]:
-                    reasons[i] = "stop"
-                elif step + 1 < budget[i]:
-                    keep.append(j)
-            if not keep:
-                break
-            if len(keep) < len(live):
-                idx, dev = torch.tensor(keep), torch.tensor(keep, device=self.device)
-                cache.batch_select_indices(dev)
-                mask, pos, tokens = mask[dev], pos[dev], tokens[idx]
-                params, gens = {k: v[idx] for k, v in params.items()}, [gens[j] for j in keep]
-                deltas = None if deltas is None else deltas[dev]
-                live = [live[j] for j in keep]
-            mask = torch.cat([mask, torch.ones((len(live), 1), dtype=mask.dtype, device=self.device)], dim=1)
+            logits = out.logits[:, -1].float()  # [L, V]
+            if rows.constraint is not None:  # logprobs below are then the constrained distribution's
+                logits = rows.constraint.mask(logits)
+            tokens = sampling.sample(logits, rows.params, rows.gens, self._default_gen)
+            keep = rows.record(step, tokens, sampling.raw_logprobs(logits, tokens))
+            if keep is not None:  # some rows ended: the rest go on with their own cache rows
+                if keep.numel() == 0:
+                    break
+                cache.batch_select_indices(keep)
+                mask, pos, tokens = mask[keep], pos[keep], tokens[keep]
+                deltas = None if deltas is None else deltas[keep]
+            mask = torch.cat([mask, mask.new_ones((len(tokens), 1))], dim=1)
             pos = pos + 1
             out = self.model(
-                input_ids=tokens[:, None].to(self.device),
+                input_ids=tokens[:, None],
                 attention_mask=mask,
                 position_ids=pos if deltas is None else _mrope_step(pos, deltas),
                 past_key_values=cache,
                 use_cache=True,
             )
-        return list(zip(tokens_out, logprobs_out, reasons, strict=True))
+        return rows.results()
 
     def _prefill_inputs(
         self, batch: list[_Row], input_ids: torch.Tensor, mask: torch.Tensor, text_pos: torch.Tensor
@@ -368,9 +463,21 @@ def _mrope_step(pos: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
     return torch.cat([pos[None], shifted])
 
 
-def _row_generator(seed: int | None, index: int) -> torch.Generator | None:
+def _row_generator(seed: int | None, index: int, device: torch.device) -> torch.Generator | None:
     # sample i of a seeded request draws from its own stream: same (seed, i), same tokens, in any batch
-    return None if seed is None else torch.Generator().manual_seed(seed * 1_000_003 + index)
+    return None if seed is None else torch.Generator(device).manual_seed(seed * 1_000_003 + index)
+
+
+def _release_free_memory(device: torch.device) -> None:
+    """Hand the allocators' free memory back to the system: CUDA's caching allocator, glibc's heap."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed blocks under the mmap threshold stay in the heap
+    except (OSError, AttributeError):  # not glibc: freed memory returns as that allocator decides
+        pass
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> list[int]:

@@ -5,6 +5,10 @@ logits; top-p, nucleus sampling, Holtzman et al. 2020: keep the smallest prefix 
 whose mass reaches p, always at least one token). Temperature 0 is greedy (argmax of the raw logits).
 Logprobs are the *raw* model distribution (`log_softmax` of the unprocessed logits), the same quantity vLLM
 reports by default (`logprobs_mode="raw_logprobs"`) and the one a trainer recomputes from the model.
+
+The per-row parameters live on the host (decisions such as "is every row greedy" never wait for the
+device); the logits may live on any device, and the math runs there. Seeded rows' generators must be on
+the logits' device.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     top_p [B] (1.0 = off). Ties at the k-th value are all kept."""
     if not bool((top_k > 0).any() or (top_p < 1).any()):
         return logits
-    vocab = logits.shape[-1]
+    vocab, device = logits.shape[-1], logits.device
+    top_k, top_p = top_k.to(device), top_p.to(device)
     sorted_logits, _ = logits.sort(dim=-1, descending=True)  # [B, V]
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
     kth = sorted_logits.gather(-1, (k - 1)[:, None])  # [B, 1]
@@ -47,7 +52,7 @@ def sample(
     generators: list[Any],
     default: torch.Generator,
 ) -> torch.Tensor:
-    """Sample one token per row. logits [B, V] float32 -> tokens [B] int64.
+    """Sample one token per row. logits [B, V] float32 (any device) -> tokens [B] int64 on that device.
 
     Rows with temperature 0 take the argmax; a row with its own `torch.Generator` (a seeded request) draws
     from it, so its tokens depend on its seed only; the other rows share the engine's `default` generator.
@@ -57,7 +62,8 @@ def sample(
     tokens = logits.argmax(-1)
     if bool(greedy.all()):
         return tokens
-    scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
+    divisor = torch.where(greedy, torch.ones_like(temperature), temperature).to(logits.device)
+    scaled = logits / divisor[:, None]
     probs = filter_logits(scaled, params["top_k"], params["top_p"]).softmax(-1)  # [B, V]
     greedy_rows = greedy.tolist()
     shared = [i for i, g in enumerate(generators) if g is None and not greedy_rows[i]]

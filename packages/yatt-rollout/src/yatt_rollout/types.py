@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Literal, Protocol, runtime_checkable
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 FinishReason = Literal["stop", "length", "error"]
 
@@ -27,6 +28,11 @@ class _Wire(msgspec.Struct, omit_defaults=True):
 class SamplingParams(_Config, kw_only=True):
     """How to sample. `top_k = 0` and `top_p = 1.0` disable those filters; `seed` makes a request reproducible.
 
+    `choices`: the completion must be exactly one of these strings, then eos (constrained decoding; e.g. a
+    judge's verdict). `allowed_token_ids`: every sampled token is one of these ids (include eos to allow
+    stopping). At most one of the two. Both are omitted from the encoding while unset (UNSET, read them
+    with `or []`), so requests that do not use them keep their bytes and decode in older readers.
+
     Producer: the app's config, a judge spec. Consumer: every `Generator`.
     """
 
@@ -38,6 +44,8 @@ class SamplingParams(_Config, kw_only=True):
     stop_token_ids: list[int] = []
     seed: int | None = None
     logprobs: bool = True
+    choices: list[str] | UnsetType = UNSET
+    allowed_token_ids: list[int] | UnsetType = UNSET
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -50,6 +58,27 @@ class SamplingParams(_Config, kw_only=True):
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"SamplingParams.top_k must be >= 0, got {self.top_k}")
+        self._check_constraints()
+
+    def _check_constraints(self) -> None:
+        choices, allowed = self.choices, self.allowed_token_ids
+        if choices is not UNSET and allowed is not UNSET:
+            raise ValueError("SamplingParams.choices and allowed_token_ids cannot both be set")
+        if choices is not UNSET:
+            if not choices:
+                raise ValueError(
+                    "SamplingParams.choices must not be empty (leave it unset for no constraint)"
+                )
+            empty = next((i for i, c in enumerate(choices) if not c), None)
+            if empty is not None:
+                raise ValueError(f"SamplingParams.choices[{empty}] is an empty string")
+        if allowed is not UNSET:
+            if not allowed:
+                raise ValueError(
+                    "SamplingParams.allowed_token_ids must not be empty (leave it unset for no constraint)"
+                )
+            if min(allowed) < 0:
+                raise ValueError(f"SamplingParams.allowed_token_ids has a negative id {min(allowed)}")
 
 
 class MediaRef(_Wire, kw_only=True):

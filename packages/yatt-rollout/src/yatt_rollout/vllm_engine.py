@@ -5,6 +5,10 @@ loop, so `stream` yields each request as soon as vLLM finishes it and `generate`
 Logprobs are vLLM's default raw logprobs of the sampled tokens (`logprobs=0`), the quantity `HFEngine`
 reports. Weight updates go by HF names through `collective_rpc("reload_weights", ...)`.
 
+Constraints: `sampling.choices` becomes vLLM's structured-output choice (`StructuredOutputsParams(choice=
+...)`), `sampling.allowed_token_ids` its `allowed_token_ids`. Unlike `HFEngine`, whose logprobs under a
+constraint are those of the constrained distribution, vLLM still reports raw (unconstrained) logprobs.
+
 Sleep: with `enable_sleep_mode=True` on a platform that has it (CUDA, ROCm, XPU) `sleep`/`wake_up` are
 vLLM's own (level 1 offloads weights, level 2 discards them). vLLM's CPU worker ignores sleep, so on CPU
 this engine keeps the same contract (no work while asleep; after level 2, `update_weights` before
@@ -154,7 +158,7 @@ class VLLMEngine:
     def _convert(self, req: GenerateRequest) -> tuple[Any, Any]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
         check_request(req, vocab_size=self.vocab_size, max_context=self.max_model_len)
         if req.prompt.media:
@@ -162,6 +166,11 @@ class VLLMEngine:
                 f"request {req.request_id}: VLLMEngine does not take media prompts yet; use HFEngine"
             )
         ids, s = list(req.prompt.token_ids), req.sampling
+        bad = max(s.allowed_token_ids or [0])
+        if bad >= self.vocab_size:
+            raise ValueError(
+                f"request {req.request_id}: sampling.allowed_token_ids has {bad}, outside the vocabulary [0, {self.vocab_size})"
+            )
         params = SamplingParams(
             n=s.n,
             temperature=s.temperature,
@@ -173,6 +182,9 @@ class VLLMEngine:
             logprobs=0 if s.logprobs else None,
             detokenize=False,
             output_kind=RequestOutputKind.FINAL_ONLY,
+            # vLLM's structured-output choice (its grammar backend: any tokenization of a choice, then eos)
+            structured_outputs=StructuredOutputsParams(choice=list(s.choices)) if s.choices else None,
+            allowed_token_ids=list(s.allowed_token_ids) if s.allowed_token_ids else None,
         )
         return TokensPrompt(prompt_token_ids=ids), params
 

@@ -1,9 +1,11 @@
-"""Named weight slots of an in-process torch model: load named tensors by HF name, discard and reallocate.
+"""Named weight slots of an in-process torch model: load named tensors by HF name, discard and refill.
 
-`load` checks every name and shape before copying anything, so a bad update leaves the model untouched.
+`load` checks every name and shape before copying anything, so a bad update leaves the model untouched,
+then copies each tensor straight into its parameter's storage (`param.copy_` under `no_grad`: one pass,
+no intermediate tensor; a dtype cast happens inside that copy when the sender's dtype differs).
 Tied weights (e.g. `lm_head.weight` and `model.embed_tokens.weight`) are one slot under several names.
-`discard` frees the parameters' storage (sleep level 2); `reallocate` gives them uninitialized storage again
-and marks every slot missing until `load` refills it.
+`discard` frees the parameters' storage (sleep level 2) and keeps each slot's shape and dtype; `load` gives
+a discarded slot storage of that shape again as its tensor arrives, so memory returns with the weights.
 """
 
 from __future__ import annotations
@@ -23,39 +25,52 @@ class WeightSlots:
         first: dict[int, str] = {}
         for name, param in self.params.items():
             self._canonical[name] = first.setdefault(id(param), name)
-        self._shapes = {name: (tuple(p.shape), p.dtype) for name, p in self.params.items()}
-        self.missing: set[str] = set()
+        self._shapes = {name: (tuple(p.shape), p.dtype, p.device) for name, p in self.params.items()}
+        self.missing: set[str] = set()  # canonical names whose storage was discarded and not yet loaded
         self.discarded = False
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the model's distinct parameters at their full shapes (whether or not held now)."""
+        total = 0
+        for name, (shape, dtype, _) in self._shapes.items():
+            if self._canonical[name] == name:
+                total += torch.Size(shape).numel() * dtype.itemsize
+        return total
 
     def load(self, named: Sequence[tuple[str, torch.Tensor]]) -> None:
         """Copy each (name, tensor) into its parameter (casting dtype). ValueError, before any copy, for an
         unknown name or a wrong shape."""
         for name, tensor in named:
-            if name not in self.params:
+            known = self._shapes.get(name)
+            if known is None:
                 raise ValueError(
                     f"update_weights: unknown tensor name {name!r} (not a parameter of the model)"
                 )
-            shape = self._shapes[name][0]
-            if tuple(tensor.shape) != shape:
+            if tuple(tensor.shape) != known[0]:
                 raise ValueError(
-                    f"update_weights: tensor {name!r} has shape {list(tensor.shape)}, the model's is {list(shape)}"
+                    f"update_weights: tensor {name!r} has shape {list(tensor.shape)}, the model's is {list(known[0])}"
                 )
         with torch.no_grad():
             for name, tensor in named:
-                self.params[name].data.copy_(tensor)
-                self.missing.discard(self._canonical[name])
+                param = self.params[name]
+                if self.missing:
+                    self._refill(name, param)
+                param.copy_(tensor)
+
+    def _refill(self, name: str, param: torch.nn.Parameter) -> None:
+        """Give a discarded parameter storage of its own shape again (uninitialized: `load` fills it)."""
+        canonical = self._canonical[name]
+        if canonical in self.missing:
+            shape, dtype, device = self._shapes[canonical]
+            param.data = torch.empty(shape, dtype=dtype, device=device)
+            self.missing.discard(canonical)
+            self.discarded = bool(self.missing)
 
     def discard(self) -> None:
-        """Release every parameter's storage (the tensors become empty)."""
-        for param in self.params.values():
-            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
-        self.discarded = True
-
-    def reallocate(self, device: torch.device) -> None:
-        """Give every parameter uninitialized storage of its shape; all slots are missing until loaded."""
+        """Release every parameter's storage (the tensors become empty; shapes and dtypes are kept here)."""
         for name, param in self.params.items():
-            if self._canonical[name] == name:
-                shape, dtype = self._shapes[name]
-                param.data = torch.empty(shape, dtype=dtype, device=device)
+            self._shapes[name] = (*self._shapes[name][:2], param.device)
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
         self.missing = set(self._canonical.values())
-        self.discarded = False
+        self.discarded = True

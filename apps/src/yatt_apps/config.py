@@ -195,33 +195,39 @@ class RunConfig(_Config, kw_only=True):
 
 # ---- presets --------------------------------------------------------------------------------------------
 
-TINY_JUDGE = JudgeSpec(num_samples=2, temperature=0.7, top_p=0.9, max_new_tokens=4, on_parse_error="zero")
+# The tiny judge's verdicts are constrained to the two phrases its parser reads (`JudgeSpec.choices`).
+TINY_VERDICTS = ["Verdict: Yes", "Verdict: No"]
+TINY_JUDGE = JudgeSpec(
+    num_samples=2, temperature=0.7, top_p=0.9, max_new_tokens=8, on_parse_error="zero", choices=TINY_VERDICTS
+)
 
 
 def tiny_cpu() -> RunConfig:
     """The default: GRPO on the embedded arithmetic task, a tiny Qwen2 policy and a tiny Qwen2 judge built from
     configs, two parallel controllers on two logical devices (colocated), a few minutes on a 2-core CPU.
 
-    Rewards: exact answer (math_verify), a format term (the response starts with an integer, which a random tiny
-    policy learns within tens of steps, so the reward visibly rises), and a GenRM judge with K=2 judgements
-    (the tiny judge's verdicts are noise; it exercises the real judging path and its status accounting)."""
+    Both tiny models are warm-started on the task (`yatt_apps.warmstart`, cached): the policy partly (it
+    answers some validation prompts, leaving headroom for RL), the judge as a verify_yes_no grader of right,
+    near-miss and malformed answers. Rewards: exact answer (math_verify), a format term (the response starts
+    with an integer), and the GenRM judge with K=2 verdicts constrained to its two verdict phrases."""
     return RunConfig(
-        judge=ModelSpec(seed=1),
+        model=ModelSpec(warm_start="policy", warm_start_steps=500, warm_start_batch_size=64),
+        judge=ModelSpec(seed=1, warm_start="genrm", warm_start_steps=300),
+        data=DataSpec(num_val_rows=64),
         rewards=[
             RewardSpec(kind="math_verify", weight=1.0),
             RewardSpec(
                 kind="regex",
                 name="format",
-                weight=0.5,
+                weight=0.2,
                 options={"pattern": r"^\s*-?\d+", "mode": "search"},
             ),
-            RewardSpec(kind="genrm", weight=0.1, judge=TINY_JUDGE),
+            RewardSpec(kind="genrm", weight=0.5, judge=TINY_JUDGE),
         ],
-        # 2 updates per batch as in the paper's recipe; a tiny model from scratch needs a large lr to move in
-        # 30 steps (format reward about 0.02 -> 0.4 within 20 steps on the embedded task)
+        # 2 updates per batch as in the paper's recipe; the warm-started policy moves at the warm start's lr
         algo=AlgoConfig(adv_estimator="grpo", kl_loss_coef=1e-3, adv_eps=1e-4, num_updates_per_batch=2),
         optim=OptimConfig(
-            lr=1e-2, num_warmup_steps=2, num_training_steps=30, micro_batch_size=32, clip_grad_norm=1.0
+            lr=3e-3, num_warmup_steps=2, num_training_steps=30, micro_batch_size=32, clip_grad_norm=1.0
         ),
         controller=ControllerSpec(
             num_controllers=2,
@@ -270,21 +276,23 @@ def tiny_cpu_ppo() -> RunConfig:
 
 def tiny_cpu_capo() -> RunConfig:
     """`yatt capo` on the tiny task (CAPO, arXiv 2508.02298): a rule verifier r_v in {0, 1} as the only reward
-    term, the tiny judge as the step critic (K = 2 critiques of up to 8 tokens; its critiques are noise that
-    rarely parse, so the process penalty seldom applies, but every path is real), intersection voting,
-    W_whole = 2, W_process = 1, token advantages normalized per prompt, PPO-clip.
-
-    The verifier here is the format check (the response starts with an integer): a random tiny policy almost
-    never hits the exact answer in a few steps, and with r_v = 0 everywhere and no penalty the advantages
-    are all zero. A real run verifies the answer (`math_verify`)."""
+    term (math_verify on the warm-started policy), the tiny judge warm-started as the step critic (K = 2
+    critiques constrained to "Wrong steps: none" / "Wrong steps: 1": a one-step answer is right or wrong),
+    intersection voting, W_whole = 2, W_process = 1, token advantages normalized per prompt, PPO-clip."""
     base = tiny_cpu()
-    critic = JudgeSpec(template_name="step_critique", num_samples=2, temperature=0.7, max_new_tokens=8)
+    critic = JudgeSpec(template_name="step_critique", num_samples=2, temperature=0.7, max_new_tokens=8,
+                       choices=["Wrong steps: none", "Wrong steps: 1"])  # fmt: skip
     return msgspec.structs.replace(
         base,
         app="capo",
         run=msgspec.structs.replace(base.run, name="capo-tiny"),
-        judge=ModelSpec(seed=1, max_position_embeddings=1024),  # the critique prompt is long
-        rewards=[msgspec.structs.replace(spec, weight=1.0) for spec in base.rewards if spec.name == "format"],
+        # the critique prompt is long
+        judge=ModelSpec(
+            seed=1, max_position_embeddings=1024, warm_start="step_critique", warm_start_steps=300
+        ),
+        rewards=[
+            msgspec.structs.replace(spec, weight=1.0) for spec in base.rewards if spec.kind == "math_verify"
+        ],
         capo=CapoSpec(critic=critic),
     )
 

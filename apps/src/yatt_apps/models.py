@@ -30,10 +30,10 @@ def prepare_model(spec: ModelSpec, out: Path, corpus: list[str]) -> Path:
     if spec.arch == "qwen2_vl":
         return _prepare_tiny_vlm(spec, out, corpus)
     if spec.warm_start != "none" and spec.warm_start_steps:  # trained briefly on the embedded task, cached
-        from yatt_apps.warmstart import cached_or_build, extra_corpus
+        from yatt_apps.warmstart import cached_or_build, extra_corpus, extra_tokens
 
         corpus = corpus + extra_corpus(spec)
-        return cached_or_build(spec, out, corpus, lambda: tiny_text_model(spec, corpus))
+        return cached_or_build(spec, out, corpus, lambda: tiny_text_model(spec, corpus, extra_tokens(spec)))
     from yatt_rollout.tiny import save_tiny
 
     model, tok = tiny_text_model(spec, corpus)
@@ -43,11 +43,14 @@ def prepare_model(spec: ModelSpec, out: Path, corpus: list[str]) -> Path:
     return out
 
 
-def tiny_text_model(spec: ModelSpec, corpus: list[str]):
-    """(model, tokenizer) of a tiny text model built from `spec`, its tokenizer trained on `corpus`."""
+def tiny_text_model(spec: ModelSpec, corpus: list[str], extra_tokens: list[str] = ()):
+    """(model, tokenizer) of a tiny text model built from `spec`, its tokenizer trained on `corpus`, plus
+    `extra_tokens` as whole (never split) tokens."""
     from yatt_rollout.tiny import tiny_causal_lm, train_tokenizer
 
     tok = train_tokenizer(corpus, vocab_size=spec.vocab_size)
+    if extra_tokens:
+        tok.add_tokens(list(extra_tokens))
     model = tiny_causal_lm(
         len(tok), arch=spec.arch, hidden_size=spec.hidden_size, num_layers=spec.num_layers,
         num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, seed=spec.seed,

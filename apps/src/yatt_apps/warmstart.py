@@ -35,8 +35,9 @@ from yatt_apps.sft_data import chat_messages, encode_pair, masked_nll, pad_examp
 
 TASK_ROWS = 2048  # distinct problems drawn for the warm start (the task has 21 * 21 * 2 of them)
 TASK_SEED = 20_000  # apart from the run's train (seed) and validation (seed + 10_000) draws
-FORMAT_VERSION = 1  # bump when the data or training below changes: the cache key includes it
+FORMAT_VERSION = 2  # bump when the data or training below changes: the cache key includes it
 VERDICTS = ("Verdict: Yes", "Verdict: No")
+JUDGE_PROMPT_WEIGHT = 0.2  # judges also learn their prompts' tokens at this weight (see `sft_steps`)
 
 
 def cache_root() -> Path:
@@ -61,6 +62,12 @@ def extra_corpus(spec: ModelSpec) -> list[str]:
     tpl = get_template("verify_yes_no" if spec.warm_start == "genrm" else "step_critique", 1)
     phrases = list(VERDICTS) if spec.warm_start == "genrm" else ["Wrong steps: none", "Wrong steps: 1"]
     return [tpl.system, tpl.user, *phrases] * 50
+
+
+def extra_tokens(spec: ModelSpec) -> list[str]:
+    """A judge's tokenizer reads every integer in -99..99 as one token (as large tokenizers read short numbers),
+    so "is the candidate the reference" is a comparison of two tokens, which a tiny judge learns quickly."""
+    return [str(i) for i in range(-99, 100)] if spec.warm_start in ("genrm", "step_critique") else []
 
 
 def cached_or_build(spec: ModelSpec, out: Path, corpus: list[str], build) -> Path:
@@ -166,9 +173,19 @@ def critic_examples(tok, rows: list[PromptRow], rng: random.Random) -> list[tupl
 
 
 def sft_steps(
-    model, examples: list, pad_id: int, *, steps: int, lr: float, batch_size: int, seed: int
+    model,
+    examples: list,
+    pad_id: int,
+    *,
+    steps: int,
+    lr: float,
+    batch_size: int,
+    seed: int,
+    prompt_weight: float = 0.0,
 ) -> list[float]:
-    """Plain-torch SFT: AdamW, linear warmup over the first tenth, constant after, clipping at 1.0."""
+    """Plain-torch SFT: AdamW, linear warmup over the first tenth, constant after, clipping at 1.0. With
+    `prompt_weight` > 0 the prompt tokens are also targets at that weight (a response token weighs 1): a judge
+    then also learns to predict the candidate from the reference, which shortens its plateau."""
     import torch
 
     rng = random.Random(seed)
@@ -179,7 +196,7 @@ def sft_steps(
     losses = []
     for _ in range(steps):
         batch = pad_examples([examples[rng.randrange(len(examples))] for _ in range(batch_size)], pad_id)
-        loss = masked_nll(model, batch)
+        loss = masked_nll(model, batch) if not prompt_weight else weighted_nll(model, batch, prompt_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -188,6 +205,16 @@ def sft_steps(
         losses.append(float(loss.detach()))
     model.eval()
     return losses
+
+
+def weighted_nll(model, batch: dict[str, Any], prompt_weight: float):
+    """Token NLL with response tokens at weight 1 and the other real tokens (the prompt) at `prompt_weight`."""
+    from yatt_apps.sft_data import token_nll
+
+    response = batch["response_mask"].float()
+    weight = batch["attention_mask"].float() * prompt_weight * (1.0 - response) + response
+    weight[:, 0] = 0.0  # the first token has no prediction
+    return (token_nll(model, batch) * weight).sum() / weight.sum()
 
 
 def response_accuracy(model, examples: list, pad_id: int) -> float:
@@ -207,6 +234,7 @@ def warm_start(spec: ModelSpec, model, tok) -> dict[str, Any]:
 
     rows = arithmetic_task(TASK_ROWS, seed=TASK_SEED + spec.seed)
     rng = random.Random(spec.seed)
+    prompt_weight = 0.0 if spec.warm_start == "policy" else JUDGE_PROMPT_WEIGHT
     make = {"policy": lambda: policy_examples(tok, rows),
             "genrm": lambda: judge_examples(tok, rows, rng),
             "step_critique": lambda: critic_examples(tok, rows, rng)}[spec.warm_start]  # fmt: skip
@@ -216,7 +244,7 @@ def warm_start(spec: ModelSpec, model, tok) -> dict[str, Any]:
     torch.manual_seed(spec.seed)
     try:
         losses = sft_steps(model, train, tok.pad_token_id, steps=spec.warm_start_steps, lr=spec.warm_start_lr,
-                           batch_size=spec.warm_start_batch_size, seed=spec.seed)  # fmt: skip
+                           batch_size=spec.warm_start_batch_size, seed=spec.seed, prompt_weight=prompt_weight)  # fmt: skip
     finally:
         torch.set_num_threads(threads)
     return {"kind": spec.warm_start, "steps": spec.warm_start_steps, "first_loss": losses[0],

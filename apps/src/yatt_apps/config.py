@@ -212,7 +212,7 @@ def tiny_cpu() -> RunConfig:
     with an integer), and the GenRM judge with K=2 verdicts constrained to its two verdict phrases."""
     return RunConfig(
         model=ModelSpec(warm_start="policy", warm_start_steps=500, warm_start_batch_size=64),
-        judge=ModelSpec(seed=1, warm_start="genrm", warm_start_steps=300),
+        judge=ModelSpec(seed=1, warm_start="genrm", warm_start_steps=400),
         data=DataSpec(num_val_rows=64),
         rewards=[
             RewardSpec(kind="math_verify", weight=1.0),

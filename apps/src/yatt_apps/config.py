@@ -209,9 +209,11 @@ def tiny_cpu() -> RunConfig:
     Both tiny models are warm-started on the task (`yatt_apps.warmstart`, cached): the policy partly (it
     answers some validation prompts, leaving headroom for RL), the judge as a verify_yes_no grader of right,
     near-miss and malformed answers. Rewards: exact answer (math_verify), a format term (the response starts
-    with an integer), and the GenRM judge with K=2 verdicts constrained to its two verdict phrases."""
+    with an integer), and the GenRM judge with K=2 verdicts constrained to its two verdict phrases (every verdict
+    parses). Measured: the tiny judge's verdicts still agree with math_verify only about as often as chance
+    (0.56 on the warm policy's samples), so its weight is small: math_verify carries the learning signal."""
     return RunConfig(
-        model=ModelSpec(warm_start="policy", warm_start_steps=500, warm_start_batch_size=64),
+        model=ModelSpec(warm_start="policy", warm_start_steps=700, warm_start_batch_size=64),
         judge=ModelSpec(seed=1, warm_start="genrm", warm_start_steps=400),
         data=DataSpec(num_val_rows=64),
         rewards=[
@@ -222,12 +224,12 @@ def tiny_cpu() -> RunConfig:
                 weight=0.2,
                 options={"pattern": r"^\s*-?\d+", "mode": "search"},
             ),
-            RewardSpec(kind="genrm", weight=0.5, judge=TINY_JUDGE),
+            RewardSpec(kind="genrm", weight=0.1, judge=TINY_JUDGE),
         ],
         # 2 updates per batch as in the paper's recipe; the warm-started policy moves at the warm start's lr
         algo=AlgoConfig(adv_estimator="grpo", kl_loss_coef=1e-3, adv_eps=1e-4, num_updates_per_batch=2),
         optim=OptimConfig(
-            lr=3e-3, num_warmup_steps=2, num_training_steps=30, micro_batch_size=32, clip_grad_norm=1.0
+            lr=1e-3, num_warmup_steps=2, num_training_steps=30, micro_batch_size=32, clip_grad_norm=1.0
         ),
         controller=ControllerSpec(
             num_controllers=2,
@@ -322,6 +324,7 @@ def tiny_cpu_sft() -> RunConfig:
         base,
         app="sft",
         run=msgspec.structs.replace(base.run, name="sft-tiny", prompts_per_step=32),
+        model=ModelSpec(),  # from its random init: SFT is what teaches it the task
         judge=None,
         rewards=[],
         algo=AlgoConfig(),

@@ -33,6 +33,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
                  "yatt_apps.vlm:job_main", "job"),
     "config": ("print the full resolved config as YAML, one doc comment per key (--preset, --config, --set)",
                "yatt_apps.cli:config_main", "job"),
+    "sft": ("supervised fine-tuning on prompt/response rows (loss on the response); writes an HF folder",
+            "yatt_apps.cli:job_main", "job"),
     "plan": ("print the placement plan of a config as a table (or --json)", "yatt_apps.cli:plan_main", "job"),
     "resume": ("continue a run from its newest complete checkpoint", "yatt_apps.cli:resume_main", "resume"),
     "export": ("write a run's trained policy (newest checkpoint, or --step N) as an HF folder, LoRA merged",
@@ -48,6 +50,7 @@ STEP_FACTORIES: dict[str, str] = {
     "ppo": "yatt_apps.ppo:JOB",
     "capo": "yatt_apps.capo:JOB",
     "grpo-vlm": "yatt_apps.vlm:JOB",
+    "sft": "yatt_apps.sft:JOB",
 }
 
 # job command -> its preset when --preset is not given (otherwise tiny_cpu)
@@ -56,6 +59,7 @@ DEFAULT_PRESETS: dict[str, str] = {
     "ppo": "tiny_cpu_ppo",
     "capo": "tiny_cpu_capo",
     "grpo-vlm": "tiny_cpu_vlm",
+    "sft": "tiny_cpu_sft",
 }
 
 

@@ -43,6 +43,22 @@ class ModelSpec(_Config, kw_only=True):
     # the engine serving this model where it is served (the judge's; the policy's is `rollout.engine`)
     engine: Literal["hf", "vllm"] = "hf"
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
+    # A tiny model (path empty) warm-started by a short SFT on the embedded arithmetic task (yatt_apps.warmstart):
+    # "policy" on its answers, "genrm" as a verify_yes_no judge, "step_critique" as CAPO's step critic. The result
+    # is cached under $YATT_CACHE_DIR (default ~/.cache/yatt/models), keyed by everything that shapes it.
+    warm_start: Literal["none", "policy", "genrm", "step_critique"] = "none"
+    warm_start_steps: int = 0  # optimizer steps; 0: no warm start
+    warm_start_lr: float = 3e-3
+    warm_start_batch_size: int = 32
+
+    def __post_init__(self) -> None:
+        if self.warm_start_steps < 0 or self.warm_start_batch_size < 1 or self.warm_start_lr <= 0:
+            raise ValueError(
+                "model.warm_start_steps must be >= 0, warm_start_batch_size >= 1, warm_start_lr > 0"
+            )
+        if self.warm_start != "none" and (self.path or self.arch == "qwen2_vl"):
+            raise ValueError(f"model.warm_start={self.warm_start!r} warm-starts a tiny text model: it needs "
+                             "model.path empty and arch qwen2 or llama")  # fmt: skip
 
 
 class DataSpec(_Config, kw_only=True):
@@ -172,6 +188,15 @@ class LogSpec(_Config, kw_only=True):
     run_name: str = ""  # "": the run directory's name
 
 
+class SFTSpec(_Config, kw_only=True):
+    """`yatt sft`'s data: prompt/response rows (jsonl or parquet); empty `train` uses the embedded task's
+    answers. Steps come from `run.num_steps` and `run.prompts_per_step` rows each (the data cycles in epochs)."""
+
+    train: str = ""
+    prompt_key: str = "prompt"
+    response_key: str = "response"
+
+
 class RunConfig(_Config, kw_only=True):
     """A whole job. `app` names the step function (grpo, dapo, ppo, capo, grpo-vlm)."""
 
@@ -193,6 +218,7 @@ class RunConfig(_Config, kw_only=True):
     rollout: RolloutSpec = RolloutSpec()
     ray: RaySpec = RaySpec()
     log: LogSpec = LogSpec()
+    sft: SFTSpec = SFTSpec()  # sft
 
     def __post_init__(self) -> None:
         if self.run.prompts_per_step % self.controller.num_controllers:
@@ -262,33 +288,42 @@ def megatron_device_ok(cfg: RunConfig) -> bool:
 
 # ---- presets --------------------------------------------------------------------------------------------
 
-TINY_JUDGE = JudgeSpec(num_samples=2, temperature=0.7, top_p=0.9, max_new_tokens=4, on_parse_error="zero")
+# The tiny judge's verdicts are constrained to the two phrases its parser reads (`JudgeSpec.choices`).
+TINY_VERDICTS = ["Verdict: Yes", "Verdict: No"]
+TINY_JUDGE = JudgeSpec(
+    num_samples=2, temperature=0.7, top_p=0.9, max_new_tokens=8, on_parse_error="zero", choices=TINY_VERDICTS
+)
 
 
 def tiny_cpu() -> RunConfig:
     """The default: GRPO on the embedded arithmetic task, a tiny Qwen2 policy and a tiny Qwen2 judge built from
     configs, two parallel controllers on two logical devices (colocated), a few minutes on a 2-core CPU.
 
-    Rewards: exact answer (math_verify), a format term (the response starts with an integer, which a random tiny
-    policy learns within tens of steps, so the reward visibly rises), and a GenRM judge with K=2 judgements
-    (the tiny judge's verdicts are noise; it exercises the real judging path and its status accounting)."""
+    Both tiny models are warm-started on the task (`yatt_apps.warmstart`, cached): the policy partly (it
+    answers some validation prompts, leaving headroom for RL), the judge as a verify_yes_no grader of right,
+    near-miss and malformed answers. Rewards: exact answer (math_verify), a format term (the response starts
+    with an integer), and the GenRM judge with K=2 verdicts constrained to its two verdict phrases (every verdict
+    parses). Measured: the tiny judge's verdicts still agree with math_verify only about as often as chance
+    (0.56 on the warm policy's samples), so its weight is small: math_verify carries the learning signal."""
     return RunConfig(
-        judge=ModelSpec(seed=1, max_position_embeddings=1024),  # judge prompts hold whole multi-turn episodes
+        model=ModelSpec(warm_start="policy", warm_start_steps=700, warm_start_batch_size=64),
+        # judge prompts hold whole multi-turn episodes (rollout.env), hence the longer context
+        judge=ModelSpec(seed=1, max_position_embeddings=1024, warm_start="genrm", warm_start_steps=400),
+        data=DataSpec(num_val_rows=64),
         rewards=[
             RewardSpec(kind="math_verify", weight=1.0),
             RewardSpec(
                 kind="regex",
                 name="format",
-                weight=0.5,
+                weight=0.2,
                 options={"pattern": r"^\s*-?\d+", "mode": "search"},
             ),
             RewardSpec(kind="genrm", weight=0.1, judge=TINY_JUDGE),
         ],
-        # 2 updates per batch as in the paper's recipe; a tiny model from scratch needs a large lr to move in
-        # 30 steps (format reward about 0.02 -> 0.4 within 20 steps on the embedded task)
+        # 2 updates per batch as in the paper's recipe; the warm-started policy moves at the warm start's lr
         algo=AlgoConfig(adv_estimator="grpo", kl_loss_coef=1e-3, adv_eps=1e-4, num_updates_per_batch=2),
         optim=OptimConfig(
-            lr=1e-2, num_warmup_steps=2, num_training_steps=30, micro_batch_size=32, clip_grad_norm=1.0
+            lr=1e-3, num_warmup_steps=2, num_training_steps=30, micro_batch_size=32, clip_grad_norm=1.0
         ),
         controller=ControllerSpec(
             num_controllers=2,
@@ -337,21 +372,23 @@ def tiny_cpu_ppo() -> RunConfig:
 
 def tiny_cpu_capo() -> RunConfig:
     """`yatt capo` on the tiny task (CAPO, arXiv 2508.02298): a rule verifier r_v in {0, 1} as the only reward
-    term, the tiny judge as the step critic (K = 2 critiques of up to 8 tokens; its critiques are noise that
-    rarely parse, so the process penalty seldom applies, but every path is real), intersection voting,
-    W_whole = 2, W_process = 1, token advantages normalized per prompt, PPO-clip.
-
-    The verifier here is the format check (the response starts with an integer): a random tiny policy almost
-    never hits the exact answer in a few steps, and with r_v = 0 everywhere and no penalty the advantages
-    are all zero. A real run verifies the answer (`math_verify`)."""
+    term (math_verify on the warm-started policy), the tiny judge warm-started as the step critic (K = 2
+    critiques constrained to "Wrong steps: none" / "Wrong steps: 1": a one-step answer is right or wrong),
+    intersection voting, W_whole = 2, W_process = 1, token advantages normalized per prompt, PPO-clip."""
     base = tiny_cpu()
-    critic = JudgeSpec(template_name="step_critique", num_samples=2, temperature=0.7, max_new_tokens=8)
+    critic = JudgeSpec(template_name="step_critique", num_samples=2, temperature=0.7, max_new_tokens=8,
+                       choices=["Wrong steps: none", "Wrong steps: 1"])  # fmt: skip
     return msgspec.structs.replace(
         base,
         app="capo",
         run=msgspec.structs.replace(base.run, name="capo-tiny"),
-        judge=ModelSpec(seed=1, max_position_embeddings=1024),  # the critique prompt is long
-        rewards=[msgspec.structs.replace(spec, weight=1.0) for spec in base.rewards if spec.name == "format"],
+        # the critique prompt is long
+        judge=ModelSpec(
+            seed=1, max_position_embeddings=1024, warm_start="step_critique", warm_start_steps=300
+        ),
+        rewards=[
+            msgspec.structs.replace(spec, weight=1.0) for spec in base.rewards if spec.kind == "math_verify"
+        ],
         capo=CapoSpec(critic=critic),
     )
 
@@ -370,6 +407,24 @@ def tiny_cpu_vlm() -> RunConfig:
         data=DataSpec(num_train_rows=64, num_val_rows=8, max_prompt_tokens=64),
         rewards=[spec for spec in base.rewards if spec.kind != "genrm"],
     )
+
+
+def tiny_cpu_sft() -> RunConfig:
+    """`yatt sft` on the embedded task: a tiny Qwen2 built from a config, trained on the worked answers
+    (prompt "a + b =", response the answer) with the loss on response tokens only, 32 rows per step over two
+    controllers (data parallel), greedy accuracy on the validation rows every 10 steps; writes RUN_DIR/final."""
+    base = tiny_cpu()
+    return msgspec.structs.replace(
+        base,
+        app="sft",
+        run=msgspec.structs.replace(base.run, name="sft-tiny", prompts_per_step=32),
+        model=ModelSpec(),  # from its random init: SFT is what teaches it the task
+        judge=None,
+        rewards=[],
+        algo=AlgoConfig(),
+        optim=OptimConfig(lr=3e-3, num_warmup_steps=2, num_training_steps=30, micro_batch_size=32,
+                          clip_grad_norm=1.0),
+    )  # fmt: skip
 
 
 def qwen2_5_math_1_5b_genrm_72b() -> RunConfig:
@@ -406,5 +461,6 @@ PRESETS: dict[str, Callable[[], RunConfig]] = {
     "tiny_cpu_ppo": tiny_cpu_ppo,
     "tiny_cpu_capo": tiny_cpu_capo,
     "tiny_cpu_vlm": tiny_cpu_vlm,
+    "tiny_cpu_sft": tiny_cpu_sft,
     "qwen2_5_math_1_5b_genrm_72b": qwen2_5_math_1_5b_genrm_72b,
 }

@@ -116,3 +116,4 @@ class JobDef:
     build: Callable[..., Any] = build_services
     check: Callable[[RunConfig], None] | None = None
     asynchronous: bool = False
+    dataset: Callable[[RunConfig], Any] | None = None  # the job's own rows (sft); None: the prompt datasets

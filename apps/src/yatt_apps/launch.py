@@ -138,12 +138,12 @@ def _init_ray(cfg: RunConfig) -> bool:
     return True
 
 
-def prepare_models(cfg: RunConfig, run: RunDir) -> tuple[str, str]:
+def prepare_models(cfg: RunConfig, run: RunDir, dataset=train_rows) -> tuple[str, str]:
     """The policy's and the judge's model directories; tiny ones are built with a tokenizer trained on the
     task's text (the only time the driver reads every row's text)."""
     tiny = not cfg.model.path or (cfg.judge is not None and not cfg.judge.path)
     judge_text = ["Verify the solution step by step. Is the answer correct? Yes No"]
-    rows = train_rows(cfg)
+    rows = dataset(cfg)
     corpus = tokenizer_corpus((rows[i] for i in range(len(rows))), judge_text) if tiny else []
     policy_dir = str(prepare_model(cfg.model, run.path / "models" / "policy", corpus))
     judge = run.path / "models" / "judge"
@@ -151,13 +151,13 @@ def prepare_models(cfg: RunConfig, run: RunDir) -> tuple[str, str]:
     return policy_dir, judge_dir
 
 
-def check_data(cfg: RunConfig, policy_dir: str) -> None:
+def check_data(cfg: RunConfig, policy_dir: str, dataset=train_rows) -> None:
     """Every training row validated and its prompt length checked, one row at a time, none held."""
     from yatt_apps.phases import render_prompt
 
     tok = load_tokenizer(policy_dir)
     system, limit = cfg.data.system_prompt, cfg.data.max_prompt_tokens
-    for _ in stream_check(train_rows(cfg), lambda row: len(render_prompt(tok, row, system)), limit):
+    for _ in stream_check(dataset(cfg), lambda row: len(render_prompt(tok, row, system)), limit):
         pass
 
 
@@ -171,6 +171,7 @@ def absolute_paths(cfg: RunConfig) -> RunConfig:
         return str(Path(path).resolve()) if path and not is_hub_id(path) else path
 
     data = replace(cfg.data, train=absolute(cfg.data.train), val=absolute(cfg.data.val))
+    cfg = replace(cfg, sft=replace(cfg.sft, train=absolute(cfg.sft.train)))
     model = replace(cfg.model, path=absolute(cfg.model.path))
     judge = None if cfg.judge is None else replace(cfg.judge, path=absolute(cfg.judge.path))
     return replace(cfg, data=data, model=model, judge=judge)
@@ -198,8 +199,9 @@ def run_job(cfg: RunConfig, run_dir: str | Path, job: JobDef) -> dict[str, Any]:
     cfg = absolute_paths(cfg)
     run.write_config(cfg)
     cfg = with_async_correction(with_schedule(cfg))
-    policy_dir, judge_dir = prepare_models(cfg, run)
-    check_data(cfg, policy_dir)  # streamed: fail fast on bad data; controllers read their own shards
+    rows = job.dataset or train_rows
+    policy_dir, judge_dir = prepare_models(cfg, run, rows)
+    check_data(cfg, policy_dir, rows)  # streamed: fail fast on bad data; controllers read their own shards
     plan = placement_plan(cfg, job)
 
     import ray
@@ -214,7 +216,7 @@ def run_job(cfg: RunConfig, run_dir: str | Path, job: JobDef) -> dict[str, Any]:
     runtime = Job(
         build=functools.partial(job.build, cfg=cfg, policy_dir=policy_dir, judge_dir=judge_dir),
         step_fn=job.step(cfg, policy_dir, functools.partial(val_rows, cfg)),
-        dataset=functools.partial(train_rows, cfg),
+        dataset=functools.partial(rows, cfg),
         batch_size=cfg.run.prompts_per_step,
         num_steps=cfg.run.num_steps,
         checkpoint_dir=str(run.checkpoints),

@@ -28,19 +28,35 @@ def prepare_model(spec: ModelSpec, out: Path, corpus: list[str], *, key: str = "
         return out
     if spec.arch == "qwen2_vl":
         return _prepare_tiny_vlm(spec, out, corpus)
-    from yatt_rollout.tiny import save_tiny, tiny_causal_lm, train_tokenizer
+    if spec.warm_start != "none" and spec.warm_start_steps:  # trained briefly on the embedded task, cached
+        from yatt_apps.warmstart import cached_or_build, extra_corpus, extra_tokens
+
+        corpus = corpus + extra_corpus(spec)
+        return cached_or_build(spec, out, corpus, lambda: tiny_text_model(spec, corpus, extra_tokens(spec)))
+    from yatt_rollout.tiny import save_tiny
+
+    model, tok = tiny_text_model(spec, corpus)
+    tmp = out.with_name(out.name + ".tmp")
+    save_tiny(model, tok, tmp)
+    tmp.replace(out)  # a half-written model directory is never taken for a complete one
+    return out
+
+
+def tiny_text_model(spec: ModelSpec, corpus: list[str], extra_tokens: list[str] = ()):
+    """(model, tokenizer) of a tiny text model built from `spec`, its tokenizer trained on `corpus`, plus
+    `extra_tokens` as whole (never split) tokens."""
+    from yatt_rollout.tiny import tiny_causal_lm, train_tokenizer
 
     tok = train_tokenizer(corpus, vocab_size=spec.vocab_size)
+    if extra_tokens:
+        tok.add_tokens(list(extra_tokens))
     model = tiny_causal_lm(
         len(tok), arch=spec.arch, hidden_size=spec.hidden_size, num_layers=spec.num_layers,
         num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, seed=spec.seed,
         max_position_embeddings=spec.max_position_embeddings, eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
     )  # fmt: skip
-    tmp = out.with_name(out.name + ".tmp")
-    save_tiny(model, tok, tmp)
-    tmp.replace(out)  # a half-written model directory is never taken for a complete one
-    return out
+    return model, tok
 
 
 def _prepare_tiny_vlm(spec: ModelSpec, out: Path, corpus: list[str]) -> Path:

@@ -9,8 +9,10 @@ and `tp_rank` = position inside the replica. Calls go through the explicit dispa
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -21,44 +23,62 @@ import ray
 from yatt_controller import dispatch
 from yatt_controller.types import Heartbeat, WorkerInfo
 
+HOST_THREADS = 32  # calls a host runs at once (different roles; each role's calls hold its lock)
+
 
 @ray.remote(concurrency_groups={"health": 1})
 class _Host:
-    """The process of one device. User calls run one at a time; `ping` has its own thread, so a host busy in
-    a long call still answers the health monitor."""
+    """The process of one device. Calls to one hosted role run one at a time, in order; calls to different
+    roles run concurrently (threads), so a learner rank blocked in a collective never holds up the engine
+    beside it that another controller is waiting on (partial colocation shares processes across controllers).
+    `ping` has its own thread, so a host busy in long calls still answers the health monitor."""
 
     def __init__(self, label: str, device: int) -> None:
         self._label, self._device = label, device
         self._objects: dict[str, Any] = {}
-        self._busy: tuple[str, float] | None = None
+        self._locks: dict[str, threading.Lock] = {}  # hosted key -> its calls' lock
+        self._guard = threading.Lock()
+        self._busy: dict[str, tuple[str, float]] = {}  # hosted key -> (the call it is in, since)
         self._busy_s: dict[str, float] = {}  # hosted key -> cumulative seconds in its calls (kept on destroy)
         self._sync_groups: dict[str, Any] = {}
 
+    def _lock(self, *keys: str) -> contextlib.ExitStack:
+        """The locks of `keys`, taken in a fixed order (no two callers can wait on each other)."""
+        with self._guard:
+            locks = [self._locks.setdefault(key, threading.Lock()) for key in sorted(set(keys))]
+        stack = contextlib.ExitStack()
+        for lock in locks:
+            stack.enter_context(lock)
+        return stack
+
     def create(self, key: str, cls: type, args: tuple, kwargs: dict) -> int:
-        self._objects[key] = cls(*args, **kwargs)
+        with self._lock(key):
+            self._objects[key] = cls(*args, **kwargs)
         return os.getpid()
 
     def destroy(self, key: str) -> None:
         """Drop a hosted object (its role moves elsewhere); the process stays for the roles it still hosts."""
         import gc
 
-        self._objects.pop(key, None)
+        with self._lock(key):
+            self._objects.pop(key, None)
         gc.collect()
 
     def call(self, key: str, method: str, args: tuple, kwargs: dict) -> Any:
-        self._busy = (f"{key}.{method}", time.time())
-        start = time.perf_counter()
-        try:
-            return getattr(self._objects[key], method)(*args, **kwargs)
-        finally:
-            self._busy_s[key] = self._busy_s.get(key, 0.0) + time.perf_counter() - start
-            self._busy = None
+        with self._lock(key):
+            self._busy[key] = (f"{key}.{method}", time.time())
+            start = time.perf_counter()
+            try:
+                return getattr(self._objects[key], method)(*args, **kwargs)
+            finally:
+                self._busy_s[key] = self._busy_s.get(key, 0.0) + time.perf_counter() - start
+                self._busy.pop(key, None)
 
     @ray.method(concurrency_group="health")
     def ping(self) -> Heartbeat:
-        """Liveness, the call this host is in (`phase`, since `time_unix`; "" when idle) and the cumulative
-        busy seconds of each hosted key (role)."""
-        busy, since = self._busy or ("", time.time())
+        """Liveness, the longest call this host is in (`phase`, since `time_unix`; "" when idle) and the
+        cumulative busy seconds of each hosted key (role)."""
+        busy, since = min(self._busy.values(), key=lambda b: b[1], default=("", time.time()))
         node = ray.get_runtime_context().get_node_id()
         return Heartbeat(
             actor=self._label, node_id=node, step=0, phase=busy, time_unix=since, busy_s=dict(self._busy_s)
@@ -78,12 +98,14 @@ class _Host:
     def sync_plan(self, key: str, bucket_bytes: int) -> list:
         from yatt_controller import weight_sync
 
-        return weight_sync.plan_buckets(self._objects[key].named_weights(), bucket_bytes)
+        with self._lock(key):
+            return weight_sync.plan_buckets(self._objects[key].named_weights(), bucket_bytes)
 
     def sync_send(self, group: str, key: str, buckets: list) -> int:
         from yatt_controller import weight_sync
 
-        return weight_sync.send(self._sync_groups[group], self._objects[key].named_weights(), buckets)
+        with self._lock(key):
+            return weight_sync.send(self._sync_groups[group], self._objects[key].named_weights(), buckets)
 
     def sync_recv(self, group: str, keys: str | list[str], buckets: list, version: int) -> int:
         """Receive one broadcast and load it into every hosted target in `keys` (one rank per process)."""
@@ -91,7 +113,8 @@ class _Host:
 
         named = weight_sync.receive(self._sync_groups[group], buckets)
         for key in [keys] if isinstance(keys, str) else keys:
-            self._objects[key].load_weights(named, version)
+            with self._lock(key):  # after the calls in flight on that engine
+                self._objects[key].load_weights(named, version)
         return sum(b.nbytes for b in buckets)
 
     def sync_close(self, group: str) -> None:
@@ -102,7 +125,8 @@ class _Host:
     def sync_local(self, src_key: str, dst_key: str, version: int) -> int:
         from yatt_controller import weight_sync
 
-        return weight_sync.copy_local(self._objects[src_key], self._objects[dst_key], version)
+        with self._lock(src_key, dst_key):
+            return weight_sync.copy_local(self._objects[src_key], self._objects[dst_key], version)
 
 
 def _device_share(realized: Any, device: int) -> float:
@@ -140,6 +164,7 @@ class HostPool:
                 num_gpus=_device_share(self.realized, device),
                 scheduling_strategy=self.realized.scheduling_strategy(device),
                 max_restarts=0,
+                max_concurrency=HOST_THREADS,  # one thread per concurrent call; a role's own calls are ordered
             ).remote(label, device)
             self.hosts[device] = HostRecord(handle, device, label)
         record = self.hosts[device]

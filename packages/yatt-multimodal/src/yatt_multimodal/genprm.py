@@ -18,7 +18,7 @@ from typing import Any
 
 from yatt_rollout.types import GenerateRequest, Generator, Prompt
 
-from yatt_multimodal.genrm import judge_sampling
+from yatt_multimodal.genrm import check_choices, judge_sampling
 from yatt_multimodal.judge_calls import JudgeCall, sample_judgements
 from yatt_multimodal.prompt_codecs import PromptCodec
 from yatt_multimodal.templates import get_template
@@ -129,6 +129,7 @@ class GenPRM:
             raise ValueError(
                 f"GenPRM needs a step-critique template, got {spec.template_name}@{spec.template_version}"
             )
+        check_choices(spec, lambda text: parse_wrong_steps(text, num_steps=1_000))
 
     def _prompt(self, request: RewardRequest, spans: list[tuple[int, int]]) -> Prompt:
         system, user = self.template.render(

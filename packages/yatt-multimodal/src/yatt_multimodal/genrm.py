@@ -32,6 +32,8 @@ def judge_key(request: RewardRequest) -> JudgeKey:
 
 
 def judge_sampling(spec: JudgeSpec, seed: int | None = None) -> SamplingParams:
+    """The engine's sampling of one judge prompt: K samples, and `spec.choices` as a constrained choice."""
+    constrained = {"choices": list(spec.choices)} if spec.choices else {}  # UNSET and [] are falsy
     return SamplingParams(
         n=spec.num_samples,
         temperature=spec.temperature,
@@ -39,7 +41,18 @@ def judge_sampling(spec: JudgeSpec, seed: int | None = None) -> SamplingParams:
         max_new_tokens=spec.max_new_tokens,
         seed=seed,
         logprobs=False,
+        **constrained,
     )
+
+
+def check_choices(spec: JudgeSpec, parse: Callable[[str], object]) -> None:
+    """Every constrained choice must be a verdict the parser reads (else a constrained judge could only
+    produce parse errors)."""
+    for i, choice in enumerate(spec.choices or []):
+        if parse(choice) is None:
+            raise ValueError(
+                f"JudgeSpec.choices[{i}] {choice!r} states no verdict to the {spec.template_name!r} template's parser"
+            )
 
 
 class GenRMJudge:
@@ -65,6 +78,7 @@ class GenRMJudge:
                 f"JudgeSpec.parser {self.spec.parser!r} does not read template "
                 f"{self.template.name}@{self.template.version}, which asks for {self.template.parser!r}"
             )
+        check_choices(self.spec, lambda text: PARSERS[self.spec.parser](text, self.spec.score_range))
         self.engine, self.codec, self.name, self.seed, self.media_check = (
             engine,
             codec,

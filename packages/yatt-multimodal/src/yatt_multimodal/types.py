@@ -82,6 +82,10 @@ class JudgeSpec(_Config, kw_only=True):
     timeout_s: float = 120.0
     max_concurrency: int = 64
     dedup: bool = True
+    # constrained verdicts: each judgement is exactly one of these texts (e.g. "Verdict: Yes", "Verdict: No"),
+    # passed to the engine as `SamplingParams.choices`; each must state a verdict to `parser`. Unset (read it
+    # with `or []`): free text; unset, it is left out of the encoding, so older specs keep their bytes
+    choices: list[str] | msgspec.UnsetType = msgspec.UNSET
 
     def __post_init__(self) -> None:
         if self.num_samples < 1:
@@ -92,6 +96,8 @@ class JudgeSpec(_Config, kw_only=True):
             raise ValueError(f"JudgeSpec.timeout_s must be > 0, got {self.timeout_s}")
         if self.score_range[0] >= self.score_range[1]:
             raise ValueError(f"JudgeSpec.score_range must be increasing, got {self.score_range}")
+        if self.choices is not msgspec.UNSET and not all(self.choices):
+            raise ValueError(f"JudgeSpec.choices must be non-empty strings, got {self.choices}")
 
 
 class RewardSpec(_Config, kw_only=True):

@@ -1,0 +1,200 @@
+"""`yatt sft`: supervised fine-tuning on prompt/response rows, as a YATT job like the RL ones.
+
+Each controller takes its shard of the step's rows, renders them with the policy tokenizer's chat template
+(`data.system_prompt` as the system turn), and its learner rank (`SFTWorker`) takes one optimizer step of the
+mean token NLL over the response tokens only, through the yatt-algos torch learner's engine: the same data
+parallel group (DDP or FSDP2), micro-batching, gradient clipping and LR schedule as the RL updates. On the
+last step the job writes `RUN_DIR/final`, an HF folder (config, safetensors, the policy's tokenizer) that
+`AutoModelForCausalLM.from_pretrained` loads.
+
+Data: `sft.train` (jsonl or parquet, `sft.prompt_key` / `sft.response_key`), or, when empty, worked answers
+of the embedded arithmetic task (prompt "a + b =", response the answer), so `yatt sft` runs out of the box.
+Inside the job an SFT row travels as a `PromptRow` whose `answer` is the response.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import uuid
+from pathlib import Path
+from typing import Any
+
+from yatt_apps.config import RunConfig
+from yatt_apps.data import PromptRow, arithmetic_task
+from yatt_apps.jobs import JobDef
+from yatt_apps.sft_data import chat_messages, encode_pair, load_sft_rows, pad_examples
+
+
+def train_rows(cfg: RunConfig) -> list[PromptRow]:
+    """The SFT rows as PromptRows (answer = the response): the user's file, or the embedded task's answers."""
+    if not cfg.sft.train:
+        return arithmetic_task(cfg.data.num_train_rows, seed=cfg.run.seed)
+    rows = load_sft_rows(cfg.sft.train, prompt_key=cfg.sft.prompt_key, response_key=cfg.sft.response_key)
+    return [PromptRow(prompt=r.prompt, answer=r.response) for r in rows]
+
+
+def sft_batch(tok, rows: list[PromptRow], system_prompt: str) -> dict[str, Any]:
+    """Padded input_ids / attention_mask / response_mask [B, T] of rows (prompt = chat template with its
+    generation prompt, response = the assistant turn through its eos)."""
+    examples = [encode_pair(tok, chat_messages(system_prompt, r.prompt), r.answer) for r in rows]
+    return pad_examples(examples, tok.pad_token_id)
+
+
+def sft_step(
+    ctx, rows: list[PromptRow], *, cfg: RunConfig, policy_dir: str, val_rows=None
+) -> dict[str, float]:
+    """One SFT step on this controller's `rows`; metrics reduced over controllers. The run's RUN_DIR/final is
+    exported from the last step's checkpoint (yatt_apps.launch.export_final), as for every job."""
+    from yatt_apps.phases import evaluate, tokenizer
+
+    tok = tokenizer(policy_dir)
+    with ctx.phase("tokenize"):
+        batch = sft_batch(tok, rows, cfg.data.system_prompt)
+    with ctx.phase("train"):  # SPMD: every learner rank of this controller steps together (all-reduce)
+        stats = ctx.get(ctx.learner.shard_rows("sft", batch))[0]
+    needs_rollout = val_rows is not None and cfg.run.eval_every and ctx.step % cfg.run.eval_every == 0
+    if needs_rollout and "rollout" in ctx.services:
+        with ctx.phase("weight_sync"):
+            ctx.sync_weights()
+        with ctx.phase("eval"):
+            sums = evaluate(ctx, val_rows, cfg, tok)
+    else:
+        sums = {}
+    sums["sft/tokens"] = float(batch["response_mask"].sum())
+    total = ctx.all_reduce(sums)
+    out = {"train/loss": stats["loss"], "train/lr": stats["lr"], "train/grad_norm": stats["grad_norm"],
+           "sft/tokens": total["sft/tokens"]}  # fmt: skip
+    if total.get("val/total"):
+        out["val/accuracy"] = total["val/correct"] / total["val/total"]
+    return out
+
+
+def check(cfg: RunConfig) -> None:
+    if cfg.judge is not None or cfg.rewards:
+        raise ValueError("sft trains on responses, not rewards: set judge to null and rewards to []")
+
+
+def step_function(cfg: RunConfig, policy_dir: str, val_rows=None):
+    check(cfg)
+    return functools.partial(sft_step, cfg=cfg, policy_dir=policy_dir, val_rows=val_rows)
+
+
+def roles(cfg: RunConfig) -> list:
+    """The actor (the trained policy) and, when the run evaluates, a rollout engine for greedy accuracy."""
+    from yatt_placement.types import RoleSpec
+
+    from yatt_apps.jobs import num_params
+
+    policy = num_params(cfg.model)
+    tp = cfg.model.tensor_parallel
+    out = [RoleSpec(role="actor", num_params=policy, trainable=True, tensor_parallel=tp)]
+    if cfg.run.eval_every:
+        out.append(RoleSpec(role="rollout", num_params=policy, tensor_parallel=tp))
+    return out
+
+
+def build(pool, *, cfg: RunConfig, policy_dir: str, judge_dir: str = ""):
+    """The SFT job's services: the SFT learner ranks, and the rollout engine that evaluates (if any)."""
+    from yatt_controller.runner import Services
+    from yatt_controller.sync import WeightSync
+    from yatt_controller.worker_group import WorkerGroup
+
+    from yatt_apps.workers import RolloutWorker
+
+    key = f"yatt-sft-{uuid.uuid4().hex}"  # this attempt's learner rendezvous
+    actor = WorkerGroup.create(pool, "actor", SFTWorker, args=(cfg, policy_dir, key), pass_worker_info=True)
+    if not cfg.run.eval_every:
+        return Services(groups={"actor": actor}, learner="actor")
+    rollout = WorkerGroup.create(
+        pool, "rollout", RolloutWorker, args=(cfg, policy_dir), pass_worker_info=True
+    )
+    return Services(
+        groups={"actor": actor, "rollout": rollout},
+        learner="actor",
+        weight_sync=WeightSync(actor, [rollout], mode="auto", backend="auto"),
+    )
+
+
+def _sft_objective(out: dict[str, Any], mb: dict[str, Any], norm) -> tuple[Any, dict[str, Any]]:
+    """This micro-batch's share of the mini-batch's mean response-token NLL (global token count in `norm`)."""
+    mask = mb["response_mask"]
+    loss = -(out["logprobs"] * mask).sum() / max(norm.num_tokens, 1.0)
+    return loss, {}
+
+
+class SFTWorker:
+    """One data-parallel rank of the SFT learner: the yatt-algos torch learner's engine (DDP/FSDP2 group,
+    micro-batches, clipping, schedule) with the masked NLL as its objective, one update per batch."""
+
+    def __init__(self, cfg: RunConfig, model_dir: str, key: str, *, worker_info: Any) -> None:
+        import msgspec
+        import torch
+        from yatt_algos.learner.torch_backend import TorchPolicyLearner
+
+        from yatt_apps.models import load_causal_lm
+        from yatt_apps.workers import _one_thread, join_learner_group
+
+        _one_thread()
+        torch.manual_seed(cfg.run.seed)
+        group = join_learner_group(worker_info, key)
+        algo = msgspec.structs.replace(cfg.algo, num_updates_per_batch=1)  # SFT: one pass per batch
+        self.model_dir, self.dp_rank = model_dir, worker_info.dp_rank
+        self.learner = TorchPolicyLearner(
+            load_causal_lm(model_dir, trust_remote_code=cfg.model.trust_remote_code), algo=algo,
+            optim_config=cfg.optim, learner=cfg.learner, group=group,
+        )  # fmt: skip
+        self.trust = cfg.model.trust_remote_code
+
+    def sft(self, batch: dict[str, Any]) -> dict[str, float]:
+        """One optimizer step on this rank's batch: loss = mean NLL over all ranks' response tokens."""
+        from yatt_algos.learner.torch_backend import causal_lm_forward
+
+        chunk = self.learner.engine.learner.logits_chunk_size
+
+        def forward(model, mb, grad):  # temperature 1: the data's likelihood, not a sampling distribution
+            return causal_lm_forward(model, mb, chunk_size=chunk, temperature=1.0)
+
+        stats = self.learner.engine.update(batch, forward, _sft_objective, ("response_mask",))
+        return {"loss": stats.loss, "grad_norm": stats.grad_norm, "lr": stats.lr,
+                "num_tokens": float(stats.num_tokens)}  # fmt: skip
+
+    def named_weights(self):
+        for bucket in self.learner.export_weights(64 << 20):
+            yield from bucket
+
+    def save_hf(self, out_dir: str) -> str:
+        """Write the trained weights as an HF folder (model config and tokenizer from the starting model),
+        atomically (tmp + rename). Every rank exports; data-parallel rank 0 writes."""
+        import shutil
+
+        from yatt_apps.models import load_causal_lm, load_tokenizer
+
+        named = dict(self.named_weights())
+        if self.dp_rank != 0:
+            return ""
+        out = Path(out_dir)
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        model = load_causal_lm(self.model_dir, trust_remote_code=self.trust)
+        model.load_state_dict(named, strict=False)  # tied embeddings export once; strict on what is there
+        model.save_pretrained(tmp)
+        load_tokenizer(self.model_dir, trust_remote_code=self.trust).save_pretrained(tmp)
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.replace(out)
+        return str(out)
+
+    def checkpoint_state(self) -> bytes:
+        import torch
+
+        buf = io.BytesIO()
+        torch.save(self.learner.state_dict(), buf)
+        return buf.getvalue()
+
+    def load_checkpoint_state(self, data: bytes) -> None:
+        import torch
+
+        self.learner.load_state_dict(torch.load(io.BytesIO(data), weights_only=True))
+
+
+JOB = JobDef(step=step_function, roles=roles, build=build, check=check, dataset=train_rows)

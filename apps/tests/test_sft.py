@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from yatt_apps.data import arithmetic_task
 from yatt_apps.models import load_causal_lm, prepare_model, tokenizer_corpus
 from yatt_apps.sft import SFTWorker, sft_batch
 from yatt_apps.sft_data import chat_messages, encode_pair, load_sft_rows, masked_nll, pad_examples, token_nll
+from yatt_controller.types import WorkerInfo
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +98,7 @@ def test_sft_worker_learns_and_its_hf_folder_reproduces_it(tok, policy_dir, tmp_
     from transformers import AutoModelForCausalLM
 
     cfg = PRESETS["tiny_cpu_sft"]()
-    worker = SFTWorker(cfg, policy_dir, 0, worker_info=SimpleNamespace(dp_size=1, dp_rank=0))
+    worker = SFTWorker(cfg, policy_dir, "unused", worker_info=WorkerInfo(role="actor", dp_rank=0, dp_size=1))
     rows = arithmetic_task(32, seed=3)
     batch = sft_batch(tok, rows, "")
     losses = [worker.sft(batch)["loss"] for _ in range(12)]

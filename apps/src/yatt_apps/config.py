@@ -48,8 +48,8 @@ class ModelSpec(_Config, kw_only=True):
     # is cached under $YATT_CACHE_DIR (default ~/.cache/yatt/models), keyed by everything that shapes it.
     warm_start: Literal["none", "policy", "genrm", "step_critique"] = "none"
     warm_start_steps: int = 0  # optimizer steps; 0: no warm start
-    warm_start_lr: float = 3e-3
-    warm_start_batch_size: int = 32
+    warm_start_lr: float = 3e-3  # the warm start's learning rate (AdamW)
+    warm_start_batch_size: int = 32  # examples per warm-start step
 
     def __post_init__(self) -> None:
         if self.warm_start_steps < 0 or self.warm_start_batch_size < 1 or self.warm_start_lr <= 0:
@@ -192,9 +192,9 @@ class SFTSpec(_Config, kw_only=True):
     """`yatt sft`'s data: prompt/response rows (jsonl or parquet); empty `train` uses the embedded task's
     answers. Steps come from `run.num_steps` and `run.prompts_per_step` rows each (the data cycles in epochs)."""
 
-    train: str = ""
-    prompt_key: str = "prompt"
-    response_key: str = "response"
+    train: str = ""  # a .jsonl or .parquet file of prompt/response rows; "": the embedded task's answers
+    prompt_key: str = "prompt"  # the column holding the prompt
+    response_key: str = "response"  # the column holding the response to learn
 
 
 class RunConfig(_Config, kw_only=True):

@@ -210,3 +210,11 @@ def test_export_errors_name_the_step_and_folder(tmp_path, capsys):
     (tmp_path / "o").mkdir()
     assert main(["export", str(run_dir), "--out", str(tmp_path / "o")]) == 2
     assert f"--out {tmp_path / 'o'} already exists" in capsys.readouterr().err
+
+
+def test_paper_preset_gets_past_placement_and_stops_on_missing_hardware(tmp_path, capsys):
+    """The 64-device recipe plans (partial colocation) and then names the devices this machine lacks."""
+    code = main(["grpo", "--preset", "qwen2_5_math_1_5b_genrm_72b", "--run-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "the placement plan (partial) needs 64 devices (8 nodes x 8)" in err and "ray.address" in err

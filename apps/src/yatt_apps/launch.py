@@ -138,6 +138,23 @@ def _init_ray(cfg: RunConfig) -> bool:
     return True
 
 
+def check_hardware(cfg: RunConfig, plan) -> None:
+    """A plan of real models that needs more devices than this machine has, with no cluster to join, stops
+    here with what it needs. Tiny models (no model.path) run on logical devices anywhere, as on CPU."""
+    if cfg.ray.address or os.environ.get("RAY_ADDRESS") or not cfg.model.path:
+        return
+    import torch
+
+    have = torch.cuda.device_count()
+    if plan.num_devices > max(have, 1) and (have or plan.num_devices > (os.cpu_count() or 1)):
+        cluster = cfg.placement.cluster
+        raise RuntimeError(
+            f"the placement plan ({plan.mode}) needs {plan.num_devices} devices ({cluster.num_nodes} nodes x "
+            f"{cluster.devices_per_node}); this machine has {have} CUDA device(s). Run it on a GPU cluster: start "
+            "Ray there and set ray.address (see README, Multi-node), or shrink placement.cluster"
+        )
+
+
 def prepare_models(cfg: RunConfig, run: RunDir, dataset=train_rows) -> tuple[str, str]:
     """The policy's and the judge's model directories; tiny ones are built with a tokenizer trained on the
     task's text (the only time the driver reads every row's text)."""
@@ -199,10 +216,11 @@ def run_job(cfg: RunConfig, run_dir: str | Path, job: JobDef) -> dict[str, Any]:
     cfg = absolute_paths(cfg)
     run.write_config(cfg)
     cfg = with_async_correction(with_schedule(cfg))
+    plan = placement_plan(cfg, job)
+    check_hardware(cfg, plan)
     rows = job.dataset or train_rows
     policy_dir, judge_dir = prepare_models(cfg, run, rows)
     check_data(cfg, policy_dir, rows)  # streamed: fail fast on bad data; controllers read their own shards
-    plan = placement_plan(cfg, job)
 
     import ray
     from yatt_controller.runner import Job

@@ -82,10 +82,13 @@ def test_check_env_names_the_key():
 
 
 @pytest.mark.slow
-def test_grpo_calculator_job_two_steps(tmp_path: Path):
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_grpo_calculator_job_two_steps(tmp_path: Path, engine: str):
     run_dir = tmp_path / "agent"
     argv = [
         "grpo",
+        "--set",
+        f"rollout.engine={engine}",
         "--run-dir",
         str(run_dir),
         "--set",
@@ -108,7 +111,8 @@ def test_grpo_calculator_job_two_steps(tmp_path: Path):
     )
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
-    assert summary["driver_bytes"] == 0 and summary["restarts"] == 0  # parallel controllers
+    # parallel controllers: only step reports reach the driver
+    assert summary["driver_bytes"] < 300_000 and summary["restarts"] == 0
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [0, 1]
     for row in rows:
@@ -128,6 +132,6 @@ def test_grpo_calculator_job_two_steps(tmp_path: Path):
         # the response mask counts model tokens only: at most 3 turns of max_new_tokens (6) each
         assert 0 < row["rollout/response_len_mean"] <= 18.0
         # the learner's logprobs of the model tokens equal the engine's: masks and logprobs line up
-        assert row["train/rollout_mismatch"] < 1e-4
+        assert row["train/rollout_mismatch"] < (1e-4 if engine == "hf" else 1e-3)
         assert row["agent/tool_calls"] >= sum(v for k, v in row.items() if k.startswith("agent/tool_errors/"))
     assert torch.isfinite(torch.tensor([v for v in rows[-1].values() if isinstance(v, float)])).all()

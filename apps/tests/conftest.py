@@ -1,4 +1,5 @@
-"""Shared by the apps tests: a reader of W&B's offline run files."""
+"""Shared by the apps tests: a reader of W&B's offline run files, and one local Ray session per test module
+for jobs run in process (`run_job` leaves a Ray it did not start running)."""
 
 from __future__ import annotations
 
@@ -53,3 +54,27 @@ def _history(run: Path) -> list[dict]:
 def wandb_records():
     pytest.importorskip("wandb")
     return SimpleNamespace(read=_read, types=_types, history=_history)
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    """A local Ray with room for every layout the tests plan (logical devices), shared by a module's jobs."""
+    import os
+
+    import ray
+    from yatt_apps.launch import ENV
+
+    for key, value in ENV.items():
+        os.environ.setdefault(key, value)
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(
+        address="local",
+        num_cpus=32,
+        num_gpus=8,
+        include_dashboard=False,
+        object_store_memory=512 * 2**20,
+        log_to_driver=False,
+    )
+    yield
+    ray.shutdown()

@@ -10,7 +10,7 @@ import pytest
 from yatt_apps.cli import main
 from yatt_apps.config import PRESETS, ControllerSpec, PlacementConfig, RunConfig
 from yatt_apps.grpo import JOB
-from yatt_apps.launch import ENV, run_job
+from yatt_apps.launch import run_job
 from yatt_placement.types import ClusterSpec
 
 
@@ -36,28 +36,6 @@ def test_colocated_async_is_a_config_error(tmp_path, capsys):
     assert "algo.max_staleness > 0 needs placement.mode disaggregated" in capsys.readouterr().err
     assert main(["dapo", "--set", "algo.max_staleness=1", "--run-dir", str(tmp_path / "d")]) == 2
     assert "the dapo job trains on-policy only" in capsys.readouterr().err
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    import os
-
-    import ray
-
-    for key, value in ENV.items():
-        os.environ.setdefault(key, value)
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(
-        address="local",
-        num_cpus=32,
-        num_gpus=8,
-        include_dashboard=False,
-        object_store_memory=512 * 2**20,
-        log_to_driver=False,
-    )
-    yield
-    ray.shutdown()
 
 
 def metrics(run_dir) -> dict[int, dict]:

@@ -13,32 +13,10 @@ import msgspec
 import pytest
 from yatt_apps.cli import STEP_FACTORIES, _load
 from yatt_apps.config import PRESETS, ControllerSpec, PlacementConfig, RunConfig
-from yatt_apps.launch import ENV, run_job
+from yatt_apps.launch import run_job
 from yatt_placement.types import ClusterSpec, ReplanConfig
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    import os
-
-    for key, value in ENV.items():
-        os.environ.setdefault(key, value)
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(
-        address="local",
-        num_cpus=32,
-        num_gpus=8,
-        include_dashboard=False,
-        object_store_memory=512 * 2**20,
-        log_to_driver=False,
-    )
-    yield
-    ray.shutdown()
 
 
 def small(preset: str, mode: str, controller: str, *, devices: int, **placement) -> RunConfig:

@@ -39,7 +39,9 @@ def cluster():
 
     ray.cloudpickle.register_pickle_by_value(doubles)  # Ray workers cannot import test modules
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    ray.init(num_cpus=8, num_gpus=8, include_dashboard=False, object_store_memory=512 * 2**20)
+    ray.init(
+        address="local", num_cpus=8, num_gpus=8, include_dashboard=False, object_store_memory=512 * 2**20
+    )
     plan = PlacementPlan(
         mode="colocated",
         num_devices=2,

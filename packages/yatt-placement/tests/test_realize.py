@@ -30,7 +30,9 @@ def ray_session():
     if ray.is_initialized():
         ray.shutdown()
     # Generous logical CPUs: a placement group cannot take CPUs that live actors hold.
-    ray.init(num_cpus=32, num_gpus=8, include_dashboard=False, object_store_memory=512 * 2**20)
+    ray.init(
+        address="local", num_cpus=32, num_gpus=8, include_dashboard=False, object_store_memory=512 * 2**20
+    )
     yield
     ray.shutdown()
 

@@ -237,8 +237,8 @@ def test_capo_runs_two_steps(tmp_path):
         assert sum(row[f"reward_status/{s}"] for s in ("ok", "parse_error", "timeout", "error")) == 64
         assert 0.0 <= row["capo/critique_failed_frac"] <= 1.0
         assert 0.0 <= row["capo/penalized_token_frac"] <= 1.0
-        assert row["reward/mean"] == row["reward/format_mean"]  # r_v is the only term
-        assert math.isfinite(row["train/loss"]) and row["time/reward"] > 0
+        assert row["reward/mean"] == row["reward/math_verify_mean"]  # r_v is the only term
+        assert math.isfinite(row["train/loss"]) and row["time/reward_s"] > 0
     assert (tmp_path / "run" / "summary.png").read_bytes()[:4] == b"\x89PNG"
 
 

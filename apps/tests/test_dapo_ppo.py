@@ -278,7 +278,7 @@ def test_dapo_runs_two_steps(tmp_path):
         assert row["dapo/trained_groups"] + row["dapo/padded_groups"] == 16
         assert 1 <= row["dapo/waves"] <= 4 and 1.0 <= row["dapo/expansion"] <= 10.0
         assert row["dapo/waves"] > 1 or row["dapo/padded_groups"] == 0  # refilled unless full at once
-        assert row["train/num_skipped_steps"] == 0 and "time/rollout" in row and "train/kl" not in row
+        assert row["train/num_skipped_steps"] == 0 and "time/rollout_reward" in row and "train/kl" not in row
 
 
 def _comparable(row: dict) -> dict:

@@ -306,7 +306,7 @@ def test_vllm_rollout_and_judge(ray_session, tmp_path):
     engine's logprobs of its own samples match the learner's to 1e-3 (step 1 runs on pushed weights)."""
     cfg = small(devices=1, rollout=RolloutSpec(engine="vllm"), judge=ModelSpec(seed=1, engine="vllm"))
     summary = run(cfg, tmp_path / "vllm")
-    assert summary["step"] == 1 and summary["restarts"] == 0
+    assert summary["step"] == 1 and summary["restarts"] == 0, summary["failures"]
     for row in metrics(tmp_path / "vllm").values():
         assert 0.0 < row["train/rollout_mismatch"] < 1e-3
         assert sum(row[f"reward_status/{s}"] for s in ("ok", "parse_error", "timeout", "error")) == 16

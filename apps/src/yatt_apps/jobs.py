@@ -82,7 +82,7 @@ def build_services(
 
     key = f"yatt-actor-{uuid.uuid4().hex}"  # this attempt's learner rendezvous (a restart gets a new one)
     actor = WorkerGroup.create(
-        pool, "actor", PolicyWorker, args=(cfg, policy_dir, key), pass_worker_info=True
+        pool, "actor", PolicyWorker, args=(cfg, policy_dir, key), pass_worker_info=True, lock="learner"
     )
     rollout_cls = RolloutWorker
     if cfg.rollout.env:  # multi-turn episodes of a registered environment

@@ -253,6 +253,7 @@ def run_job(cfg: RunConfig, run_dir: str | Path, job: JobDef) -> dict[str, Any]:
     return {
         **logger.last,
         "restarts": result.restarts,
+        "failures": list(result.failures),  # why each restart happened
         "driver_bytes": result.driver_bytes,
         "moves": len(result.moves),
         "seconds": time.perf_counter() - started_at,
@@ -271,6 +272,9 @@ def export_final(run: RunDir, cfg: RunConfig) -> Path | None:
 
     found = checkpoint.latest(str(run.checkpoints))
     if found is None or found[1].step != cfg.run.num_steps - 1:
+        return None
+    if cfg.learner.backend == "megatron":  # its blobs hold Megatron's names: HF conversion not wired here
+        print(f"{run.path}: final/ not written: export of Megatron learner checkpoints is not supported yet")
         return None
     ckpt, _ = find_checkpoint(run.path, found[1].step)
     model = load_policy(run.path, ckpt)

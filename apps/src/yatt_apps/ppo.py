@@ -190,7 +190,9 @@ def ppo_services(pool, *, cfg: RunConfig, policy_dir: str, judge_dir: str):
     def critic(pool, groups) -> tuple[str, ...]:
         key = f"yatt-critic-{uuid.uuid4().hex}"
         args = (cfg, policy_dir, key)
-        groups["critic"] = WorkerGroup.create(pool, "critic", CriticWorker, args=args, pass_worker_info=True)
+        groups["critic"] = WorkerGroup.create(
+            pool, "critic", CriticWorker, args=args, pass_worker_info=True, lock="learner"
+        )
         return ("critic",)
 
     return build_services(pool, cfg=cfg, policy_dir=policy_dir, judge_dir=judge_dir, extra=critic)

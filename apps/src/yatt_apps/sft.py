@@ -103,7 +103,9 @@ def build(pool, *, cfg: RunConfig, policy_dir: str, judge_dir: str = ""):
     from yatt_apps.workers import RolloutWorker
 
     key = f"yatt-sft-{uuid.uuid4().hex}"  # this attempt's learner rendezvous
-    actor = WorkerGroup.create(pool, "actor", SFTWorker, args=(cfg, policy_dir, key), pass_worker_info=True)
+    actor = WorkerGroup.create(
+        pool, "actor", SFTWorker, args=(cfg, policy_dir, key), pass_worker_info=True, lock="learner"
+    )
     if not cfg.run.eval_every:
         return Services(groups={"actor": actor}, learner="actor")
     rollout = WorkerGroup.create(

@@ -28,30 +28,36 @@ HOST_THREADS = 32  # calls a host runs at once (different roles; each role's cal
 
 @ray.remote(concurrency_groups={"health": 1})
 class _Host:
-    """The process of one device. Calls to one hosted role run one at a time, in order; calls to different
-    roles run concurrently (threads), so a learner rank blocked in a collective never holds up the engine
-    beside it that another controller is waiting on (partial colocation shares processes across controllers).
-    `ping` has its own thread, so a host busy in long calls still answers the health monitor."""
+    """The process of one device. Each hosted role belongs to a lock group (`WorkerGroup.create(lock=...)`):
+    calls of one group run one at a time; calls of different groups run concurrently (threads). Roles in the
+    default "host" group (engines: two engines in one process must not run at once) are serialized; a learner
+    in its own group ("learner") blocked in a collective never holds up the engine beside it that another
+    controller is waiting on (partial colocation shares processes across controllers). `ping` has its own
+    thread, so a host busy in long calls still answers the health monitor."""
 
     def __init__(self, label: str, device: int) -> None:
         self._label, self._device = label, device
         self._objects: dict[str, Any] = {}
-        self._locks: dict[str, threading.Lock] = {}  # hosted key -> its calls' lock
+        self._locks: dict[str, threading.Lock] = {}  # lock group -> its lock
+        self._groups: dict[str, str] = {}  # hosted key -> its lock group
         self._guard = threading.Lock()
         self._busy: dict[str, tuple[str, float]] = {}  # hosted key -> (the call it is in, since)
         self._busy_s: dict[str, float] = {}  # hosted key -> cumulative seconds in its calls (kept on destroy)
         self._sync_groups: dict[str, Any] = {}
 
     def _lock(self, *keys: str) -> contextlib.ExitStack:
-        """The locks of `keys`, taken in a fixed order (no two callers can wait on each other)."""
+        """The locks of `keys`' groups, taken in a fixed order (no two callers can wait on each other)."""
         with self._guard:
-            locks = [self._locks.setdefault(key, threading.Lock()) for key in sorted(set(keys))]
+            groups = sorted({self._groups.get(key, "host") for key in keys})
+            locks = [self._locks.setdefault(group, threading.Lock()) for group in groups]
         stack = contextlib.ExitStack()
         for lock in locks:
             stack.enter_context(lock)
         return stack
 
-    def create(self, key: str, cls: type, args: tuple, kwargs: dict) -> int:
+    def create(self, key: str, cls: type, args: tuple, kwargs: dict, lock: str = "host") -> int:
+        with self._guard:
+            self._groups[key] = lock
         with self._lock(key):
             self._objects[key] = cls(*args, **kwargs)
         return os.getpid()
@@ -209,11 +215,12 @@ class Spawn:
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
     pass_worker_info: bool = False
+    lock: str = "host"  # the host lock group its calls take (see _Host)
 
     def start(self, record: HostRecord, key: str, info: WorkerInfo) -> ray.ObjectRef:
         """Create the hosted object on `record`'s host (returns the ref of its pid)."""
         kw = {**self.kwargs, **({"worker_info": info} if self.pass_worker_info else {})}
-        return record.handle.create.remote(key, self.hosted, self.args, kw)
+        return record.handle.create.remote(key, self.hosted, self.args, kw, self.lock)
 
 
 def start_replica(
@@ -290,14 +297,17 @@ class WorkerGroup:
         kwargs: dict | None = None,
         max_inflight: int = 8,
         pass_worker_info: bool = False,
+        lock: str = "host",
     ) -> WorkerGroup:
-        """Instantiate `hosted(*args, **kwargs)` on every device of every replica the plan gives `role`."""
+        """Instantiate `hosted(*args, **kwargs)` on every device of every replica the plan gives `role`. Calls
+        of roles in one `lock` group on a host run one at a time; groups run concurrently: give learners that
+        block in collectives their own group ("learner"), keep engines in the default one."""
         if not inspect.isclass(hosted):
             raise ValueError(f"WorkerGroup.create needs a class to host, got {hosted!r}")
         placement = next((p for p in pool.realized.plan.roles if p.role == role and p.name == name), None)
         if placement is None:
             raise ValueError(f"role {role!r} (name {name!r}) is not in the placement plan")
-        spawn = Spawn(hosted, tuple(args), dict(kwargs or {}), pass_worker_info)
+        spawn = Spawn(hosted, tuple(args), dict(kwargs or {}), pass_worker_info, lock)
         workers, created = [], []
         for dp_rank, replica in enumerate(placement.replicas):
             made, refs = start_replica(pool, spawn, role, name, replica, dp_rank, len(placement.replicas))

@@ -289,7 +289,9 @@ def _comparable(row: dict) -> dict:
 # The learning runs add a constant reward term (an empty regex matches every response): returns near 1 that a
 # fresh value head (outputs near 0) does not know, so a critic that learns shows a falling value loss. With the
 # rule terms alone the tiny policy's returns are near 0 from the start and the loss sits at its noise floor.
-PPO_LEARN = ["--set", "run.eval_every=0", "--set", "controller.checkpoint_every=2", "--set",
+# the critic's fit is measured from a policy built from scratch (no warm start), as before warm starts existed
+PPO_LEARN = ["--set", "model.warm_start=none", "--set", "model.warm_start_steps=0",
+             "--set", "run.eval_every=0", "--set", "controller.checkpoint_every=2", "--set",
              "rewards=[{kind: math_verify, weight: 1.0}, {kind: regex, name: format, weight: 0.5, options: "
              "{pattern: '^\\s*-?\\d+'}}, {kind: regex, name: offset, weight: 1.0, options: {pattern: ''}}]"]  # fmt: skip
 
@@ -316,5 +318,5 @@ def test_ppo_critic_value_loss_falls(ppo_run):
     assert first["reward/offset_mean"] == 1.0
     loss = [r["critic/vf_loss"] for r in rows]
     start, end = sum(loss[:3]) / 3, sum(loss[-3:]) / 3
-    assert end < 0.8 * start, loss  # seen: 1.26 -> 0.83 with the warm-started policy (0.5x before it)
+    assert end < 0.5 * start, loss
     assert abs(rows[-1]["critic/value_mean"] - rows[-1]["critic/return_mean"]) < 0.3, rows[-1]

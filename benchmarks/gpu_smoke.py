@@ -36,10 +36,16 @@ def qwen2(hidden: int, layers: int, vocab: int, seed: int = 0):
 
     torch.manual_seed(seed)
     config = Qwen2Config(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
-        num_attention_heads=hidden // 64, num_key_value_heads=max(hidden // 256, 1), max_position_embeddings=1024,
-        tie_word_embeddings=False, rms_norm_eps=1e-6,
-    )  # fmt: skip
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=max(hidden // 256, 1),
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+    )
     return Qwen2ForCausalLM(config)
 
 
@@ -50,8 +56,13 @@ def batch(vocab: int, rows: int, prompt: int, response: int, device: str, seed: 
     attention = torch.ones(rows, t, dtype=torch.bool)
     mask = torch.zeros(rows, t, dtype=torch.bool)
     mask[:, prompt:] = True
-    out = {"input_ids": ids, "attention_mask": attention, "response_mask": mask,
-           "old_logprobs": torch.where(mask, -10.0, 0.0), "advantages": torch.where(mask, torch.randn(rows, 1, generator=g), 0.0)}  # fmt: skip
+    out = {
+        "input_ids": ids,
+        "attention_mask": attention,
+        "response_mask": mask,
+        "old_logprobs": torch.where(mask, -10.0, 0.0),
+        "advantages": torch.where(mask, torch.randn(rows, 1, generator=g), 0.0),
+    }
     return {k: v.to(device) for k, v in out.items()}
 
 
@@ -94,8 +105,12 @@ def engine_tokens_per_s(hidden: int, layers: int, new_tokens: int, device: str =
     model = qwen2(hidden, layers, 32000).to(torch.bfloat16)
     engine = HFEngine(model, max_batch_size=64, device=device, seed=0)
     sampling = SamplingParams(n=1, temperature=1.0, max_new_tokens=new_tokens)
-    requests = [GenerateRequest(request_id=f"r{i}", prompt=Prompt(token_ids=list(range(1 + i, 33 + i))),
-                                sampling=sampling) for i in range(64)]  # fmt: skip
+    requests = [
+        GenerateRequest(
+            request_id=f"r{i}", prompt=Prompt(token_ids=list(range(1 + i, 33 + i))), sampling=sampling
+        )
+        for i in range(64)
+    ]
     engine.generate(requests[:4])  # warm-up
     start = time.perf_counter()
     done = engine.generate(requests)
@@ -154,8 +169,12 @@ def main() -> None:
         print(json.dumps({"skipped": "no CUDA device"}))
         return
     hidden, layers, steps = (512, 4, 3) if args.quick else (1024, 8, 5)
-    result: dict[str, object] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                                 "hidden": hidden, "layers": layers}  # fmt: skip
+    result: dict[str, object] = {
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "hidden": hidden,
+        "layers": layers,
+    }
     result["learner_tokens_per_s_bf16"] = round(learner_tokens_per_s(hidden, layers, steps), 1)
     result["hf_engine_tokens_per_s_bf16"] = round(
         engine_tokens_per_s(hidden, layers, 64 if args.quick else 128), 1

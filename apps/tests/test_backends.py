@@ -46,30 +46,54 @@ def _with(**fields) -> RunConfig:
 
 
 CONFIG_ERRORS = [
-    ({"model": {"tensor_parallel": 2}},
-     "rollout.engine='hf' cannot use model.tensor_parallel=2 (the HF engine runs on one device); set "
-     "rollout.engine=vllm or model.tensor_parallel=1"),
-    ({"judge": {"tensor_parallel": 2, "seed": 1}},
-     "judge.engine='hf' cannot use judge.tensor_parallel=2 (the HF engine runs on one device); set "
-     "judge.engine=vllm or judge.tensor_parallel=1"),
-    ({"model": {"tensor_parallel": 3}, "rollout": {"engine": "vllm"},
-      "placement": {"cluster": {"num_nodes": 1, "devices_per_node": 4, "device_memory_gb": 16.0}}},
-     "model.tensor_parallel=3 does not divide placement.cluster.devices_per_node=4 (a replica spans devices of "
-     "one host)"),
-    ({"judge": {"tensor_parallel": 4, "engine": "vllm"}},
-     "judge.tensor_parallel=4 does not divide placement.cluster.devices_per_node=2 (a replica spans devices of "
-     "one host)"),
+    (
+        {"model": {"tensor_parallel": 2}},
+        "rollout.engine='hf' cannot use model.tensor_parallel=2 (the HF engine runs on one device); set "
+        "rollout.engine=vllm or model.tensor_parallel=1",
+    ),
+    (
+        {"judge": {"tensor_parallel": 2, "seed": 1}},
+        "judge.engine='hf' cannot use judge.tensor_parallel=2 (the HF engine runs on one device); set "
+        "judge.engine=vllm or judge.tensor_parallel=1",
+    ),
+    (
+        {
+            "model": {"tensor_parallel": 3},
+            "rollout": {"engine": "vllm"},
+            "placement": {"cluster": {"num_nodes": 1, "devices_per_node": 4, "device_memory_gb": 16.0}},
+        },
+        "model.tensor_parallel=3 does not divide placement.cluster.devices_per_node=4 (a replica spans devices of "
+        "one host)",
+    ),
+    (
+        {"judge": {"tensor_parallel": 4, "engine": "vllm"}},
+        "judge.tensor_parallel=4 does not divide placement.cluster.devices_per_node=2 (a replica spans devices of "
+        "one host)",
+    ),
     ({"model": {"tensor_parallel": 0}}, "model.tensor_parallel must be >= 1, got 0"),
-    ({"model": {"arch": "qwen2_vl"}, "rollout": {"engine": "vllm"}, "judge": None, "rewards": []},
-     "rollout.engine='vllm' does not serve a VLM policy (model.arch='qwen2_vl'): use 'hf'"),
-    ({"learner": {"backend": "megatron", "lora_rank": 4}, "ray": {"address": "auto"}},
-     "learner.backend='megatron' has no LoRA (learner.lora_rank > 0): use 'ddp' or 'fsdp2'"),
-    ({"learner": {"backend": "megatron"}, "model": {"arch": "qwen2_vl"}, "judge": None, "rewards": [],
-      "ray": {"address": "auto"}},
-     "learner.backend='megatron' converts Llama/Qwen2 text models, not model.arch='qwen2_vl'"),
-    ({"learner": {"backend": "megatron", "data_parallel": "fsdp2"}},
-     "LearnerConfig.backend='megatron' conflicts with data_parallel='fsdp2' (a torch-backend setting)"),
-]  # fmt: skip
+    (
+        {"model": {"arch": "qwen2_vl"}, "rollout": {"engine": "vllm"}, "judge": None, "rewards": []},
+        "rollout.engine='vllm' does not serve a VLM policy (model.arch='qwen2_vl'): use 'hf'",
+    ),
+    (
+        {"learner": {"backend": "megatron", "lora_rank": 4}, "ray": {"address": "auto"}},
+        "learner.backend='megatron' has no LoRA (learner.lora_rank > 0): use 'ddp' or 'fsdp2'",
+    ),
+    (
+        {
+            "learner": {"backend": "megatron"},
+            "model": {"arch": "qwen2_vl"},
+            "judge": None,
+            "rewards": [],
+            "ray": {"address": "auto"},
+        },
+        "learner.backend='megatron' converts Llama/Qwen2 text models, not model.arch='qwen2_vl'",
+    ),
+    (
+        {"learner": {"backend": "megatron", "data_parallel": "fsdp2"}},
+        "LearnerConfig.backend='megatron' conflicts with data_parallel='fsdp2' (a torch-backend setting)",
+    ),
+]
 
 
 @pytest.mark.parametrize(("fields", "message"), CONFIG_ERRORS)
@@ -97,8 +121,12 @@ def test_megatron_without_cuda_is_a_config_error(monkeypatch):
 
 
 def test_possible_combinations_pass():
-    cfg = _with(model={"tensor_parallel": 2}, rollout={"engine": "vllm"}, judge={"engine": "vllm", "seed": 1},
-                learner={"backend": "fsdp2"})  # fmt: skip
+    cfg = _with(
+        model={"tensor_parallel": 2},
+        rollout={"engine": "vllm"},
+        judge={"engine": "vllm", "seed": 1},
+        learner={"backend": "fsdp2"},
+    )
     assert (cfg.rollout.engine, cfg.judge.engine, cfg.learner.backend) == ("vllm", "vllm", "fsdp2")
 
 
@@ -189,8 +217,10 @@ def small(*, devices: int = 2, **sections) -> RunConfig:
         cfg,
         run=replace(cfg.run, num_steps=2, prompts_per_step=4, eval_every=0, progress=False, schedule_steps=2),
         controller=replace(cfg.controller, num_controllers=devices, hang_timeout_s=300.0),
-        placement=PlacementConfig(cluster=ClusterSpec(num_nodes=1, devices_per_node=devices, device_memory_gb=16.0)),
-    )  # fmt: skip
+        placement=PlacementConfig(
+            cluster=ClusterSpec(num_nodes=1, devices_per_node=devices, device_memory_gb=16.0)
+        ),
+    )
     return replace(cfg, **sections)
 
 
@@ -214,12 +244,29 @@ def _start_head(tmp: Path) -> tuple[subprocess.Popen, str]:
     """`ray start --head` in its own process group (so the test stops exactly it: never `ray stop`), blocking;
     returns the process and the address it prints. Retried: on a busy machine the head can miss Ray's fixed
     30 s node start-up limit."""
-    cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--port=0", "--num-cpus=8",
-           "--num-gpus=4", "--include-dashboard=false", "--block", f"--temp-dir={tmp}"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "ray.scripts.scripts",
+        "start",
+        "--head",
+        "--port=0",
+        "--num-cpus=8",
+        "--num-gpus=4",
+        "--include-dashboard=false",
+        "--block",
+        f"--temp-dir={tmp}",
+    ]
     lines: list[str] = []
     for _ in range(3):
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True, env={**os.environ, "RAY_ADDRESS": ""})  # fmt: skip
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+            env={**os.environ, "RAY_ADDRESS": ""},
+        )
         deadline = time.monotonic() + 180
         lines = []
         for line in proc.stdout:
@@ -284,8 +331,14 @@ def ray_session():
     for attempt in range(3):  # Ray's node start-up has a fixed 30 s limit, which a busy machine can miss
         before = {p.pid for p in psutil.Process().children()}
         try:
-            ray.init(address="local", num_cpus=16, num_gpus=4, include_dashboard=False,
-                     object_store_memory=512 * 2**20, log_to_driver=False)  # fmt: skip
+            ray.init(
+                address="local",
+                num_cpus=16,
+                num_gpus=4,
+                include_dashboard=False,
+                object_store_memory=512 * 2**20,
+                log_to_driver=False,
+            )
             break
         except Exception:
             ray.shutdown()
@@ -320,8 +373,12 @@ def test_fsdp2_learner_and_resume_parity(ray_session, tmp_path):
     import shutil
 
     base = small(learner=LearnerConfig(backend="fsdp2"))
-    cfg = replace(base, judge=None, rewards=[s for s in base.rewards if s.kind != "genrm"],
-                  controller=replace(base.controller, checkpoint_every=1))  # fmt: skip
+    cfg = replace(
+        base,
+        judge=None,
+        rewards=[s for s in base.rewards if s.kind != "genrm"],
+        controller=replace(base.controller, checkpoint_every=1),
+    )
     straight = run(cfg, tmp_path / "straight")
     assert straight["step"] == 1 and 0.0 < straight["train/rollout_mismatch"] < 1e-4
     shutil.copytree(tmp_path / "straight", tmp_path / "resumed")
@@ -382,8 +439,12 @@ def test_hf_engine_and_torch_learner_in_bf16_on_cuda(tmp_path):
     assert engine.device.type == "cuda" and next(engine.model.parameters()).dtype == torch.bfloat16
     prompts = [[5 + i, 7, 9 + i] for i in range(4)]
     sampling = SamplingParams(n=2, max_new_tokens=8)
-    requests = [GenerateRequest(request_id=f"r-p{i}", prompt=Prompt(token_ids=ids),
-                                sampling=replace(sampling, seed=i)) for i, ids in enumerate(prompts)]  # fmt: skip
+    requests = [
+        GenerateRequest(
+            request_id=f"r-p{i}", prompt=Prompt(token_ids=ids), sampling=replace(sampling, seed=i)
+        )
+        for i, ids in enumerate(prompts)
+    ]
     done = [c for c in engine.generate(requests) if c.token_ids]
     batch = pad_batch([prompts[int(c.request_id[-1])] for c in done], [c.token_ids for c in done], 0)
     logprobs = learner.compute_logprobs(batch).cpu()

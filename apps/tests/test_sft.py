@@ -21,8 +21,11 @@ from yatt_controller.types import WorkerInfo
 @pytest.fixture(scope="module")
 def policy_dir(tmp_path_factory):
     rows = arithmetic_task(64, seed=0)
-    return str(prepare_model(PRESETS["tiny_cpu_sft"]().model, tmp_path_factory.mktemp("sft") / "policy",
-                             tokenizer_corpus(rows)))  # fmt: skip
+    return str(
+        prepare_model(
+            PRESETS["tiny_cpu_sft"]().model, tmp_path_factory.mktemp("sft") / "policy", tokenizer_corpus(rows)
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -123,15 +126,40 @@ def test_yatt_sft_on_a_jsonl_writes_a_loadable_folder(tmp_path):
     from transformers import AutoModelForCausalLM
 
     data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps({"question": r.prompt, "solution": r.answer}) + "\n"
-                            for r in arithmetic_task(64, seed=5)))  # fmt: skip
+    data.write_text(
+        "".join(
+            json.dumps({"question": r.prompt, "solution": r.answer}) + "\n"
+            for r in arithmetic_task(64, seed=5)
+        )
+    )
     run_dir = tmp_path / "run"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    argv = ["sft", "--run-dir", str(run_dir), "--json", "--set", f"sft.train={data}", "--set",
-            "sft.prompt_key=question", "--set", "sft.response_key=solution", "--set", "run.num_steps=8",
-            "--set", "run.eval_every=0", "--set", "data.num_val_rows=0"]  # fmt: skip
-    out = subprocess.run([sys.executable, "-m", "yatt_apps.cli", *argv], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=900)  # fmt: skip
+    argv = [
+        "sft",
+        "--run-dir",
+        str(run_dir),
+        "--json",
+        "--set",
+        f"sft.train={data}",
+        "--set",
+        "sft.prompt_key=question",
+        "--set",
+        "sft.response_key=solution",
+        "--set",
+        "run.num_steps=8",
+        "--set",
+        "run.eval_every=0",
+        "--set",
+        "data.num_val_rows=0",
+    ]
+    out = subprocess.run(
+        [sys.executable, "-m", "yatt_apps.cli", *argv],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     losses = [row["train/loss"] for row in rows]

@@ -138,8 +138,11 @@ def test_warm_judge_states_the_verdict_phrase(preset_models):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(reason="the tiny judge has not learned to tell right from near-miss answers within its warm-start "
-                   "budget (held-out verdict accuracy about 0.6, the share of wrong candidates)", strict=False)  # fmt: skip
+@pytest.mark.xfail(
+    reason="the tiny judge has not learned to tell right from near-miss answers within its warm-start "
+    "budget (held-out verdict accuracy about 0.6, the share of wrong candidates)",
+    strict=False,
+)
 def test_warm_judge_agrees_with_math_verify(preset_models):
     report = msgspec.json.decode((preset_models[2] / "warm_start.json").read_bytes())
     assert report["held_out_accuracy"] >= 0.8, report

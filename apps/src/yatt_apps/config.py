@@ -57,8 +57,10 @@ class ModelSpec(_Config, kw_only=True):
                 "model.warm_start_steps must be >= 0, warm_start_batch_size >= 1, warm_start_lr > 0"
             )
         if self.warm_start != "none" and (self.path or self.arch == "qwen2_vl"):
-            raise ValueError(f"model.warm_start={self.warm_start!r} warm-starts a tiny text model: it needs "
-                             "model.path empty and arch qwen2 or llama")  # fmt: skip
+            raise ValueError(
+                f"model.warm_start={self.warm_start!r} warm-starts a tiny text model: it needs "
+                "model.path empty and arch qwen2 or llama"
+            )
 
 
 class DataSpec(_Config, kw_only=True):
@@ -244,11 +246,15 @@ def hardware_problems(cfg: RunConfig) -> list[str]:
         if tp < 1:
             problems.append(f"{name}.tensor_parallel must be >= 1, got {tp}")
         elif engine == "hf" and tp > 1:
-            problems.append(f"{engine_key}='hf' cannot use {name}.tensor_parallel={tp} (the HF engine runs on one "
-                            f"device); set {engine_key}=vllm or {name}.tensor_parallel=1")  # fmt: skip
+            problems.append(
+                f"{engine_key}='hf' cannot use {name}.tensor_parallel={tp} (the HF engine runs on one "
+                f"device); set {engine_key}=vllm or {name}.tensor_parallel=1"
+            )
         elif per_node % tp:
-            problems.append(f"{name}.tensor_parallel={tp} does not divide placement.cluster.devices_per_node="
-                            f"{per_node} (a replica spans devices of one host)")  # fmt: skip
+            problems.append(
+                f"{name}.tensor_parallel={tp} does not divide placement.cluster.devices_per_node="
+                f"{per_node} (a replica spans devices of one host)"
+            )
     vlm = cfg.model.arch == "qwen2_vl"
     if vlm and cfg.rollout.engine == "vllm":
         problems.append("rollout.engine='vllm' does not serve a VLM policy (model.arch='qwen2_vl'): use 'hf'")
@@ -348,9 +354,17 @@ def tiny_cpu_dapo() -> RunConfig:
         judge=None,
         rewards=[spec for spec in base.rewards if spec.kind != "genrm"],
         sampling=msgspec.structs.replace(base.sampling, max_new_tokens=8),
-        algo=AlgoConfig(adv_estimator="grpo", loss_agg_mode="token-mean", clip_ratio_low=0.2, clip_ratio_high=0.28,
-                        kl_loss_coef=0.0, adv_eps=1e-4, overlong_buffer_len=2, overlong_penalty_factor=0.5),
-    )  # fmt: skip
+        algo=AlgoConfig(
+            adv_estimator="grpo",
+            loss_agg_mode="token-mean",
+            clip_ratio_low=0.2,
+            clip_ratio_high=0.28,
+            kl_loss_coef=0.0,
+            adv_eps=1e-4,
+            overlong_buffer_len=2,
+            overlong_penalty_factor=0.5,
+        ),
+    )
 
 
 def tiny_cpu_ppo() -> RunConfig:
@@ -364,10 +378,11 @@ def tiny_cpu_ppo() -> RunConfig:
         run=msgspec.structs.replace(base.run, name="ppo-tiny"),
         judge=None,
         rewards=[spec for spec in base.rewards if spec.kind != "genrm"],
-        algo=AlgoConfig(adv_estimator="gae", gamma=1.0, lam=0.95, kl_reward_coef=0.01, kl_estimator="k1",
-                        kl_loss_coef=0.0),
+        algo=AlgoConfig(
+            adv_estimator="gae", gamma=1.0, lam=0.95, kl_reward_coef=0.01, kl_estimator="k1", kl_loss_coef=0.0
+        ),
         critic_optim=msgspec.structs.replace(base.optim, lr=1e-3, num_warmup_steps=0),
-    )  # fmt: skip
+    )
 
 
 def tiny_cpu_capo() -> RunConfig:
@@ -376,8 +391,13 @@ def tiny_cpu_capo() -> RunConfig:
     critiques constrained to "Wrong steps: none" / "Wrong steps: 1": a one-step answer is right or wrong),
     intersection voting, W_whole = 2, W_process = 1, token advantages normalized per prompt, PPO-clip."""
     base = tiny_cpu()
-    critic = JudgeSpec(template_name="step_critique", num_samples=2, temperature=0.7, max_new_tokens=8,
-                       choices=["Wrong steps: none", "Wrong steps: 1"])  # fmt: skip
+    critic = JudgeSpec(
+        template_name="step_critique",
+        num_samples=2,
+        temperature=0.7,
+        max_new_tokens=8,
+        choices=["Wrong steps: none", "Wrong steps: 1"],
+    )
     return msgspec.structs.replace(
         base,
         app="capo",
@@ -422,9 +442,10 @@ def tiny_cpu_sft() -> RunConfig:
         judge=None,
         rewards=[],
         algo=AlgoConfig(),
-        optim=OptimConfig(lr=3e-3, num_warmup_steps=2, num_training_steps=30, micro_batch_size=32,
-                          clip_grad_norm=1.0),
-    )  # fmt: skip
+        optim=OptimConfig(
+            lr=3e-3, num_warmup_steps=2, num_training_steps=30, micro_batch_size=32, clip_grad_norm=1.0
+        ),
+    )
 
 
 def qwen2_5_math_1_5b_genrm_72b() -> RunConfig:

@@ -156,9 +156,13 @@ def open_wandb(path: Path, log: Any, config: dict[str, Any]):
     except ImportError:
         raise ValueError("log.wandb=true needs wandb: pip install 'yatt-apps[wandb]'") from None
     return wandb.init(
-        project=log.project, name=log.run_name or path.name, group=path.name, dir=str(path), config=config,
+        project=log.project,
+        name=log.run_name or path.name,
+        group=path.name,
+        dir=str(path),
+        config=config,
         reinit="create_new",
-    )  # fmt: skip
+    )
 
 
 def plot_summary(history: list[dict[str, float]], out: Path) -> Path | None:

@@ -63,8 +63,12 @@ def sft_step(
         sums = {}
     sums["sft/tokens"] = float(batch["response_mask"].sum())
     total = ctx.all_reduce(sums)
-    out = {"train/loss": stats["loss"], "train/lr": stats["lr"], "train/grad_norm": stats["grad_norm"],
-           "sft/tokens": total["sft/tokens"]}  # fmt: skip
+    out = {
+        "train/loss": stats["loss"],
+        "train/lr": stats["lr"],
+        "train/grad_norm": stats["grad_norm"],
+        "sft/tokens": total["sft/tokens"],
+    }
     if total.get("val/total"):
         out["val/accuracy"] = total["val/correct"] / total["val/total"]
     return out
@@ -143,9 +147,12 @@ class SFTWorker:
         algo = msgspec.structs.replace(cfg.algo, num_updates_per_batch=1)  # SFT: one pass per batch
         self.model_dir, self.dp_rank = model_dir, worker_info.dp_rank
         self.learner = TorchPolicyLearner(
-            load_causal_lm(model_dir, trust_remote_code=cfg.model.trust_remote_code), algo=algo,
-            optim_config=cfg.optim, learner=cfg.learner, group=group,
-        )  # fmt: skip
+            load_causal_lm(model_dir, trust_remote_code=cfg.model.trust_remote_code),
+            algo=algo,
+            optim_config=cfg.optim,
+            learner=cfg.learner,
+            group=group,
+        )
         self.trust = cfg.model.trust_remote_code
 
     def sft(self, batch: dict[str, Any]) -> dict[str, float]:
@@ -158,8 +165,12 @@ class SFTWorker:
             return causal_lm_forward(model, mb, chunk_size=chunk, temperature=1.0)
 
         stats = self.learner.engine.update(batch, forward, _sft_objective, ("response_mask",))
-        return {"loss": stats.loss, "grad_norm": stats.grad_norm, "lr": stats.lr,
-                "num_tokens": float(stats.num_tokens)}  # fmt: skip
+        return {
+            "loss": stats.loss,
+            "grad_norm": stats.grad_norm,
+            "lr": stats.lr,
+            "num_tokens": float(stats.num_tokens),
+        }
 
     def named_weights(self):
         for bucket in self.learner.export_weights(64 << 20):

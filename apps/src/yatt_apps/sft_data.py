@@ -23,8 +23,9 @@ class SFTRow(msgspec.Struct, kw_only=True, frozen=True):
 
 def _row(raw: object, where: str, prompt_key: str, response_key: str) -> SFTRow:
     if not isinstance(raw, dict):
-        raise ValueError(f"{where}: expected an object with fields {[prompt_key, response_key]}, "
-                         f"got {type(raw).__name__}")  # fmt: skip
+        raise ValueError(
+            f"{where}: expected an object with fields {[prompt_key, response_key]}, got {type(raw).__name__}"
+        )
     for key in (prompt_key, response_key):
         if key not in raw:
             raise ValueError(f"{where}: missing field {key!r}")
@@ -85,8 +86,9 @@ def encode_pair(tok, messages: list[dict[str, str]], response: str) -> tuple[lis
         tok.apply_chat_template([*messages, {"role": "assistant", "content": response}], tokenize=True)
     )
     if full[: len(prompt)] != prompt:
-        raise ValueError("the chat template does not render the conversation as prompt + response; "
-                         "cannot mask the prompt")  # fmt: skip
+        raise ValueError(
+            "the chat template does not render the conversation as prompt + response; cannot mask the prompt"
+        )
     reply = full[len(prompt) :]
     eos = tok.eos_token_id
     reply = reply[: len(reply) - reply[::-1].index(eos)] if eos in reply else [*reply, eos]
@@ -113,8 +115,9 @@ def token_nll(model, batch: dict[str, Any]):
     0 at position 0), and the model output."""
     import torch
 
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"].long(),
-                   use_cache=False).logits  # fmt: skip
+    logits = model(
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"].long(), use_cache=False
+    ).logits
     nll = torch.nn.functional.cross_entropy(
         logits[:, :-1].flatten(0, 1).float(), batch["input_ids"][:, 1:].flatten(), reduction="none"
     ).view(logits.shape[0], -1)

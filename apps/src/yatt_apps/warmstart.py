@@ -117,8 +117,19 @@ def near_miss(rng: random.Random, row: PromptRow) -> str:
     if r < 0.88:
         return str(rng.randint(-20, 40))
     digit = str(rng.randint(0, 9))
-    return rng.choice((f"{ans}{digit}", f"{digit}{ans}", f"{ans} {digit}", f"{ans} -", f"{ans} =", "-", "=",
-                       f"{digit} +", f"{a} {op}"))  # fmt: skip
+    return rng.choice(
+        (
+            f"{ans}{digit}",
+            f"{digit}{ans}",
+            f"{ans} {digit}",
+            f"{ans} -",
+            f"{ans} =",
+            "-",
+            "=",
+            f"{digit} +",
+            f"{a} {op}",
+        )
+    )
 
 
 def is_correct(candidate: str, reference: str) -> bool:
@@ -161,8 +172,13 @@ def critic_examples(tok, rows: list[PromptRow], rng: random.Random) -> list[tupl
         spans = split_steps(candidate)
         if not spans:
             continue
-        system, user = tpl.render(question=row.prompt, response=candidate, reference=row.answer,
-                                  steps=number_steps(candidate, spans), num_steps=len(spans))  # fmt: skip
+        system, user = tpl.render(
+            question=row.prompt,
+            response=candidate,
+            reference=row.answer,
+            steps=number_steps(candidate, spans),
+            num_steps=len(spans),
+        )
         wrong = (
             "none" if is_correct(candidate, row.answer) else ", ".join(str(i + 1) for i in range(len(spans)))
         )
@@ -236,19 +252,33 @@ def warm_start(spec: ModelSpec, model, tok) -> dict[str, Any]:
     rows = arithmetic_task(TASK_ROWS, seed=TASK_SEED + spec.seed)
     rng = random.Random(spec.seed)
     prompt_weight = 0.0 if spec.warm_start == "policy" else JUDGE_PROMPT_WEIGHT
-    make = {"policy": lambda: policy_examples(tok, rows),
-            "genrm": lambda: judge_examples(tok, rows, rng),
-            "step_critique": lambda: critic_examples(tok, rows, rng)}[spec.warm_start]  # fmt: skip
+    make = {
+        "policy": lambda: policy_examples(tok, rows),
+        "genrm": lambda: judge_examples(tok, rows, rng),
+        "step_critique": lambda: critic_examples(tok, rows, rng),
+    }[spec.warm_start]
     examples = make()
     held_out, train = examples[:128], examples[128:]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matrices: a second thread gains little and stalls on a busy machine
     torch.manual_seed(spec.seed)
     try:
-        losses = sft_steps(model, train, tok.pad_token_id, steps=spec.warm_start_steps, lr=spec.warm_start_lr,
-                           batch_size=spec.warm_start_batch_size, seed=spec.seed, prompt_weight=prompt_weight)  # fmt: skip
+        losses = sft_steps(
+            model,
+            train,
+            tok.pad_token_id,
+            steps=spec.warm_start_steps,
+            lr=spec.warm_start_lr,
+            batch_size=spec.warm_start_batch_size,
+            seed=spec.seed,
+            prompt_weight=prompt_weight,
+        )
     finally:
         torch.set_num_threads(threads)
-    return {"kind": spec.warm_start, "steps": spec.warm_start_steps, "first_loss": losses[0],
-            "last_loss": sum(losses[-10:]) / len(losses[-10:]),
-            "held_out_accuracy": response_accuracy(model, held_out, tok.pad_token_id)}  # fmt: skip
+    return {
+        "kind": spec.warm_start,
+        "steps": spec.warm_start_steps,
+        "first_loss": losses[0],
+        "last_loss": sum(losses[-10:]) / len(losses[-10:]),
+        "held_out_accuracy": response_accuracy(model, held_out, tok.pad_token_id),
+    }

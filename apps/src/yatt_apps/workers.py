@@ -148,8 +148,14 @@ def _megatron_learners(cfg: RunConfig, model_dir: str, info: Any, key: str, refe
     params_dtype = getattr(torch, dtype_name(cfg.model))
 
     def build(optim):
-        return MegatronPolicyLearner(hf.config, hf.state_dict(), algo=cfg.algo, optim_config=optim,
-                                     learner=cfg.learner, params_dtype=params_dtype)  # fmt: skip
+        return MegatronPolicyLearner(
+            hf.config,
+            hf.state_dict(),
+            algo=cfg.algo,
+            optim_config=optim,
+            learner=cfg.learner,
+            params_dtype=params_dtype,
+        )
 
     return build(cfg.optim), build(None) if reference else None
 
@@ -191,8 +197,13 @@ class PolicyWorker:
     def train(self, experience: dict[str, Any]) -> dict[str, float]:
         self._gathered = None
         stats = self.learner.update(experience)
-        return {"loss": stats.loss, "grad_norm": stats.grad_norm, "lr": stats.lr,
-                "num_skipped_steps": float(stats.num_skipped_steps), **stats.metrics}  # fmt: skip
+        return {
+            "loss": stats.loss,
+            "grad_norm": stats.grad_norm,
+            "lr": stats.lr,
+            "num_skipped_steps": float(stats.num_skipped_steps),
+            **stats.metrics,
+        }
 
     def gather_weights(self) -> int:
         """Run the collective export on this rank (FSDP2 all-gathers its shards, Megatron its TP shards) and
@@ -208,8 +219,10 @@ class PolicyWorker:
             yield from self._gathered
             return
         if self.backend != "ddp":
-            raise RuntimeError(f"learner.backend={self.backend!r}: call gather_weights on every learner rank "
-                               "before a weight push (its export is a collective)")  # fmt: skip
+            raise RuntimeError(
+                f"learner.backend={self.backend!r}: call gather_weights on every learner rank "
+                "before a weight push (its export is a collective)"
+            )
         for bucket in self.learner.export_weights(64 << 20):
             yield from bucket
 
@@ -259,8 +272,14 @@ def _vllm_engine(cfg: RunConfig, spec: ModelSpec, model_dir: str, *, seed: int):
     if device() == "cuda":
         shared = cfg.placement.mode != "disaggregated"
         kwargs |= {"enable_sleep_mode": True, **({"gpu_memory_utilization": 0.3} if shared else {})}
-    return VLLMEngine(model_dir, dtype=dtype_name(spec), seed=seed, trust_remote_code=spec.trust_remote_code,
-                      max_model_len=int(hf_config.get("max_position_embeddings", 2048)), **kwargs)  # fmt: skip
+    return VLLMEngine(
+        model_dir,
+        dtype=dtype_name(spec),
+        seed=seed,
+        trust_remote_code=spec.trust_remote_code,
+        max_model_len=int(hf_config.get("max_position_embeddings", 2048)),
+        **kwargs,
+    )
 
 
 def load_named(engine: Any, named: list, version: int) -> None:
@@ -286,8 +305,9 @@ class RolloutWorker:
         if worker_info is not None and worker_info.tp_rank > 0:
             return
         processor = load_image_processor(model_dir) if is_vlm(model_dir) else None  # image prompts
-        self.engine = build_engine(cfg, cfg.model, cfg.rollout.engine, model_dir, seed=cfg.run.seed,
-                                   processor=processor)  # fmt: skip
+        self.engine = build_engine(
+            cfg, cfg.model, cfg.rollout.engine, model_dir, seed=cfg.run.seed, processor=processor
+        )
 
     def generate(self, requests: list) -> list:
         return self.engine.generate(requests) if self.engine is not None else []
@@ -343,5 +363,9 @@ class RewardWorker:
             return {}
         batch = asyncio.run(self.reward.score(requests))
         resolved = resolve_failures(batch, self.reward.failure_policy)
-        return {"scores": resolved.scores, "keep": resolved.keep, "statuses": [r.status for r in batch.rewards],
-                "sample_components": [dict(r.components) for r in batch.rewards]}  # fmt: skip
+        return {
+            "scores": resolved.scores,
+            "keep": resolved.keep,
+            "statuses": [r.status for r in batch.rewards],
+            "sample_components": [dict(r.components) for r in batch.rewards],
+        }

@@ -187,8 +187,9 @@ def test_stream_overlaps_stages_and_keeps_item_order(stream_groups):
 
 def test_stream_bounds_inflight_and_raises_the_first_error(stream_groups):
     gen, _, failing = stream_groups
-    one = run_stream([1, 2, 3], [Stage("rollout", lambda item, _: gen.call_one("work", item, None, 0.1))],
-                     max_inflight=1)  # fmt: skip
+    one = run_stream(
+        [1, 2, 3], [Stage("rollout", lambda item, _: gen.call_one("work", item, None, 0.1))], max_inflight=1
+    )
     assert _max_concurrency(one.intervals["rollout"]) == 1 and one.busy_s("rollout") >= 0.3
     stages = [
         Stage("rollout", lambda item, _: gen.call_one("work", item, None, 0.05)),
@@ -243,8 +244,14 @@ def test_a_live_move_gives_the_next_steps_a_new_rollout_replica_with_current_wei
         return moved if step == 0 else None
 
     num_steps = 5
-    job = Job(build=_move_build, step_fn=doubles.move_step, dataset=_rows, batch_size=8, num_steps=num_steps,
-              replan=replan)  # fmt: skip
+    job = Job(
+        build=_move_build,
+        step_fn=doubles.move_step,
+        dataset=_rows,
+        batch_size=8,
+        num_steps=num_steps,
+        replan=replan,
+    )
     try:
         spec = ControllerSpec(
             mode=mode, num_controllers=2 if mode == "parallel" else 1, heartbeat_interval_s=0.25

@@ -41,8 +41,11 @@ def test_a_replan_may_move_services_only():
     from yatt_placement.types import PlacementPlan, RolePlacement
 
     def plan(rollout, judge, actor=([0], [1])):
-        roles = [RolePlacement(role="actor", replicas=list(actor)), RolePlacement(role="rollout", replicas=rollout),
-                 RolePlacement(role="reward", replicas=judge, name="judge")]  # fmt: skip
+        roles = [
+            RolePlacement(role="actor", replicas=list(actor)),
+            RolePlacement(role="rollout", replicas=rollout),
+            RolePlacement(role="reward", replicas=judge, name="judge"),
+        ]
         return PlacementPlan(mode="partial", num_devices=4, roles=roles)
 
     start, frozen = plan([[0], [1]], [[2], [3]]), {("actor", ""): "the learner"}
@@ -80,8 +83,14 @@ def test_shard_rows_sends_each_rank_its_rows_and_its_tp_peers_the_same():
     refs = shard_rows(workers, "train", batch, tag="t")
     assert refs == ["ref-0.0", "ref-1.0", "ref-2.0"]  # one per dp rank, the tp_rank-0 worker's, in order
     sizes = {(w.dp_rank, w.tp_rank): w.got[0][1][0]["ids"] for w in workers}
-    assert sizes == {(0, 0): [0, 1, 2], (0, 1): [0, 1, 2], (1, 0): [3, 4], (1, 1): [3, 4], (2, 0): [5, 6],
-                     (2, 1): [5, 6]}  # fmt: skip
+    assert sizes == {
+        (0, 0): [0, 1, 2],
+        (0, 1): [0, 1, 2],
+        (1, 0): [3, 4],
+        (1, 1): [3, 4],
+        (2, 0): [5, 6],
+        (2, 1): [5, 6],
+    }
     chunk = workers[2].got[0][1][0]  # dp rank 1
     assert chunk["x"].tolist() == [[6, 7], [8, 9]] and chunk["lr"] == 0.1 and chunk["mask"] is None
     assert chunk["pair"] == (1, 2) and workers[2].got[0][2] == {"tag": "t"}  # (1, 2) is not 7 rows long
@@ -171,8 +180,19 @@ def test_step_draws_extra_rows_from_its_own_shard_and_the_cursor_follows(tmp_pat
         return {"n": float(len(batch) + len(extra))}
 
     rows = [f"row{i}" for i in range(12)]
-    plan = ControllerPlan(rank=0, world_size=1, step_fn=step, dataset=lambda: rows, batch_size=4, shards=[0],
-                          num_shards=1, seed=5, services={}, checkpoint_dir=str(tmp_path), checkpoint_every=1)  # fmt: skip
+    plan = ControllerPlan(
+        rank=0,
+        world_size=1,
+        step_fn=step,
+        dataset=lambda: rows,
+        batch_size=4,
+        shards=[0],
+        num_shards=1,
+        seed=5,
+        services={},
+        checkpoint_dir=str(tmp_path),
+        checkpoint_every=1,
+    )
     core = ControllerCore(plan)
     assert core.run(0, 2) == 2
     reference = ShardSampler(12, 4, seed=5)

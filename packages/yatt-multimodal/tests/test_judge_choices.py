@@ -24,23 +24,31 @@ VERDICTS = ["Verdict: Yes", "Verdict: No"]
 @pytest.fixture(scope="module")
 def judge():
     tok = train_tokenizer(CORPUS, vocab_size=400)
-    engine = hf_engine.HFEngine(tiny_causal_lm(len(tok), seed=3, max_position_embeddings=512), tok,
-                                max_batch_size=64, seed=0)  # fmt: skip
+    engine = hf_engine.HFEngine(
+        tiny_causal_lm(len(tok), seed=3, max_position_embeddings=512), tok, max_batch_size=64, seed=0
+    )
     yield engine, tok
     engine.close()
 
 
 def _requests(n: int = 8) -> list[RewardRequest]:
-    return [RewardRequest(request_id=f"r{i}", prompt=f"{i} + 2 =", response=str(i + 2 + i % 2), reference=str(i + 2))
-            for i in range(n)]  # fmt: skip
+    return [
+        RewardRequest(
+            request_id=f"r{i}", prompt=f"{i} + 2 =", response=str(i + 2 + i % 2), reference=str(i + 2)
+        )
+        for i in range(n)
+    ]
 
 
 def test_choices_travel_to_the_engine_and_are_validated():
     spec = JudgeSpec(choices=VERDICTS)
     assert judge_sampling(spec, seed=1).choices == VERDICTS
     assert not judge_sampling(JudgeSpec()).choices  # unset: free text
-    with pytest.raises(ValueError, match=r"^JudgeSpec.choices\[1\] 'maybe' states no verdict to the 'verify_yes_no' "
-                                         r"template's parser$"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"^JudgeSpec.choices\[1\] 'maybe' states no verdict to the 'verify_yes_no' "
+        r"template's parser$",
+    ):
         GenRMJudge(engine=None, codec=None, spec=JudgeSpec(choices=["Verdict: Yes", "maybe"]))
     with pytest.raises(ValueError, match="choices must be non-empty strings"):
         JudgeSpec(choices=["Verdict: Yes", ""])
@@ -69,8 +77,13 @@ def test_free_text_failures_are_counted_statuses(judge):
 
 def test_constrained_step_critic_always_parses(judge):
     engine, tok = judge
-    spec = JudgeSpec(template_name="step_critique", num_samples=3, max_new_tokens=12, parser="yes_no",
-                     choices=["Wrong steps: none", "Wrong steps: 1"])  # fmt: skip
+    spec = JudgeSpec(
+        template_name="step_critique",
+        num_samples=3,
+        max_new_tokens=12,
+        parser="yes_no",
+        choices=["Wrong steps: none", "Wrong steps: 1"],
+    )
     critiques = asyncio.run(GenPRM(engine, HFChatCodec(tok), spec, tokenizer=tok).critique(_requests(4)))
     assert [c.status for c in critiques] == ["ok"] * 4
     assert all(c.num_unparsed == 0 and len(c.wrong_steps) == 3 for c in critiques)

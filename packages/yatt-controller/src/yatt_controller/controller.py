@@ -158,10 +158,17 @@ class ControllerCore:
         )
         collective = Collective(rendezvous, plan.rank, plan.world_size, timeout_s=plan.collective_timeout_s)
         self.ctx = StepContext(
-            rank=plan.rank, world_size=plan.world_size, services=plan.services, learner=plan.learner,
-            collective=collective, rng=random.Random(plan.seed * 7919 + plan.rank), state={},
-            weight_sync=plan.weight_sync, on_progress=self._progress, next_rows=self._next_rows,
-        )  # fmt: skip
+            rank=plan.rank,
+            world_size=plan.world_size,
+            services=plan.services,
+            learner=plan.learner,
+            collective=collective,
+            rng=random.Random(plan.seed * 7919 + plan.rank),
+            state={},
+            weight_sync=plan.weight_sync,
+            on_progress=self._progress,
+            next_rows=self._next_rows,
+        )
         self._lock = threading.Lock()
         self._beat = (0, "start", time.time())
         self._reports: list[StepReport] = []
@@ -200,9 +207,12 @@ class ControllerCore:
             if self.plan.directory is not None and self.plan.rank == 0:
                 metrics = {**metrics, **self._placement_metrics()}
             report = StepReport(
-                step=step, controller_rank=self.plan.rank, metrics={k: float(v) for k, v in metrics.items()},
-                timings_s=dict(self.ctx.timings_s), num_samples=len(batch),
-            )  # fmt: skip
+                step=step,
+                controller_rank=self.plan.rank,
+                metrics={k: float(v) for k, v in metrics.items()},
+                timings_s=dict(self.ctx.timings_s),
+                num_samples=len(batch),
+            )
             every = self.plan.checkpoint_every
             # every k steps, and the last step of the run (what export and a finished run's resume read)
             if self.plan.checkpoint_dir and every and ((step + 1) % every == 0 or step == end_step - 1):
@@ -239,9 +249,14 @@ class ControllerCore:
         col.barrier()  # the moved groups are published and hold the current weights
         plan.full_groups = ray.get(plan.directory.groups.remote())
         views = routed_views(
-            plan.full_groups, plan.learner_name, plan.rank, plan.world_size, plan.max_inflight,
-            single=plan.single, uneven=True,
-        )  # fmt: skip
+            plan.full_groups,
+            plan.learner_name,
+            plan.rank,
+            plan.world_size,
+            plan.max_inflight,
+            single=plan.single,
+            uneven=True,
+        )
         for name, view in views.items():
             if name != plan.learner_name and name not in plan.checkpointed:
                 self.ctx.services[name] = view

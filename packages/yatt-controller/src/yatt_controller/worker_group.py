@@ -233,9 +233,14 @@ def start_replica(
         label = f"{key}-{dp_rank}.{tp_rank}"
         record = pool.host(device, label)
         info = WorkerInfo(
-            role=role, name=name, dp_rank=dp_rank, dp_size=dp_size, tp_rank=tp_rank, tp_size=len(replica),
+            role=role,
+            name=name,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            tp_rank=tp_rank,
+            tp_size=len(replica),
             device=device,
-        )  # fmt: skip
+        )
         refs.append(spawn.start(record, key, info))
         workers.append(
             Worker(record.handle, key, dp_rank, tp_rank, device, f"{label} on {record.label}", dp_rank)

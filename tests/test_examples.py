@@ -1,6 +1,7 @@
 """Every script in examples/ runs and gives the numbers its README section promises (issue 20: embedding).
 
-Each example is imported and its `main()` called in this process (one interpreter start-up for all); the
+Each example is imported and its `main()` called in this process (one interpreter start-up for all), except
+the vLLM one (its own process: vLLM keeps a torch.distributed group for the process's life); the
 two-process example's workers are spawned by the example itself and import it by name from examples/.
 Ray and vLLM examples, and the ones that spawn or train, are marked slow.
 """
@@ -8,8 +9,10 @@ Ray and vLLM examples, and the ones that spawn or train, are marked slow.
 from __future__ import annotations
 
 import importlib
+import json
 import math
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -41,9 +44,23 @@ def test_engine_as_generator_hf():
 
 @pytest.mark.slow
 def test_engine_as_generator_vllm():
+    """Run as its own process: an in-process vLLM engine sets up torch.distributed's default group (world 1)
+    for the life of the process, which later in-process users of torch.distributed (the Megatron tests) own."""
     pytest.importorskip("vllm")
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", "/tmp/yatt-inductor-cache")
-    result = _example("engine_as_generator").main(["--engine", "vllm", "--steps", "2"])
+    env = {
+        **os.environ,
+        "TORCHINDUCTOR_CACHE_DIR": os.environ.get("TORCHINDUCTOR_CACHE_DIR", "/tmp/yatt-inductor-cache"),
+    }
+    script = EXAMPLES / "engine_as_generator.py"
+    out = subprocess.run(
+        [sys.executable, str(script), "--engine", "vllm", "--steps", "2"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
     assert [s["version"] for s in result["steps"]] == [0, 1] and result["final_version"] == 2
     assert all(s["logprob_max_diff"] < 1e-4 for s in result["steps"])
 

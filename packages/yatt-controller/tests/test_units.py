@@ -290,6 +290,25 @@ def test_weight_buckets_by_dtype_roundtrip_bit_exact():
         weight_sync.plan_buckets(named, 0)
 
 
+def test_weight_sync_store_listens_on_the_given_host_only():
+    pytest.importorskip("torch")
+    import socket
+
+    from yatt_controller import weight_sync
+
+    store = weight_sync.listen_store("127.0.0.1")
+    client = type(store)("127.0.0.1", store.port, is_master=False)
+    client.set("k", "v")
+    assert store.get("k") == b"v"
+    # the port is bound on localhost alone: the same port is still free on every other interface
+    import ray
+
+    other = ray.util.get_node_ip_address()  # this machine's outward address (no Ray started)
+    assert not other.startswith("127."), other
+    with socket.socket() as probe:
+        probe.bind((other, store.port))  # EADDRINUSE if the store listened on every interface
+
+
 def test_the_runtime_imports_no_torch():
     # controllers and the driver never load torch: only yatt_controller.weight_sync does, inside the hosts
     import json

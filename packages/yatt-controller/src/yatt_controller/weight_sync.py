@@ -14,6 +14,7 @@ and the receiver's `load_weights(named: list[(name, tensor)], version: int)`.
 from __future__ import annotations
 
 import datetime
+import socket
 from collections.abc import Iterable
 from typing import Any
 
@@ -69,11 +70,37 @@ def unpack(flat: torch.Tensor, bucket: BucketLayout) -> list[tuple[str, torch.Te
     return out
 
 
+def store_host() -> str:
+    """Where a weight-sync store listens: localhost while the Ray cluster is one node (no other machine can
+    reach it), else this node's IP (never every interface)."""
+    alive = [node for node in ray.nodes() if node.get("Alive")]
+    return "127.0.0.1" if len(alive) <= 1 else ray.util.get_node_ip_address()
+
+
+def listen_store(host: str) -> Any:
+    """A master TCPStore listening on `host` only, on a port the OS picks. torch's own master binds every
+    interface whatever host it is given, so the socket is bound here and handed over; no port is chosen by one
+    process and bound by another."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind((host, 0))
+    sock.listen(128)
+    port = sock.getsockname()[1]
+    return dist.TCPStore(
+        host,
+        port,
+        is_master=True,
+        timeout=DEFAULT_TIMEOUT,
+        wait_for_workers=False,
+        master_listen_fd=sock.detach(),
+    )
+
+
 def open_store(groups: dict[str, Any], group: str) -> tuple[str, int]:
     """Start the rendezvous store of `group` in this process (the sender's); returns its address."""
-    store = dist.TCPStore("0.0.0.0", 0, is_master=True, timeout=DEFAULT_TIMEOUT, wait_for_workers=False)
+    host = store_host()
+    store = listen_store(host)
     groups[f"{group}/store"] = store
-    return ray.util.get_node_ip_address(), store.port
+    return host, store.port
 
 
 def join_group(

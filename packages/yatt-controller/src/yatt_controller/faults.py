@@ -173,6 +173,8 @@ class Healer:
         created, count = [], 0
         for name, group in self.groups.items():
             ranks = _replicas_on(group, dead)
+            if ranks and group.spawn is None:
+                raise ValueError(f"replica repair: group {name!r} was not made by WorkerGroup.create")
             replicas = group.replicas()
             for w in group.workers:  # surviving tp peers of a restarted replica leave their broken group
                 if w.group_dp_rank in ranks and host_id(w.host) != dead and _alive(w.host):

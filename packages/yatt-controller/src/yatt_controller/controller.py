@@ -176,7 +176,9 @@ class ControllerCore:
         self._beat = (0, "start", time.time())
         self._reports: list[StepReport] = []
         self.moves = 0  # live re-placements applied (rank 0 counts them in its reports)
-        self.healer = self._healer() if plan.repairs is not None else None
+        services = [n for n in plan.services if n != plan.learner_name and n not in plan.checkpointed]
+        # replicas that can be replaced exist: a learner-only job reports no fault count
+        self.healer = self._healer() if plan.repairs is not None and services else None
 
     def _healer(self) -> Any:
         """Replacement of dead service replicas for this controller's service views (faults.py)."""

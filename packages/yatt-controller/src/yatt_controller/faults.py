@@ -134,12 +134,12 @@ class Healer:
     def repair(self, view: WorkerGroup, rank: int, error: BaseException) -> None:
         """The replica at `rank` of `view` failed its call: replace every dead host it uses (or re-raise
         `error` when one of them holds a learner rank: that is a restart)."""
-        dead = [host_id(w.host) for w in view.workers if w.dp_rank == rank and not _alive(w.host)]
+        dead = sorted(_dead([w.host for w in view.workers if w.dp_rank == rank]))
         if not dead:
             return  # already replaced (adopted since): the caller sends again
         if any(d in self.frozen for d in dead):
             raise error
-        for d in dict.fromkeys(dead):
+        for d in dead:
             self._replace(d, self.version())
 
     def _replace(self, dead: str, version: int) -> None:
@@ -176,9 +176,9 @@ class Healer:
             if ranks and group.spawn is None:
                 raise ValueError(f"replica repair: group {name!r} was not made by WorkerGroup.create")
             replicas = group.replicas()
-            for w in group.workers:  # surviving tp peers of a restarted replica leave their broken group
-                if w.group_dp_rank in ranks and host_id(w.host) != dead and _alive(w.host):
-                    ray.get(w.host.destroy.remote(w.key))
+            peers = [w for w in group.workers if w.group_dp_rank in ranks and host_id(w.host) != dead]
+            gone = _dead([w.host for w in peers])  # surviving tp peers leave their broken group
+            ray.get([w.host.destroy.remote(w.key) for w in peers if host_id(w.host) not in gone])
             for rank in ranks:
                 made_w, refs = start_replica(
                     self.pool, group.spawn, group.role, group.name, replicas[rank], rank, group.dp_size
@@ -241,9 +241,8 @@ class Healer:
         if sync is None:
             return
         self.adopt()
-        for host, _, _ in list(sync.remote):
-            if not _alive(host) and host_id(host) not in self.frozen:
-                self._replace(host_id(host), self.version())
+        for dead in sorted(_dead([host for host, _, _ in sync.remote]) - self.frozen):
+            self._replace(dead, self.version())
         dead = {r.dead for r in self.adopted}
         for target in sync.targets:
             for name, group in self.groups.items():
@@ -257,13 +256,17 @@ class Healer:
         return ray.get(self.repairs.replaced.remote())
 
 
-def _alive(handle: Any, timeout_s: float = 10.0) -> bool:
-    """False when the host process is dead (its ping fails); a slow answer counts as alive."""
-    ref = handle.ping.remote()
-    try:
-        ray.get(ref, timeout=timeout_s)
-    except ray.exceptions.RayActorError:
-        return False
-    except ray.exceptions.GetTimeoutError:
-        return True
-    return True
+def _dead(handles: list[Any], timeout_s: float = 10.0) -> set[str]:
+    """Ids of the hosts among `handles` whose process is dead (their ping fails); a slow answer is alive."""
+    refs = [(handle.ping.remote(), host_id(handle)) for handle in handles]
+    if refs:
+        ray.wait([ref for ref, _ in refs], num_returns=len(refs), timeout=timeout_s)
+    dead = set()
+    for ref, hid in refs:
+        try:
+            ray.get(ref, timeout=0)
+        except ray.exceptions.RayActorError:
+            dead.add(hid)
+        except ray.exceptions.GetTimeoutError:
+            pass
+    return dead

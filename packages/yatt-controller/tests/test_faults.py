@@ -128,7 +128,9 @@ def _job(engine_kwargs: dict, num_steps: int = 3):
     )
 
 
-@pytest.mark.parametrize(("mode", "controllers"), [("parallel", 2), ("single", 1)])
+@pytest.mark.parametrize(
+    ("mode", "controllers"), [("parallel", 2), pytest.param("single", 1, marks=pytest.mark.slow)]
+)
 def test_dead_rollout_replica_is_replaced_and_its_calls_sent_again(
     disaggregated, tmp_path, mode, controllers
 ):

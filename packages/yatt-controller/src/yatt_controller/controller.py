@@ -197,6 +197,7 @@ class ControllerCore:
             weight_sync=plan.weight_sync,
             version=lambda: self.ctx.policy_version,
             timeout_s=plan.collective_timeout_s,
+            progress=self._progress,
         )
         self._attach(healer)
         if plan.rank == 0:

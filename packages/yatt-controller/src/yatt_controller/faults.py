@@ -128,6 +128,7 @@ class Healer:
     weight_sync: Any = None
     version: Callable[[], int] = lambda: 0  # the current policy version (what a restarted replica loads)
     timeout_s: float = 600.0
+    progress: Callable[[str], None] = lambda phase: None  # the controller's heartbeat: a repair is progress
     seen: int = 0  # repairs adopted so far
     adopted: list[Repair] = field(default_factory=list)
 
@@ -143,6 +144,8 @@ class Healer:
             self._replace(d, self.version())
 
     def _replace(self, dead: str, version: int) -> None:
+        """Repair `dead` (or wait for the controller repairing it, up to `timeout_s`) and adopt the result."""
+        self.progress("replica repair")
         deadline = time.time() + self.timeout_s
         while True:
             status, value = ray.get(self.repairs.claim.remote(dead))

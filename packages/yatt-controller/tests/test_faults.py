@@ -160,3 +160,32 @@ def test_dead_rollout_replica_is_replaced_and_its_calls_sent_again(
         r.metrics for s in range(3) for r in whole.reports[s]
     ]
     assert all(faulty.reports[s][0].metrics["num_samples"] == 8 / controllers for s in range(3))
+
+
+@pytest.mark.slow
+def test_a_rollout_replica_sharing_a_learner_process_is_a_learner_death(disaggregated, tmp_path):
+    """Colocated: the rollout replica's process is learner rank 0's, so its death is not repaired: the attempt
+    fails (on_failure="fail") naming the dead process, as before replica repairs existed."""
+    import yatt_placement.realize as realize_mod
+    from yatt_controller.runner import ControllerFailure, run
+    from yatt_controller.types import ControllerSpec
+    from yatt_placement.types import PlacementPlan, RolePlacement
+
+    plan = PlacementPlan(
+        mode="colocated",
+        num_devices=2,
+        roles=[
+            RolePlacement(role="actor", replicas=[[0], [1]], colocated_with=["rollout"]),
+            RolePlacement(role="rollout", replicas=[[0], [1]], colocated_with=["actor"]),
+        ],
+    )
+    realized = realize_mod.realize(plan, cpus_per_device=1.0)
+    spec = ControllerSpec(num_controllers=2, heartbeat_interval_s=0.5, hang_timeout_s=60.0, on_failure="fail")
+    crashing = {"crash_at_call": CHUNKS, "marker": str(tmp_path / "crashed")}
+    try:
+        with pytest.raises(ControllerFailure) as failure:
+            run(spec, _job(crashing), realized)
+    finally:
+        realize_mod.release(realized)
+    assert Path(crashing["marker"]).exists()
+    assert "died" in str(failure.value) and "hang" not in str(failure.value)

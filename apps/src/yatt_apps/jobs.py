@@ -69,11 +69,13 @@ def build_services(
     reward_cls: Any = None,
     reward_args: tuple = (),
     extra: Callable | None = None,
+    rollout_cls: Any = None,
 ):
     """The default services: `actor` (the learner, with its reference), `rollout` (the policy's engine, fed
     by weight pushes: in process where it shares a learner rank's process, broadcast elsewhere) and `reward`
     (`reward_cls`, default the rule/GenRM `RewardWorker`). `extra(pool, groups)` adds a job's own groups and
-    returns the names of those every checkpoint holds."""
+    returns the names of those every checkpoint holds. `rollout_cls` replaces the rollout worker class (a
+    RolloutWorker subclass; default RolloutWorker, or AgentRolloutWorker with `rollout.env`)."""
     from yatt_controller.runner import Services
     from yatt_controller.sync import WeightSync
     from yatt_controller.worker_group import WorkerGroup
@@ -84,8 +86,9 @@ def build_services(
     actor = WorkerGroup.create(
         pool, "actor", PolicyWorker, args=(cfg, policy_dir, key), pass_worker_info=True, lock="learner"
     )
-    rollout_cls = RolloutWorker
-    if cfg.rollout.env:  # multi-turn episodes of a registered environment
+    if rollout_cls is None:
+        rollout_cls = RolloutWorker
+    if cfg.rollout.env and rollout_cls is RolloutWorker:  # multi-turn episodes of a registered environment
         from yatt_apps.agent import AgentRolloutWorker
 
         rollout_cls = AgentRolloutWorker

@@ -256,6 +256,8 @@ def run_job(cfg: RunConfig, run_dir: str | Path, job: JobDef) -> dict[str, Any]:
         "failures": list(result.failures),  # why each restart happened
         "driver_bytes": result.driver_bytes,
         "moves": len(result.moves),
+        # dead service replicas replaced without a restart, over every attempt of the run
+        "faults/replicas_replaced": float(result.replicas_replaced),
         "seconds": time.perf_counter() - started_at,
         "run_dir": str(run.path),
         "plot": str(plot),

@@ -62,6 +62,7 @@ class ControllerPlan:
     learner_name: str | None = None
     max_inflight: int = 8
     single: bool = False
+    repairs: Any = None  # the attempt's Repairs actor: dead service replicas replaced mid-step (faults.py)
 
     def stateful(self) -> list[tuple[str, WorkerGroup]]:
         """(file prefix, view) of every group whose workers' state goes into a checkpoint."""
@@ -86,6 +87,7 @@ class StepContext:
     timings_s: dict[str, float] = field(default_factory=dict)
     on_progress: Callable[[str], None] = lambda phase: None
     next_rows: Callable[[], list] | None = None  # the controller's own sampler (set by ControllerCore)
+    before_push: Callable[[], None] = lambda: None  # rank 0: re-form the sync around replaced replicas
 
     @property
     def own_learner(self) -> WorkerGroup | None:
@@ -139,6 +141,7 @@ class StepContext:
             raise ValueError("sync_weights: the job's services define no weight_sync")
         self.collective.barrier()  # every learner rank finished its update
         if self.rank == 0:
+            self.before_push()
             self.weight_sync.push(self.policy_version + 1)
         self.collective.barrier()
         self.policy_version += 1
@@ -173,6 +176,39 @@ class ControllerCore:
         self._beat = (0, "start", time.time())
         self._reports: list[StepReport] = []
         self.moves = 0  # live re-placements applied (rank 0 counts them in its reports)
+        services = [n for n in plan.services if n != plan.learner_name and n not in plan.checkpointed]
+        # replicas that can be replaced exist: a learner-only job reports no fault count
+        self.healer = self._healer() if plan.repairs is not None and services else None
+
+    def _healer(self) -> Any:
+        """Replacement of dead service replicas for this controller's service views (faults.py)."""
+        from yatt_controller.faults import Healer, frozen_hosts
+
+        plan = self.plan
+        frozen = [*([plan.learner_name] if plan.learner_name else []), *plan.checkpointed]
+        groups = plan.full_groups or dict(plan.services)
+        healer = Healer(
+            repairs=plan.repairs,
+            pool=plan.pool,
+            groups=groups,
+            views=plan.services,
+            frozen=frozen_hosts(groups, frozen),
+            learner=plan.learner,
+            weight_sync=plan.weight_sync,
+            version=lambda: self.ctx.policy_version,
+            timeout_s=plan.collective_timeout_s,
+            progress=self._progress,
+        )
+        self._attach(healer)
+        if plan.rank == 0:
+            self.ctx.before_push = healer.heal_sync
+        return healer
+
+    def _attach(self, healer: Any) -> None:
+        """The healer on every service view that is neither the learner nor checkpointed."""
+        for name, view in self.plan.services.items():
+            if name != self.plan.learner_name and name not in self.plan.checkpointed:
+                view.healer = healer
 
     def _next_rows(self) -> list:
         return [self.rows[i] for i in self.sampler.next()]
@@ -197,6 +233,8 @@ class ControllerCore:
             if self.plan.directory is not None:
                 self._progress("placement")
                 self._maybe_move(step)
+            if self.healer is not None:  # replicas other controllers replaced: no call goes to a dead host
+                self.healer.adopt()
             batch = self._next_rows()
             metrics = self.plan.step_fn(self.ctx, batch)
             self.ctx.timings_s["step"] = time.perf_counter() - started
@@ -206,6 +244,8 @@ class ControllerCore:
                 )
             if self.plan.directory is not None and self.plan.rank == 0:
                 metrics = {**metrics, **self._placement_metrics()}
+            if self.healer is not None and self.plan.rank == 0:
+                metrics = {**metrics, "faults/replicas_replaced": float(self.healer.replaced())}
             report = StepReport(
                 step=step,
                 controller_rank=self.plan.rank,
@@ -260,6 +300,9 @@ class ControllerCore:
         for name, view in views.items():
             if name != plan.learner_name and name not in plan.checkpointed:
                 self.ctx.services[name] = view
+        if self.healer is not None:  # the moved groups are what a dead host's replicas are looked up in
+            self.healer.groups = plan.full_groups
+            self._attach(self.healer)
         self.moves += 1
 
     def _state_bytes(self) -> bytes:

@@ -17,6 +17,7 @@ controller turns refs into values (`fetch`), and the in-flight window bounds how
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -158,9 +159,47 @@ DISPATCH: dict[str, Callable[..., list[ray.ObjectRef]]] = {
 }
 
 
+# ref id -> how to send that call again after its worker's process died (`WorkerGroup.call_one` registers;
+# `fetch` consumes). Bounded: the oldest entries (refs fetched some other way) are dropped first.
+_RESEND: OrderedDict[bytes, Callable[[BaseException], ray.ObjectRef]] = OrderedDict()
+MAX_RESENDS = 10_000
+MAX_TRIES = 3  # sends of one call: the first and two after replacements
+
+
+def on_death(ref: ray.ObjectRef, resend: Callable[[BaseException], ray.ObjectRef]) -> None:
+    """Register `resend(error)`: called by `fetch` when `ref`'s worker died; returns the ref sent again."""
+    _RESEND[ref.binary()] = resend
+    while len(_RESEND) > MAX_RESENDS:
+        _RESEND.popitem(last=False)
+
+
 def fetch(refs: ray.ObjectRef | Sequence[ray.ObjectRef], *, timeout: float | None = None) -> Any:
-    """`ray.get` of refs (in the driver, `ledger.count_driver_ray_bytes` counts what it receives)."""
-    return ray.get(refs, timeout=timeout)
+    """`ray.get` of refs (in the driver, `ledger.count_driver_ray_bytes` counts what it receives). A ref whose
+    worker's process died is sent again, after its replica is replaced, when its call registered how
+    (`on_death`); otherwise the death is raised."""
+    single = isinstance(refs, ray.ObjectRef)
+    try:
+        values = ray.get(refs, timeout=timeout)
+    except ray.exceptions.RayActorError:
+        values = _again(refs, timeout) if single else [_again(ref, timeout) for ref in refs]
+    for ref in [refs] if single else refs:
+        _RESEND.pop(ref.binary(), None)
+    return values
+
+
+def _again(ref: ray.ObjectRef, timeout: float | None) -> Any:
+    """The value of `ref`, sent again (at most MAX_TRIES sends in all) while its worker dies."""
+    for tries in range(1, MAX_TRIES + 1):
+        try:
+            value = ray.get(ref, timeout=timeout)
+            _RESEND.pop(ref.binary(), None)
+            return value
+        except ray.exceptions.RayActorError as exc:
+            resend = _RESEND.pop(ref.binary(), None)
+            if resend is None or tries == MAX_TRIES:
+                raise
+            ref = resend(exc)
+    raise AssertionError("unreachable")
 
 
 class InflightWindow:

@@ -24,6 +24,7 @@ import ray
 from yatt_controller import checkpoint
 from yatt_controller.collective import Rendezvous
 from yatt_controller.controller import ControllerActor, ControllerCore, ControllerPlan, StepFn
+from yatt_controller.faults import Repairs, frozen_hosts, host_id
 from yatt_controller.ledger import count_driver_ray_bytes
 from yatt_controller.replace import Replacer
 from yatt_controller.sync import WeightSync
@@ -83,6 +84,7 @@ class RunResult:
     report_bytes: int  # msgpack size of the step reports the driver received
     next_step: int = 0
     moves: list[tuple[int, Any]] = field(default_factory=list)  # (first step under it, plan) per live move
+    replicas_replaced: int = 0  # dead service replicas replaced without a restart, over all attempts
 
 
 @dataclass
@@ -104,14 +106,17 @@ def run(spec: ControllerSpec, job: Job, realized: Any, *, startup_timeout_s: flo
     if spec.checkpoint_every and not job.checkpoint_dir:
         raise ValueError("ControllerSpec.checkpoint_every is set but Job.checkpoint_dir is not")
     moves: list[tuple[int, Any]] = []
+    replaced: list[int] = []  # per attempt
     with count_driver_ray_bytes() as ledger:
-        reports, failures, report_bytes = _attempts(spec, job, realized, startup_timeout_s, moves)
+        reports, failures, report_bytes = _attempts(spec, job, realized, startup_timeout_s, moves, replaced)
     ordered = {step: [by_rank[r] for r in sorted(by_rank)] for step, by_rank in sorted(reports.items())}
-    return RunResult(ordered, len(failures), failures, ledger.total, report_bytes, job.num_steps, moves)
+    return RunResult(
+        ordered, len(failures), failures, ledger.total, report_bytes, job.num_steps, moves, sum(replaced)
+    )
 
 
 def _attempts(
-    spec: ControllerSpec, job: Job, realized: Any, startup_timeout_s: float, moves: list
+    spec: ControllerSpec, job: Job, realized: Any, startup_timeout_s: float, moves: list, replaced: list
 ) -> tuple[dict[int, dict[int, StepReport]], list[str], int]:
     """Attempts until one finishes or no restart is left: (reports by step and rank, failures, report bytes)."""
     reports: dict[int, dict[int, StepReport]] = {}
@@ -128,6 +133,7 @@ def _attempts(
             attempt.teardown()  # collects the last reports first
             report_bytes += attempt.report_bytes
             moves += attempt.replacer.moves if attempt.replacer is not None else []
+            replaced.append(attempt.replaced)
         if failure is None:
             return reports, failures, report_bytes
         failures.append(str(failure))
@@ -156,6 +162,11 @@ class _Attempt:
         self._nodes: dict[str, str] = {}  # label -> node id, from the last answer
         self._busy: dict[str, tuple[str, float]] = {}  # label -> (what it is doing, since)
         self.replacer: Replacer | None = None
+        self.repairs: Any = None  # the Repairs actor (faults.py)
+        self.frozen: set[str] = set()  # hosts whose death fails the attempt (learner, checkpointed groups)
+        self.dead: dict[str, float] = {}  # replaceable hosts seen dead -> when: their repair is due
+        self.seen_repairs = 0
+        self.replaced = 0
 
     def start(self) -> None:
         services = self.job.build(self.pool)
@@ -166,6 +177,9 @@ class _Attempt:
             services.weight_sync.setup()
         if self.job.replan is not None:
             self.replacer = Replacer(self.job.replan, self.realized.plan, services, self.pool)
+        self.repairs = Repairs.remote()
+        frozen = [*([services.learner] if services.learner else []), *services.checkpointed]
+        self.frozen = frozen_hosts(services.groups, frozen)
         found = checkpoint.latest(self.job.checkpoint_dir) if self.job.checkpoint_dir else None
         path = None if found is None else str(found[0])
         if self.spec.mode == "single":
@@ -184,7 +198,7 @@ class _Attempt:
             checkpointed={name: groups[name] for name in services.checkpointed},
             directory=None if self.replacer is None else self.replacer.directory, pool=self.pool,
             full_groups=dict(services.groups), learner_name=services.learner, max_inflight=spec.max_inflight,
-            single=spec.mode == "single",
+            single=spec.mode == "single", repairs=self.repairs,
         )  # fmt: skip
 
     def _start_parallel(self, services: Services, path: str | None) -> None:
@@ -302,12 +316,15 @@ class _Attempt:
             try:
                 value = ray.get(ref)
             except ray.exceptions.RayActorError as exc:
+                if self._repair_due(watch):
+                    continue
                 raise self._failure(
                     f"actor {watch.label} on node {self._node(watch.label)} died: {_summary(exc)}"
                 ) from exc
             self._seen(watch, value)
         if self.core is not None:
             self._seen(self.controllers[0][1], self.core.heartbeat())
+        self._adopt_repairs()
         now = time.time()
         for _, watch in self.controllers:
             limit = (
@@ -319,6 +336,27 @@ class _Attempt:
     @staticmethod
     def _host_name(record: Any) -> str:
         return f"{record.label} ({', '.join(record.roles)})"
+
+    def _repair_due(self, watch: _Watch) -> bool:
+        """A dead host that holds no learner rank nor checkpointed group: a controller replaces it (on the
+        failed call, or rank 0 before its next push); fatal only if still dead after `hang_timeout_s`."""
+        record = next((r for r in self.pool.hosts.values() if self._host_name(r) == watch.label), None)
+        if record is None or self.repairs is None or host_id(record.handle) in self.frozen:
+            return False
+        since = self.dead.setdefault(host_id(record.handle), time.time())
+        return time.time() - since <= self.spec.hang_timeout_s
+
+    def _adopt_repairs(self) -> None:
+        """Hosts started by repairs take the dead ones' places in the driver's pool (pinged, torn down)."""
+        if self.repairs is None:
+            return
+        new = ray.get(self.repairs.log.remote(self.seen_repairs))
+        for repair in new:
+            for record in repair.hosts:
+                self.pool.hosts[record.device] = record
+            self.dead.pop(repair.dead, None)
+            self.replaced += repair.replicas
+        self.seen_repairs += len(new)
 
     def _seen(self, watch: _Watch, value: Any) -> None:
         if isinstance(value, Heartbeat):  # a host's ping
@@ -396,6 +434,10 @@ class _Attempt:
         self._drain()
         if self.replacer is not None:
             self.replacer.close()  # the moves made, and the hosts they started, into the pool torn down below
+        if self.repairs is not None:
+            with contextlib.suppress(Exception):  # best effort after a failure: hosts repairs started
+                self._adopt_repairs()
+            ray.kill(self.repairs, no_restart=True)
         for actor, _ in self.controllers:
             if actor is not None:
                 ray.kill(actor, no_restart=True)

@@ -282,9 +282,11 @@ class WorkerGroup:
         self.workers = [Worker(**{**w.__dict__, "window": window}) for w in self.workers]
         self._outstanding: dict[int, list[ray.ObjectRef]] = {}  # dp rank -> call_one refs not seen done
         self._next_rank = 0  # round-robin start among equally loaded ranks
+        self.healer: Any = None  # set by a controller on its service views: replaces dead replicas
 
     def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k not in ("_outstanding", "_next_rank")}
+        skip = ("_outstanding", "_next_rank", "healer")
+        return {k: v for k, v in self.__dict__.items() if k not in skip}
 
     def __setstate__(self, state: dict) -> None:  # unpickled in a controller: a fresh window there
         self.__dict__.update(state)
@@ -364,7 +366,15 @@ class WorkerGroup:
         self._next_rank = (rank + 1) % size
         ref = dispatch.to_rank(self.workers, rank, method, args, kwargs)
         self._outstanding.setdefault(rank, []).append(ref)
+        if self.healer is not None:  # a dead replica is replaced and the call sent again (faults.py)
+            dispatch.on_death(ref, lambda error: self._resend(rank, method, args, kwargs, error))
         return ref
+
+    def _resend(
+        self, rank: int, method: str, args: tuple, kwargs: dict, error: BaseException
+    ) -> ray.ObjectRef:
+        self.healer.repair(self, rank, error)  # re-raises `error` when the replica cannot be replaced
+        return self.call_one(method, *args, **kwargs)
 
     def rank_zero(self, method: str, *args: Any, **kwargs: Any) -> ray.ObjectRef:
         """Worker 0 of this view only. Not for training calls: in single mode the other DDP ranks would never

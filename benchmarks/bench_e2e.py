@@ -3,37 +3,44 @@
 What is compared. One GRPO step = generate G completions for each of P prompts, score them, compute logprobs
 (policy and a frozen reference, KL coefficient 1e-3 in both), group-normalised advantages, one optimizer step
 (AdamW, clip 1.0) over the whole batch. Both sides use:
-- the same model directory: a tiny Qwen2 (hidden 64, 2 layers, head_dim 32, fp32) with a tokenizer trained
-  locally on the embedded arithmetic task, built once by `yatt_apps.models.prepare_model`;
+- the same model directory, at two sizes (`--sizes`): `tiny`, the preset's Qwen2 (hidden 64, 2 layers, head_dim
+  32, fp32), and `small` (hidden 256, 4 layers, 4 heads of 64, 64 new tokens: generation dominates), each with
+  a tokenizer trained locally on the embedded arithmetic task, built once by `yatt_apps.models.prepare_model`;
 - the same prompts (the embedded arithmetic task, chat-templated by the tokenizer's ChatML template), P prompts
   x G samples per step, at most L new tokens, temperature 1.0, top-p 1.0, no top-k;
 - the same reward: math_verify against the answer (weight 1) + a format regex `^\\s*-?\\d+` (weight 0.5), both
   computed by `yatt_multimodal.rules` (in TRL as two reward functions with reward_weights [1, 0.5]); no judge;
 - the same update: one optimizer step per batch (YATT `algo.num_updates_per_batch=1`, whole-batch mini- and
   micro-batches; TRL `num_iterations=1`, `steps_per_generation=1`), the whole batch in one forward/backward
-  per rank.
+  per rank. Both therefore skip the separate old-policy forward (the training forward's detached logprobs are
+  the old ones) and run the reference forward beside the update.
 
-YATT runs the real app: `yatt_apps.launch.run_job` with the `tiny_cpu` preset minus the judge (two parallel
-controllers on two logical devices, colocated; per device a policy learner rank with its reference (gloo DDP),
-an HF rollout engine and a reward worker, under Ray). Its step time is the lead controller's `time/step` (data,
-rollout, reward, advantages, logprobs, train, weight sync; not checkpoints, which are off). TRL runs
-`GRPOTrainer(use_cpu=True, use_vllm=False)` in this process, once with one torch thread and once with one per
-core; the faster is the peer (on a busy 2-core machine two OpenMP threads can be many times slower than one).
-Its step time is the wall time between the trainer's `on_step_begin` and `on_step_end` callbacks (generation,
-reward, logprobs, loss, optimizer step).
+YATT runs the real app: `yatt_apps.launch.run_job` with the `tiny_cpu` preset minus the judge, colocated, in
+each layout of `--layouts` (`2c2d`: two parallel controllers on two logical devices, a learner rank each over
+gloo DDP; `1c1d`: one controller, one device), all in one Ray session; per device a policy learner rank with
+its reference, an HF rollout engine and a reward worker. The engines keep their weights between steps
+(`placement.sleep_level=0`: a CPU has no device memory to hand over). Its step time is the lead controller's
+`time/step` (data, rollout, reward, advantages, train with the reference forward, weight sync; not
+checkpoints, which are off). TRL runs `GRPOTrainer(use_cpu=True, use_vllm=False)` in this process at each
+thread count of `--threads` (default 1 and one per core; on a busy 2-core machine two OpenMP threads can be
+many times slower than one), and its best thread count once more after YATT's runs, so a load swing during
+one side's turn does not decide the ratio. Its step time is the wall time between the trainer's
+`on_step_begin` and `on_step_end` callbacks (generation, reward, logprobs, loss, optimizer step). Each side's
+best run is its figure; all are reported.
 Throughput = completion tokens (up to and including EOS, as each side counts them: YATT's response mask,
 TRL's `completions/mean_length` x P x G) / step seconds: the median over the timed steps after the warm-up
 (robust to a step slowed by other work on a shared machine), and the overall figure (sums) beside it.
 Start-up (Ray, worker processes, model loads) is excluded on both sides.
 
-Differences that cannot be removed: YATT spreads the step over processes (two DP ranks over gloo, one
-thread each, rollout in its own engine with a KV cache, weights pushed to it after each update); TRL runs one
-process and generates with `model.generate` on the training model. YATT computes old-policy logprobs and
-entropy in a separate forward (TRL reuses the training forward when one update is made per batch) and records
-sampling logprobs; the loss aggregation (YATT's preset default vs TRL's "dapo" token mean) and learning-rate
-schedules differ, which does not change the amount of compute. Sampling differs in RNG streams, so response lengths differ somewhat: tokens/s
-normalises for that. The machine is shared with other work, so figures are noisy: compare the ratio within
-one run, not across runs.
+Differences that cannot be removed: YATT spreads the step over processes (learner, rollout engine with a KV
+cache and reward worker per device, weights pushed to the engine after each update; the reward worker scores
+chunks while later ones generate); TRL runs one process and generates with `model.generate` on the training
+model. YATT records sampling logprobs; the loss aggregation (YATT's preset default vs TRL's "dapo" token mean)
+and learning-rate schedules differ, which does not change the amount of compute. Sampling differs in RNG
+streams, so response lengths differ somewhat: tokens/s normalises for that. The machine is shared with other
+work, so figures are noisy: compare the ratio within one run, not across runs; the load average at start and
+end is in the JSON line. More processes get more of a loaded machine's CPU time than one, which favours YATT
+on a busy machine; on an idle one the two cores are what YATT's layouts use and TRL's second thread does not.
 
     python benchmarks/bench_e2e.py --quick
 
@@ -214,7 +221,7 @@ def run_trl(policy_dir: str, root: Path, args: argparse.Namespace, threads: int)
     )
     batch = args.prompts * args.group_size
     config = GRPOConfig(
-        output_dir=str(root / f"trl-run-{threads}"),
+        output_dir=str(root / f"trl-run-{threads}-{args.max_new_tokens}"),
         use_cpu=True,
         use_vllm=False,
         bf16=False,
@@ -321,11 +328,15 @@ def bench_size(root: Path, args: argparse.Namespace, size: str) -> dict:
     policy_dir = build_policy(root, args.num_rows, size)
     trls = [] if args.only == "yatt" else [run_trl(policy_dir, root, args, n) for n in args.threads]
     yatts = [] if args.only == "trl" else [run_yatt(policy_dir, root, args, lay) for lay in args.layouts]
+    if trls and yatts:  # TRL's best thread count once more after YATT: a load swing during one side's turn
+        best = max(trls, key=lambda res: res["tokens_per_s"])["torch_threads"]  # counts for neither side
+        trls.append(run_trl(policy_dir, root, args, best) | {"repeat": True})
     print(
         f"[{size}] P={args.prompts} prompts x G={args.group_size}, L<={args.max_new_tokens} new tokens, "
         f"{args.steps} timed steps after {args.warmup} warm-up"
     )
-    runs = [*((f"yatt/{r['layout']}", r) for r in yatts), *((f"trl/{r['torch_threads']}t", r) for r in trls)]
+    runs = [(f"yatt/{r['layout']}", r) for r in yatts]
+    runs += [(f"trl/{r['torch_threads']}t" + ("/again" if r.get("repeat") else ""), r) for r in trls]
     for name, res in runs:
         steps, tps = ", ".join(f"{s:.2f}" for s in res["step_s"]), res["tokens_per_s"]
         print(

@@ -8,7 +8,7 @@ import msgspec
 import pytest
 import torch
 from yatt_apps.config import ModelSpec, RunConfig
-from yatt_apps.grpo import old_logprobs_from_update, rollout_logprobs
+from yatt_apps.grpo import logprobs_and_train, old_logprobs_from_update, rollout_logprobs
 from yatt_apps.workers import PolicyWorker
 
 ONE_RANK = SimpleNamespace(dp_size=1, tp_size=1, dp_rank=0, tp_rank=0)
@@ -89,3 +89,32 @@ def test_rollout_logprobs_fill_the_response_tokens():
     done = [SimpleNamespace(logprobs=[-0.5, -1.5]), SimpleNamespace(logprobs=[-1.0, -2.0, -3.0, -4.0])]
     want = torch.tensor([[0, 0, -0.5, -1.5, 0], [0, -1.0, -2.0, -3.0, -4.0]])
     assert torch.equal(rollout_logprobs(batch, done), want)
+
+
+class TwoRankCtxDouble:
+    """TEST DOUBLE of a step context: `shard_rows` gives row halves to two independent one-rank workers (no
+    gradient all-reduce between them) and `get` returns their results, as the runtime's would arrive."""
+
+    def __init__(self, workers) -> None:
+        self.learner, self.workers = self, workers
+
+    def shard_rows(self, method: str, batch: dict) -> list:
+        half = batch["input_ids"].shape[0] // 2
+        parts = [{k: v[:half] for k, v in batch.items()}, {k: v[half:] for k, v in batch.items()}]
+        return [getattr(w, method)(part) for w, part in zip(self.workers, parts, strict=True)]
+
+    def get(self, results: list) -> list:
+        return results
+
+
+def test_step_helper_joins_every_ranks_rows_in_order(model_dir):
+    cfg = _cfg()
+    workers = [PolicyWorker(cfg, model_dir, "unused", worker_info=ONE_RANK) for _ in range(2)]
+    exp = _experience(workers[0].learner.model.config.vocab_size)
+    separate = PolicyWorker(cfg, model_dir, "unused", worker_info=ONE_RANK)
+    want = separate.logprobs(exp)  # the policy before any update: what both halves' old logprobs are
+    lp, stats = logprobs_and_train(TwoRankCtxDouble(workers), exp)
+    assert sorted(lp) == ["entropy", "old_logprobs", "ref_logprobs"]
+    for key in lp:
+        assert torch.equal(lp[key], want[key]), key
+    assert stats["num_skipped_steps"] == 0.0 and stats["ratio_max"] == 1.0

@@ -271,7 +271,11 @@ def run_trl(policy_dir: str, root: Path, args: argparse.Namespace, threads: int)
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a small run, a few minutes on 2 cores")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="3 timed steps per run; 15 min on a 2-core machine at load 20 (TRL at 2 threads is most of it)",
+    )
     parser.add_argument("--sizes", default="tiny,small", help="model sizes, comma separated (tiny, small)")
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help="YATT layouts, comma separated")
     parser.add_argument("--threads", default="", help="TRL torch thread counts (default: 1 and one per core)")

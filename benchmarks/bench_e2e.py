@@ -3,37 +3,44 @@
 What is compared. One GRPO step = generate G completions for each of P prompts, score them, compute logprobs
 (policy and a frozen reference, KL coefficient 1e-3 in both), group-normalised advantages, one optimizer step
 (AdamW, clip 1.0) over the whole batch. Both sides use:
-- the same model directory: a tiny Qwen2 (hidden 64, 2 layers, head_dim 32, fp32) with a tokenizer trained
-  locally on the embedded arithmetic task, built once by `yatt_apps.models.prepare_model`;
+- the same model directory, at two sizes (`--sizes`): `tiny`, the preset's Qwen2 (hidden 64, 2 layers, head_dim
+  32, fp32), and `small` (hidden 256, 4 layers, 4 heads of 64, 64 new tokens: generation dominates), each with
+  a tokenizer trained locally on the embedded arithmetic task, built once by `yatt_apps.models.prepare_model`;
 - the same prompts (the embedded arithmetic task, chat-templated by the tokenizer's ChatML template), P prompts
   x G samples per step, at most L new tokens, temperature 1.0, top-p 1.0, no top-k;
 - the same reward: math_verify against the answer (weight 1) + a format regex `^\\s*-?\\d+` (weight 0.5), both
   computed by `yatt_multimodal.rules` (in TRL as two reward functions with reward_weights [1, 0.5]); no judge;
 - the same update: one optimizer step per batch (YATT `algo.num_updates_per_batch=1`, whole-batch mini- and
   micro-batches; TRL `num_iterations=1`, `steps_per_generation=1`), the whole batch in one forward/backward
-  per rank.
+  per rank. Both therefore skip the separate old-policy forward (the training forward's detached logprobs are
+  the old ones) and run the reference forward beside the update.
 
-YATT runs the real app: `yatt_apps.launch.run_job` with the `tiny_cpu` preset minus the judge (two parallel
-controllers on two logical devices, colocated; per device a policy learner rank with its reference (gloo DDP),
-an HF rollout engine and a reward worker, under Ray). Its step time is the lead controller's `time/step` (data,
-rollout, reward, advantages, logprobs, train, weight sync; not checkpoints, which are off). TRL runs
-`GRPOTrainer(use_cpu=True, use_vllm=False)` in this process, once with one torch thread and once with one per
-core; the faster is the peer (on a busy 2-core machine two OpenMP threads can be many times slower than one).
-Its step time is the wall time between the trainer's `on_step_begin` and `on_step_end` callbacks (generation,
-reward, logprobs, loss, optimizer step).
+YATT runs the real app: `yatt_apps.launch.run_job` with the `tiny_cpu` preset minus the judge, colocated, in
+each layout of `--layouts` (`2c2d`: two parallel controllers on two logical devices, a learner rank each over
+gloo DDP; `1c1d`: one controller, one device), all in one Ray session; per device a policy learner rank with
+its reference, an HF rollout engine and a reward worker. The engines keep their weights between steps
+(`placement.sleep_level=0`: a CPU has no device memory to hand over). Its step time is the lead controller's
+`time/step` (data, rollout, reward, advantages, train with the reference forward, weight sync; not
+checkpoints, which are off). TRL runs `GRPOTrainer(use_cpu=True, use_vllm=False)` in this process at each
+thread count of `--threads` (default 1 and one per core; on a busy 2-core machine two OpenMP threads can be
+many times slower than one), and its best thread count once more after YATT's runs, so a load swing during
+one side's turn does not decide the ratio. Its step time is the wall time between the trainer's
+`on_step_begin` and `on_step_end` callbacks (generation, reward, logprobs, loss, optimizer step). Each side's
+best run is its figure; all are reported.
 Throughput = completion tokens (up to and including EOS, as each side counts them: YATT's response mask,
 TRL's `completions/mean_length` x P x G) / step seconds: the median over the timed steps after the warm-up
 (robust to a step slowed by other work on a shared machine), and the overall figure (sums) beside it.
 Start-up (Ray, worker processes, model loads) is excluded on both sides.
 
-Differences that cannot be removed: YATT spreads the step over processes (two DP ranks over gloo, one
-thread each, rollout in its own engine with a KV cache, weights pushed to it after each update); TRL runs one
-process and generates with `model.generate` on the training model. YATT computes old-policy logprobs and
-entropy in a separate forward (TRL reuses the training forward when one update is made per batch) and records
-sampling logprobs; the loss aggregation (YATT's preset default vs TRL's "dapo" token mean) and learning-rate
-schedules differ, which does not change the amount of compute. Sampling differs in RNG streams, so response lengths differ somewhat: tokens/s
-normalises for that. The machine is shared with other work, so figures are noisy: compare the ratio within
-one run, not across runs.
+Differences that cannot be removed: YATT spreads the step over processes (learner, rollout engine with a KV
+cache and reward worker per device, weights pushed to the engine after each update; the reward worker scores
+chunks while later ones generate); TRL runs one process and generates with `model.generate` on the training
+model. YATT records sampling logprobs; the loss aggregation (YATT's preset default vs TRL's "dapo" token mean)
+and learning-rate schedules differ, which does not change the amount of compute. Sampling differs in RNG
+streams, so response lengths differ somewhat: tokens/s normalises for that. The machine is shared with other
+work, so figures are noisy: compare the ratio within one run, not across runs; the load average at start and
+end is in the JSON line. More processes get more of a loaded machine's CPU time than one, which favours YATT
+on a busy machine; on an idle one the two cores are what YATT's layouts use and TRL's second thread does not.
 
     python benchmarks/bench_e2e.py --quick
 
@@ -55,73 +62,107 @@ FORMAT_PATTERN = r"^\s*-?\d+"
 KL_COEF, LR = 1e-3, 2e-3
 
 
-def build_policy(root: Path, num_rows: int) -> str:
-    """The shared model directory: the tiny preset's policy, built once (tokenizer trained on the task)."""
+# the two model sizes: today's tiny preset model, and a small one where generation dominates
+SIZES = {
+    "tiny": {},
+    "small": {"hidden_size": 256, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2, "head_dim": 64},
+}
+# YATT layouts: (controllers, logical devices); each controller drives one learner rank on its own device
+LAYOUTS = {"2c2d": 2, "1c1d": 1}
+
+
+def build_policy(root: Path, num_rows: int, size: str) -> str:
+    """The shared model directory of `size`, built once (tokenizer trained on the task)."""
     from yatt_apps.config import ModelSpec
     from yatt_apps.data import arithmetic_task
     from yatt_apps.models import prepare_model, tokenizer_corpus
 
     corpus = tokenizer_corpus(arithmetic_task(num_rows, seed=0))
-    return str(prepare_model(ModelSpec(), root / "policy", corpus))
+    return str(prepare_model(ModelSpec(**SIZES[size]), root / f"policy-{size}", corpus))
 
 
 def throughput(tokens: list[float], step_s: list[float]) -> dict:
     """Tokens per second of the timed steps: the median of the per-step figures, and the overall one."""
     return {
-        "tokens": sum(tokens), "seconds": sum(step_s), "step_s": step_s,
+        "tokens": sum(tokens),
+        "seconds": sum(step_s),
+        "step_s": step_s,
         "tokens_per_s": statistics.median(n / s for n, s in zip(tokens, step_s, strict=True)),
         "tokens_per_s_overall": sum(tokens) / sum(step_s),
-    }  # fmt: skip
+    }
 
 
 # ---- YATT ------------------------------------------------------------------------------------------------
 
 
-def yatt_config(policy_dir: str, args: argparse.Namespace, num_steps: int):
+def yatt_config(policy_dir: str, args: argparse.Namespace, num_steps: int, layout: str):
     """`tiny_cpu` with the shared model, no judge (rule rewards only), the benchmark's batch and lengths, and
     every setting that changes the amount of work pinned to TRL's (one optimizer step per batch, whole batch
-    per micro-batch, KL loss 1e-3), whatever the preset says."""
+    per micro-batch, KL loss 1e-3), whatever the preset says. `layout` sets the controllers and devices."""
     import msgspec
     from yatt_apps.config import RunConfig, tiny_cpu
     from yatt_apps.overlay import build_config
 
     base = tiny_cpu()
     rules = [spec for spec in base.rewards if spec.kind != "genrm"]
-    assert [s.kind for s in rules] == ["math_verify", "regex"] and rules[1].options[
-        "pattern"
-    ] == FORMAT_PATTERN
+    assert [s.kind for s in rules] == ["math_verify", "regex"]
+    assert rules[1].options["pattern"] == FORMAT_PATTERN
     base = msgspec.structs.replace(base, judge=None, rewards=rules)
-    per_rank = args.prompts * args.group_size // base.controller.num_controllers
+    devices = LAYOUTS[layout]
+    per_rank = args.prompts * args.group_size // devices
     sets = [
-        f"model.path={policy_dir}", f"run.num_steps={num_steps}", f"run.prompts_per_step={args.prompts}",
-        f"data.num_train_rows={args.num_rows}", "run.eval_every=0", "run.progress=false",
-        f"sampling.n={args.group_size}", f"sampling.max_new_tokens={args.max_new_tokens}",
-        "sampling.temperature=1.0", "sampling.top_p=1.0", "sampling.top_k=0", f"optim.micro_batch_size={per_rank}",
-        "optim.mini_batch_size=0", "learner.max_tokens_per_micro_batch=0", f"optim.lr={LR}",
-        "optim.num_warmup_steps=0", "optim.clip_grad_norm=1.0", f"algo.kl_loss_coef={KL_COEF}",
-        "algo.num_updates_per_batch=1", "controller.checkpoint_every=0",
-    ]  # fmt: skip
+        f"model.path={policy_dir}",
+        "model.warm_start=none",
+        f"controller.num_controllers={devices}",
+        f"placement.cluster.devices_per_node={devices}",
+        f"run.num_steps={num_steps}",
+        f"run.prompts_per_step={args.prompts}",
+        f"data.num_train_rows={args.num_rows}",
+        "run.eval_every=0",
+        "run.progress=false",
+        f"sampling.n={args.group_size}",
+        f"sampling.max_new_tokens={args.max_new_tokens}",
+        "sampling.temperature=1.0",
+        "sampling.top_p=1.0",
+        "sampling.top_k=0",
+        f"optim.micro_batch_size={per_rank}",
+        "optim.mini_batch_size=0",
+        "learner.max_tokens_per_micro_batch=0",
+        f"optim.lr={LR}",
+        "optim.num_warmup_steps=0",
+        "optim.clip_grad_norm=1.0",
+        f"algo.kl_loss_coef={KL_COEF}",
+        "algo.num_updates_per_batch=1",
+        "controller.checkpoint_every=0",
+        # a CPU has no device memory to hand over: the engines keep their weights between steps (level 2
+        # would discard them and the next push restore them)
+        "placement.sleep_level=0",
+    ]
     return build_config(RunConfig, base, None, sets)
 
 
-def run_yatt(policy_dir: str, root: Path, args: argparse.Namespace) -> dict:
+def run_yatt(policy_dir: str, root: Path, args: argparse.Namespace, layout: str) -> dict:
     from yatt_apps.grpo import JOB
     from yatt_apps.launch import run_job
 
-    cfg = yatt_config(policy_dir, args, args.warmup + args.steps)
-    started = time.perf_counter()
-    summary = run_job(cfg, root / "yatt-run", JOB)
-    rows = [json.loads(line) for line in (root / "yatt-run" / "metrics.jsonl").read_text().splitlines()]
+    cfg = yatt_config(policy_dir, args, args.warmup + args.steps, layout)
+    started, run_dir = time.perf_counter(), root / f"yatt-run-{layout}"
+    summary = run_job(cfg, run_dir, JOB)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     timed = [row for row in rows if row["step"] >= args.warmup]
     assert len(timed) == args.steps, f"YATT logged {len(rows)} steps, expected {args.warmup + args.steps}"
     phases = sorted({k for row in timed for k in row if k.startswith("time/") and k != "time/step"})
+    tokens = [row["rollout/response_tokens"] for row in timed]
     return {
-        **throughput([row["rollout/response_tokens"] for row in timed], [row["time/step"] for row in timed]),
-        "phases_s": {k.removeprefix("time/"): statistics.median(row.get(k, 0.0) for row in timed) for k in phases},
+        **throughput(tokens, [row["time/step"] for row in timed]),
+        "layout": layout,
+        "phases_s": {
+            k.removeprefix("time/"): statistics.median(row.get(k, 0.0) for row in timed) for k in phases
+        },
         "reward_mean": [row["reward/mean"] for row in rows],
         "driver_bytes": summary["driver_bytes"],
         "wall_s": time.perf_counter() - started,
-    }  # fmt: skip
+    }
 
 
 # ---- TRL -------------------------------------------------------------------------------------------------
@@ -131,8 +172,8 @@ def _requests(completions, answer):
     from yatt_multimodal.types import RewardRequest
 
     texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-    return [RewardRequest(request_id=str(i), prompt="", response=t, reference=a)
-            for i, (t, a) in enumerate(zip(texts, answer, strict=True))]  # fmt: skip
+    pairs = enumerate(zip(texts, answer, strict=True))
+    return [RewardRequest(request_id=str(i), prompt="", response=t, reference=a) for i, (t, a) in pairs]
 
 
 def math_verify_reward(prompts, completions, answer, **_) -> list[float]:
@@ -175,23 +216,46 @@ def run_trl(policy_dir: str, root: Path, args: argparse.Namespace, threads: int)
     from yatt_apps.data import arithmetic_task
 
     rows = arithmetic_task(args.num_rows, seed=0)
-    data = Dataset.from_list([{"prompt": [{"role": "user", "content": r.prompt}], "answer": r.answer}
-                              for r in rows])  # fmt: skip
+    data = Dataset.from_list(
+        [{"prompt": [{"role": "user", "content": r.prompt}], "answer": r.answer} for r in rows]
+    )
     batch = args.prompts * args.group_size
     config = GRPOConfig(
-        output_dir=str(root / f"trl-run-{threads}"), use_cpu=True, use_vllm=False, bf16=False, fp16=False,
-        per_device_train_batch_size=batch, gradient_accumulation_steps=1, steps_per_generation=1,
-        num_generations=args.group_size, max_completion_length=args.max_new_tokens, temperature=1.0,
-        top_p=1.0, top_k=0, beta=KL_COEF, num_iterations=1, learning_rate=LR, max_grad_norm=1.0,
-        max_steps=args.warmup + args.steps, logging_steps=1, save_strategy="no", report_to="none",
-        seed=0, model_init_kwargs={"dtype": torch.float32}, dataloader_num_workers=0,
-        disable_tqdm=True, log_completions=False, reward_weights=[1.0, 0.5],
-    )  # fmt: skip
+        output_dir=str(root / f"trl-run-{threads}-{args.max_new_tokens}"),
+        use_cpu=True,
+        use_vllm=False,
+        bf16=False,
+        fp16=False,
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_generations=args.group_size,
+        max_completion_length=args.max_new_tokens,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        beta=KL_COEF,
+        num_iterations=1,
+        learning_rate=LR,
+        max_grad_norm=1.0,
+        max_steps=args.warmup + args.steps,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        seed=0,
+        model_init_kwargs={"dtype": torch.float32},
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        log_completions=False,
+        reward_weights=[1.0, 0.5],
+    )
     timer = _step_timer(batch)
     torch.set_num_threads(threads)
     started = time.perf_counter()
-    trainer = GRPOTrainer(model=policy_dir, reward_funcs=[math_verify_reward, format_reward], args=config,
-                          train_dataset=data, callbacks=[timer])  # fmt: skip
+    rewards = [math_verify_reward, format_reward]
+    trainer = GRPOTrainer(
+        model=policy_dir, reward_funcs=rewards, args=config, train_dataset=data, callbacks=[timer]
+    )
     trainer.train()
     assert len(timer.step_s) == len(timer.tokens) == args.warmup + args.steps, (timer.step_s, timer.tokens)
     timed = slice(args.warmup, None)
@@ -207,59 +271,146 @@ def run_trl(policy_dir: str, root: Path, args: argparse.Namespace, threads: int)
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a small run, under two minutes on 2 cores")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="3 timed steps per run; 15 min on a 2-core machine at load 20 (TRL at 2 threads is most of it)",
+    )
+    parser.add_argument("--sizes", default="tiny,small", help="model sizes, comma separated (tiny, small)")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help="YATT layouts, comma separated")
+    parser.add_argument("--threads", default="", help="TRL torch thread counts (default: 1 and one per core)")
+    parser.add_argument("--only", choices=["yatt", "trl"], help="run one side only (profiling)")
     parser.add_argument("--prompts", type=int, help="prompts per step (P)")
     parser.add_argument("--group-size", type=int, help="completions per prompt (G)")
-    parser.add_argument("--max-new-tokens", type=int, help="response length cap (L)")
+    parser.add_argument("--max-new-tokens", type=int, help="response length cap (L; small: 64)")
     parser.add_argument("--warmup", type=int, help="untimed steps first")
     parser.add_argument("--steps", type=int, help="timed steps")
     parser.add_argument("--num-rows", type=int, default=256, help="rows of the arithmetic task")
     args = parser.parse_args(argv)
-    defaults = dict(prompts=16, group_size=4, max_new_tokens=16, warmup=1, steps=3) if args.quick else \
-        dict(prompts=32, group_size=8, max_new_tokens=32, warmup=2, steps=8)  # fmt: skip
+    if args.quick:
+        defaults = dict(prompts=16, group_size=4, max_new_tokens=16, warmup=1, steps=3)
+    else:
+        defaults = dict(prompts=32, group_size=8, max_new_tokens=32, warmup=2, steps=8)
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    if args.prompts % 2:
-        raise SystemExit("--prompts must be even (two YATT controllers)")
+    args.sizes, args.layouts = args.sizes.split(","), args.layouts.split(",")
+    threads = args.threads or f"1,{os.cpu_count() or 1}"
+    args.threads = sorted({int(n) for n in threads.split(",")})
+    for name, valid, given in (("size", SIZES, args.sizes), ("layout", LAYOUTS, args.layouts)):
+        if unknown := [g for g in given if g not in valid]:
+            raise SystemExit(f"unknown --{name}s {unknown}: valid are {sorted(valid)}")
+    if any(args.prompts % LAYOUTS[layout] for layout in args.layouts):
+        raise SystemExit("--prompts must be a multiple of every layout's controller count")
     return args
+
+
+def size_args(args: argparse.Namespace, size: str) -> argparse.Namespace:
+    """The small size generates 64 new tokens unless --max-new-tokens says otherwise."""
+    out = argparse.Namespace(**vars(args))
+    if size == "small" and "--max-new-tokens" not in sys.argv:
+        out.max_new_tokens = 64
+    return out
+
+
+def start_ray() -> None:
+    """One local Ray session for every YATT run (two logical devices, the most any layout uses)."""
+    import ray
+
+    ray.init(
+        address="local",
+        num_cpus=8,
+        num_gpus=max(LAYOUTS.values()),
+        include_dashboard=False,
+        object_store_memory=512 * 2**20,
+        log_to_driver=False,
+    )
+
+
+def bench_size(root: Path, args: argparse.Namespace, size: str) -> dict:
+    """TRL at each thread count, YATT in each layout, on the model of `size`; the best of each side counts."""
+    policy_dir = build_policy(root, args.num_rows, size)
+    trls = [] if args.only == "yatt" else [run_trl(policy_dir, root, args, n) for n in args.threads]
+    yatts = [] if args.only == "trl" else [run_yatt(policy_dir, root, args, lay) for lay in args.layouts]
+    if trls and yatts:  # TRL's best thread count once more after YATT: a load swing during one side's turn
+        best = max(trls, key=lambda res: res["tokens_per_s"])["torch_threads"]  # counts for neither side
+        trls.append(run_trl(policy_dir, root, args, best) | {"repeat": True})
+    print(
+        f"[{size}] P={args.prompts} prompts x G={args.group_size}, L<={args.max_new_tokens} new tokens, "
+        f"{args.steps} timed steps after {args.warmup} warm-up"
+    )
+    runs = [(f"yatt/{r['layout']}", r) for r in yatts]
+    runs += [(f"trl/{r['torch_threads']}t" + ("/again" if r.get("repeat") else ""), r) for r in trls]
+    for name, res in runs:
+        steps, tps = ", ".join(f"{s:.2f}" for s in res["step_s"]), res["tokens_per_s"]
+        print(
+            f"  {name:10} {tps:9.1f} tokens/s median  ({res['tokens']:.0f} tokens in {res['seconds']:.2f} s; "
+            f"steps {steps}; wall {res['wall_s']:.1f} s)"
+        )
+    out = {"size": size, "max_new_tokens": args.max_new_tokens}
+    if trls:
+        trl = max(trls, key=lambda res: res["tokens_per_s"])
+        out |= {
+            "trl_tokens_per_s": round(trl["tokens_per_s"], 2),
+            "trl_step_s_median": round(statistics.median(trl["step_s"]), 4),
+            "trl_torch_threads": trl["torch_threads"],
+            # "1_again": the best thread count's run after YATT's
+            "trl_tokens_per_s_by_threads": {_trl_key(r): round(r["tokens_per_s"], 2) for r in trls},
+        }
+    if yatts:
+        yatt = max(yatts, key=lambda res: res["tokens_per_s"])
+        print(f"  yatt/{yatt['layout']} phases (median s): {json.dumps(_rounded(yatt['phases_s'], 3))}")
+        out |= {
+            "yatt_tokens_per_s": round(yatt["tokens_per_s"], 2),
+            "yatt_step_s_median": round(statistics.median(yatt["step_s"]), 4),
+            "yatt_layout": yatt["layout"],
+            "yatt_tokens_per_s_by_layout": {r["layout"]: round(r["tokens_per_s"], 2) for r in yatts},
+            "yatt_phases_s": _rounded(yatt["phases_s"], 4),
+            "yatt_driver_bytes": yatt["driver_bytes"],
+        }
+    if trls and yatts:
+        out["ratio_yatt_over_trl"] = round(yatt["tokens_per_s"] / trl["tokens_per_s"], 3)
+        out["ratio_overall"] = round(yatt["tokens_per_s_overall"] / trl["tokens_per_s_overall"], 3)
+    return out
+
+
+def _trl_key(res: dict) -> str:
+    return f"{res['torch_threads']}" + ("_again" if res.get("repeat") else "")
+
+
+def _rounded(values: dict[str, float], digits: int) -> dict[str, float]:
+    return {k: round(v, digits) for k, v in values.items()}
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    for key, value in {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1",
-                       "TOKENIZERS_PARALLELISM": "false"}.items():  # fmt: skip
+    env = {
+        "RAY_AUTH_MODE": "disabled",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    for key, value in env.items():
         os.environ.setdefault(key, value)
-    with tempfile.TemporaryDirectory(prefix="bench-e2e-") as tmp:
-        root = Path(tmp)
-        policy_dir = build_policy(root, args.num_rows)
-        # TRL is one process: it runs at 1 thread and at one per core, and the faster counts (on a busy
-        # machine, two OpenMP threads can be much slower than one)
-        trls = [run_trl(policy_dir, root, args, n) for n in sorted({1, os.cpu_count() or 1})]
-        yatt = run_yatt(policy_dir, root, args)
-    trl = max(trls, key=lambda res: res["tokens_per_s"])
-    yatt_tps, trl_tps = yatt["tokens_per_s"], trl["tokens_per_s"]
-    print(f"P={args.prompts} prompts x G={args.group_size}, L<={args.max_new_tokens} new tokens, "
-          f"{args.steps} timed steps after {args.warmup} warm-up")  # fmt: skip
-    runs = [("yatt", yatt), *((f"trl/{res['torch_threads']}t", res) for res in trls)]
-    for name, res in runs:
-        steps, tps = ", ".join(f"{s:.2f}" for s in res["step_s"]), res["tokens_per_s"]
-        print(f"  {name:7} {tps:9.1f} tokens/s median  ({res['tokens']:.0f} tokens in {res['seconds']:.2f} s; "
-              f"steps {steps}; wall {res['wall_s']:.1f} s)")  # fmt: skip
-    print(f"  yatt phases (median s): {json.dumps({k: round(v, 3) for k, v in yatt['phases_s'].items()})}")
     result = {
-        "benchmark": "e2e_grpo_step", "quick": args.quick, "prompts": args.prompts,
-        "group_size": args.group_size, "max_new_tokens": args.max_new_tokens, "warmup_steps": args.warmup,
-        "timed_steps": args.steps, "yatt_tokens_per_s": round(yatt_tps, 2), "trl_tokens_per_s": round(trl_tps, 2),
-        "ratio_yatt_over_trl": round(yatt_tps / trl_tps, 3),
-        "ratio_overall": round(yatt["tokens_per_s_overall"] / trl["tokens_per_s_overall"], 3),
-        "yatt_step_s_median": round(statistics.median(yatt["step_s"]), 4),
-        "trl_step_s_median": round(statistics.median(trl["step_s"]), 4),
-        "yatt_phases_s": {k: round(v, 4) for k, v in yatt["phases_s"].items()},
-        "trl_tokens_per_s_by_threads": {str(r["torch_threads"]): round(r["tokens_per_s"], 2) for r in trls},
-        "yatt_driver_bytes": yatt["driver_bytes"], "trl_torch_threads": trl["torch_threads"],
-        "cpu_count": os.cpu_count(), "python": sys.version.split()[0],
-    }  # fmt: skip
+        "benchmark": "e2e_grpo_step",
+        "quick": args.quick,
+        "prompts": args.prompts,
+        "group_size": args.group_size,
+        "warmup_steps": args.warmup,
+        "timed_steps": args.steps,
+        "cpu_count": os.cpu_count(),
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+        "python": sys.version.split()[0],
+    }
+    if args.only != "trl":
+        start_ray()
+    with tempfile.TemporaryDirectory(prefix="bench-e2e-") as tmp:
+        for size in args.sizes:
+            # the tiny size's figures are the top-level keys, every other size's sit under its name
+            res = bench_size(Path(tmp), size_args(args, size), size)
+            result |= res if size == "tiny" else {size: res}
+    result["load_avg_1m_end"] = round(os.getloadavg()[0], 2)
     print(json.dumps(result))
 
 

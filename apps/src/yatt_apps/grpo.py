@@ -17,6 +17,7 @@ from yatt_apps.config import RunConfig
 from yatt_apps.data import PromptRow
 from yatt_apps.jobs import JobDef
 from yatt_apps.phases import (
+    concat_rows,
     generate_and_score,
     group_advantages,
     judge_sums,
@@ -35,6 +36,7 @@ from yatt_apps.phases import (
     train,
     wake_engines,
 )
+from yatt_apps.workers import learner_backend
 
 
 def grpo_step(
@@ -75,21 +77,20 @@ def grpo_step(
             batch, advantages, group_ids = take_rows(batch, picked), advantages[picked], group_ids[picked]
             samples = [samples[i] for i in picked]
 
-    # old (this policy) and reference logprobs, on this controller's learner ranks
-    with ctx.phase("logprobs"):
-        lp, rollout_lp = old_logprobs(ctx, batch, samples)
+    fused = old_logprobs_from_update(cfg)
+    if not fused:  # old (this policy) and reference logprobs, on this controller's learner ranks
+        with ctx.phase("logprobs"):
+            lp, rollout_lp = old_logprobs(ctx, batch, samples)
 
     version, train_started = ctx.policy_version, time.perf_counter()  # the policy being updated
     with ctx.phase("train"):  # SPMD: every learner rank updates together (gradient all-reduce)
-        logprobs = {k: v for k, v in lp.items() if k != "entropy"}
-        experience = {
-            **batch,
-            **logprobs,
-            "advantages": advantages,
-            "rollout_logprobs": rollout_lp,
-            "group_ids": group_ids,
-        }
-        stats = train(ctx, experience)
+        experience = {**batch, "advantages": advantages, "group_ids": group_ids}
+        if fused:  # one call: the reference forward, then the update whose forward gives the old logprobs
+            rollout_lp = rollout_logprobs(batch, samples)
+            lp, stats = logprobs_and_train(ctx, {**experience, "rollout_logprobs": rollout_lp})
+        else:
+            logprobs = {k: v for k, v in lp.items() if k != "entropy"}
+            stats = train(ctx, {**experience, **logprobs, "rollout_logprobs": rollout_lp})
 
     with ctx.phase("weight_sync"):  # version v+1 to every rollout replica; all controllers wait
         wake_engines(ctx, cfg)
@@ -105,6 +106,40 @@ def grpo_step(
 
         sums |= agent_sums(scored.completions)
     return summarize(ctx.all_reduce(sums), stats, ctx.world_size)
+
+
+def old_logprobs_from_update(cfg: RunConfig) -> bool:
+    """Whether the step skips the separate old-logprob forward: with one optimizer step per batch (one update,
+    one mini-batch) on a torch learner, the policy is unchanged until that step, so the training forward's
+    detached logprobs are the old ones, bit for bit (TRL skips it likewise)."""
+    return (
+        cfg.algo.num_updates_per_batch == 1
+        and cfg.optim.mini_batch_size == 0
+        and learner_backend(cfg) != "megatron"
+    )
+
+
+def rollout_logprobs(batch: dict, responses: list):
+    """The rollout engine's own logprobs of `responses` (one per row of `batch`) on the response tokens [B, T]
+    (as `phases.old_logprobs` returns them beside the learner's)."""
+    import torch
+
+    out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
+    for row, completion in enumerate(responses):
+        logprobs = completion.logprobs
+        if hasattr(completion, "response_mask"):  # a multi-turn trajectory: the model's tokens only
+            logprobs = [v for v, m in zip(logprobs, completion.response_mask, strict=True) if m]
+        out[row, batch["response_mask"][row]] = torch.tensor(logprobs)
+    return out
+
+
+def logprobs_and_train(ctx, experience: dict) -> tuple[dict, dict[str, float]]:
+    """Reference logprobs and the update in one SPMD call on this controller's learner ranks
+    (`PolicyWorker.logprobs_and_train`): returns `old_logprobs`'s tensors [B, T] joined in row order, and the
+    update's global stats (rank 0's stand for all)."""
+    parts = ctx.get(ctx.learner.shard_rows("logprobs_and_train", experience))
+    stats = [part.pop("stats") for part in parts]  # every part's, so that only tensors are joined
+    return concat_rows(parts), stats[0]
 
 
 def step_function(cfg: RunConfig, policy_dir: str, val_rows=None):

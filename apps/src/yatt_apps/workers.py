@@ -97,6 +97,17 @@ def _to_cpu(out: dict[str, Any]) -> dict[str, Any]:
     return {key: value.cpu() if hasattr(value, "cpu") else value for key, value in out.items()}
 
 
+def _stats(stats: Any) -> dict[str, float]:
+    """A learner's TrainStats as the step's metrics."""
+    return {
+        "loss": stats.loss,
+        "grad_norm": stats.grad_norm,
+        "lr": stats.lr,
+        "num_skipped_steps": float(stats.num_skipped_steps),
+        **stats.metrics,
+    }
+
+
 def _torch_learners(cfg: RunConfig, model_dir: str, group: Any, reference: bool):
     """The policy's TorchPolicyLearner (DDP or FSDP2 over `group`) on this process's device, and a frozen
     full copy for the reference when `reference`."""
@@ -196,14 +207,19 @@ class PolicyWorker:
 
     def train(self, experience: dict[str, Any]) -> dict[str, float]:
         self._gathered = None
-        stats = self.learner.update(experience)
-        return {
-            "loss": stats.loss,
-            "grad_norm": stats.grad_norm,
-            "lr": stats.lr,
-            "num_skipped_steps": float(stats.num_skipped_steps),
-            **stats.metrics,
-        }
+        return _stats(self.learner.update(experience))
+
+    def logprobs_and_train(self, experience: dict[str, Any]) -> dict[str, Any]:
+        """`logprobs` then `train` in one call, for one optimizer step per batch (torch backends): the reference
+        forward, then the update whose own forward gives the old logprobs (`update_from_current`), so the
+        policy's separate no-grad forward and a round trip are skipped. `experience` has no old logprobs;
+        returns `logprobs`'s tensors [B, T] and, under "stats", `train`'s."""
+        self._gathered = None
+        out = {}
+        if self.reference is not None:
+            out["ref_logprobs"] = self.reference.compute_logprobs(experience)
+        stats, current = self.learner.update_from_current({**experience, **out})
+        return {**_to_cpu({**current, **out}), "stats": _stats(stats)}
 
     def gather_weights(self) -> int:
         """Run the collective export on this rank (FSDP2 all-gathers its shards, Megatron its TP shards) and

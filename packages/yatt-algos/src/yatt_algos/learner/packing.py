@@ -24,7 +24,9 @@ Batch = dict[str, torch.Tensor]
 
 _FLOAT_FIELDS = ("old_logprobs", "advantages", "ref_logprobs", "rollout_logprobs", "returns", "old_values")
 _MASK_FIELDS = ("attention_mask", "response_mask")
-ROW_FIELDS = ("group_ids", "pixel_values", "image_grid_thw")  # leading dim B, not cut to a micro-batch's T
+# leading dim B, not cut to a micro-batch's T; `row_index` [B] is each row's position in the whole batch (set by
+# a learner that scatters per-micro-batch outputs back into [B, T])
+ROW_FIELDS = ("group_ids", "pixel_values", "image_grid_thw", "row_index")
 
 
 def experience_to_batch(exp: Experience) -> Batch:

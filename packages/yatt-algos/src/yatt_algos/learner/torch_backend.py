@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from yatt_algos.learner.export import NamedTensors
-from yatt_algos.learner.packing import Batch
+from yatt_algos.learner.packing import Batch, as_batch, split_mini_batches
 from yatt_algos.learner.torch_engine import TorchEngine
 from yatt_algos.learner.update_loop import Normalizer, critic_objective, policy_objective
 from yatt_algos.types import AlgoConfig, Experience, LearnerConfig, OptimConfig, TrainStats
@@ -145,6 +145,41 @@ class TorchPolicyLearner:
 
         required = ("response_mask", "old_logprobs", "advantages")
         return self.engine.update(experience, forward, objective, required)
+
+    def update_from_current(
+        self, experience: Experience | dict[str, Any]
+    ) -> tuple[TrainStats, dict[str, torch.Tensor]]:
+        """`update` when the old policy is this one and the batch makes exactly one optimizer step: the
+        training forward's own logprobs, detached, are the old logprobs (no separate no-grad forward; the
+        parameters do not change before the only step, so they are the values that forward would give).
+        Returns the stats and that forward's old logprobs and entropy [B, T] (0 at position 0 and padding),
+        as `compute_logprobs_and_entropy` returns them."""
+        algo, optim_config = self.engine.algo, self.engine.optim_config
+        batch = as_batch(experience)
+        if "old_logprobs" in batch:
+            raise ValueError("update_from_current computes old_logprobs itself: the batch must not hold them")
+        b, t = batch["input_ids"].shape
+        num_minis = len(split_mini_batches(b, optim_config.mini_batch_size if optim_config else 0))
+        if algo.num_updates_per_batch != 1 or num_minis != 1:
+            raise ValueError(
+                "update_from_current needs one optimizer step per batch (AlgoConfig.num_updates_per_batch=1 and "
+                f"one mini-batch), got num_updates_per_batch={algo.num_updates_per_batch} and {num_minis} "
+                "mini-batches"
+            )
+        seen = {"old_logprobs": torch.zeros(b, t), "entropy": torch.zeros(b, t)}
+        forward = self._forward("grad" if algo.entropy_coef else "detached")
+
+        def objective(out: dict[str, torch.Tensor], mb: Batch, norm: Normalizer):
+            old, entropy = out["logprobs"].detach(), out["entropy"].detach()
+            rows, width = mb["row_index"].cpu(), old.shape[1]
+            seen["old_logprobs"][rows, :width] = old.float().cpu()
+            seen["entropy"][rows, :width] = entropy.float().cpu()
+            mb = {**mb, "old_logprobs": old}
+            return policy_objective(out["logprobs"], out.get("entropy"), mb, algo, norm)
+
+        batch["row_index"] = torch.arange(b)
+        stats = self.engine.update(batch, forward, objective, ("response_mask", "advantages"))
+        return stats, seen
 
     def export_weights(self, bucket_bytes: int = 512 << 20) -> Iterator[NamedTensors]:
         """Buckets of (HF name, tensor), LoRA merged, for weight sync."""

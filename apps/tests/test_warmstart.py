@@ -24,12 +24,14 @@ def judge_tok():
 
 
 def test_judge_examples_are_the_genrm_prompt(judge_tok):
+    from yatt_apps.config import TINY_JUDGE
     from yatt_multimodal.genrm import GenRMJudge
     from yatt_multimodal.prompt_codecs import HFChatCodec
 
     rows = [PromptRow(prompt="3 + 4 =", answer="7")] * 12
     examples = warmstart.judge_examples(judge_tok, rows, random.Random(0))
-    judge = GenRMJudge(engine=None, codec=HFChatCodec(judge_tok))
+    judge = GenRMJudge(engine=None, codec=HFChatCodec(judge_tok), spec=TINY_JUDGE)
+    assert (TINY_JUDGE.template_name, TINY_JUDGE.template_version) == ("verify_yes_no", 2)
     for (prompt, verdict), candidate in zip(examples, _candidates(rows, 0), strict=True):
         request = RewardRequest(request_id="r", prompt="3 + 4 =", response=candidate, reference="7")
         assert prompt == judge.build_prompt(request).token_ids
@@ -38,13 +40,14 @@ def test_judge_examples_are_the_genrm_prompt(judge_tok):
 
 
 def test_critic_examples_are_the_genprm_prompt(judge_tok):
+    from yatt_apps.config import TINY_CRITIC, tiny_cpu_capo
     from yatt_multimodal.genprm import GenPRM, split_steps
     from yatt_multimodal.prompt_codecs import HFChatCodec
-    from yatt_multimodal.types import JudgeSpec
 
+    assert tiny_cpu_capo().capo.critic == TINY_CRITIC
     rows = [PromptRow(prompt="9 - 4 =", answer="5")] * 6
     examples = warmstart.critic_examples(judge_tok, rows, random.Random(1))
-    prm = GenPRM(None, HFChatCodec(judge_tok), JudgeSpec(template_name="step_critique"), tokenizer=judge_tok)
+    prm = GenPRM(None, HFChatCodec(judge_tok), TINY_CRITIC, tokenizer=judge_tok)
     candidates = [c for c in _candidates(rows, 1) if split_steps(c)]
     for (prompt, target), candidate in zip(examples, candidates, strict=True):
         request = RewardRequest(request_id="r", prompt="9 - 4 =", response=candidate, reference="5")

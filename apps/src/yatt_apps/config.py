@@ -294,10 +294,28 @@ def megatron_device_ok(cfg: RunConfig) -> bool:
 
 # ---- presets --------------------------------------------------------------------------------------------
 
-# The tiny judge's verdicts are constrained to the two phrases its parser reads (`JudgeSpec.choices`).
+# The tiny judge's verdicts are constrained to the two phrases its parser reads (`JudgeSpec.choices`); it reads
+# verify_yes_no v2 (the solution last, next to the verdict: a tiny judge learns that comparison quickly). The
+# warm start (yatt_apps.warmstart) trains the tiny judges on exactly these templates.
 TINY_VERDICTS = ["Verdict: Yes", "Verdict: No"]
 TINY_JUDGE = JudgeSpec(
-    num_samples=2, temperature=0.7, top_p=0.9, max_new_tokens=8, on_parse_error="zero", choices=TINY_VERDICTS
+    template_version=2,
+    num_samples=2,
+    temperature=0.7,
+    top_p=0.9,
+    max_new_tokens=8,
+    on_parse_error="zero",
+    choices=TINY_VERDICTS,
+)
+# CAPO's tiny step critic (step_critique v2: the steps last): a one-step answer is right or wrong, so two
+# constrained critiques
+TINY_CRITIC = JudgeSpec(
+    template_name="step_critique",
+    template_version=2,
+    num_samples=2,
+    temperature=0.7,
+    max_new_tokens=8,
+    choices=["Wrong steps: none", "Wrong steps: 1"],
 )
 
 
@@ -314,7 +332,7 @@ def tiny_cpu() -> RunConfig:
     return RunConfig(
         model=ModelSpec(warm_start="policy", warm_start_steps=700, warm_start_batch_size=64),
         # judge prompts hold whole multi-turn episodes (rollout.env), hence the longer context
-        judge=ModelSpec(seed=1, max_position_embeddings=1024, warm_start="genrm", warm_start_steps=400),
+        judge=ModelSpec(seed=1, max_position_embeddings=1024, warm_start="genrm", warm_start_steps=800),
         data=DataSpec(num_val_rows=64),
         rewards=[
             RewardSpec(kind="math_verify", weight=1.0),
@@ -391,25 +409,18 @@ def tiny_cpu_capo() -> RunConfig:
     critiques constrained to "Wrong steps: none" / "Wrong steps: 1": a one-step answer is right or wrong),
     intersection voting, W_whole = 2, W_process = 1, token advantages normalized per prompt, PPO-clip."""
     base = tiny_cpu()
-    critic = JudgeSpec(
-        template_name="step_critique",
-        num_samples=2,
-        temperature=0.7,
-        max_new_tokens=8,
-        choices=["Wrong steps: none", "Wrong steps: 1"],
-    )
     return msgspec.structs.replace(
         base,
         app="capo",
         run=msgspec.structs.replace(base.run, name="capo-tiny"),
         # the critique prompt is long
         judge=ModelSpec(
-            seed=1, max_position_embeddings=1024, warm_start="step_critique", warm_start_steps=300
+            seed=1, max_position_embeddings=1024, warm_start="step_critique", warm_start_steps=800
         ),
         rewards=[
             msgspec.structs.replace(spec, weight=1.0) for spec in base.rewards if spec.kind == "math_verify"
         ],
-        capo=CapoSpec(critic=critic),
+        capo=CapoSpec(critic=TINY_CRITIC),
     )
 
 

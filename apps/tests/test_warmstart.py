@@ -141,11 +141,9 @@ def test_warm_judge_states_the_verdict_phrase(preset_models):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    reason="the tiny judge has not learned to tell right from near-miss answers within its warm-start "
-    "budget (held-out verdict accuracy about 0.6, the share of wrong candidates)",
-    strict=False,
-)
 def test_warm_judge_agrees_with_math_verify(preset_models):
+    """Greedy verdicts on 128 held-out (problem, candidate) prompts agree with math_verify at least 0.8 of the
+    time (0.38 of them are right: always "No" would score 0.62). Measured 0.98 with verify_yes_no v2 (800
+    steps); with v1, whose solution sits before the instruction, about 0.56 (always "No")."""
     report = msgspec.json.decode((preset_models[2] / "warm_start.json").read_bytes())
     assert report["held_out_accuracy"] >= 0.8, report

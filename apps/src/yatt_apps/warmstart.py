@@ -6,10 +6,12 @@ and a random tiny judge never states a verdict. The tiny presets therefore warm-
 
 - "policy": on worked answers of the arithmetic task (response = the answer), stopped early so that it starts
   with some greedy accuracy and headroom for RL;
-- "genrm": as a `verify_yes_no` judge: (problem, candidate answer, verdict) rendered exactly as the GenRM's
-  prompt (template + `HFChatCodec`), the candidate right or close to right (off by small amounts, sign slips)
-  or malformed like a tiny policy's outputs, the target `Verdict: Yes` / `Verdict: No` as `math_verify` says;
-- "step_critique": as CAPO's step critic on the `step_critique` template, the target `Wrong steps: none` or the
+- "genrm": as the tiny presets' GenRM (`TINY_JUDGE`, verify_yes_no v2: the solution last, next to the verdict;
+  with v1's solution-then-instruction order the tiny judge stayed at "always No"): (problem, candidate answer,
+  verdict) rendered exactly as the GenRM's prompt (template + `HFChatCodec`), the candidate right or close to
+  right (off by small amounts, sign slips) or malformed like a tiny policy's outputs, the target
+  `Verdict: Yes` / `Verdict: No` as `math_verify` says;
+- "step_critique": as CAPO's step critic (`TINY_CRITIC`, step_critique v2), the target `Wrong steps: none` or the
   wrong step numbers.
 
 The result is cached under `$YATT_CACHE_DIR` (default `~/.cache/yatt/models`) in a folder named by a hash of

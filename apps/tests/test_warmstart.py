@@ -4,6 +4,7 @@ keyed by the spec and reused, and (slow) the warm-started policy and judge do wh
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -102,17 +103,19 @@ def test_bad_warm_start_specs():
 
 @pytest.fixture(scope="module")
 def preset_models(tmp_path_factory):
-    """The default preset's warm-started policy and judge (trained once per module, in a private cache)."""
+    """The default run's warm-started policy and judge, built as `yatt grpo` builds them (the same tokenizer
+    corpus: a judge trained with another tokenizer is another judge), once per module in a private cache."""
+    from types import SimpleNamespace
+
     from yatt_apps.config import tiny_cpu
+    from yatt_apps.launch import prepare_models
 
     tmp = tmp_path_factory.mktemp("warm")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("YATT_CACHE_DIR", str(tmp / "cache"))
         cfg = tiny_cpu()
-        corpus = tokenizer_corpus(arithmetic_task(cfg.data.num_train_rows, seed=0))
-        policy = prepare_model(cfg.model, tmp / "policy", corpus)
-        judge = prepare_model(cfg.judge, tmp / "judge", corpus)
-    return cfg, policy, judge
+        policy, judge = prepare_models(cfg, SimpleNamespace(path=tmp))
+    return cfg, Path(policy), Path(judge)
 
 
 @pytest.mark.slow

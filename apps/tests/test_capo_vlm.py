@@ -235,8 +235,10 @@ def test_capo_runs_two_steps(tmp_path):
         # 16 prompts x 4 samples, each scored by the verifier once
         assert row["samples_dropped"] == 0  # rule rewards never fail
         assert sum(row[f"reward_status/{s}"] for s in ("ok", "parse_error", "timeout", "error")) == 64
-        assert 0.0 <= row["capo/critique_failed_frac"] <= 1.0
-        assert 0.0 <= row["capo/penalized_token_frac"] <= 1.0
+        # the warm-started critic's constrained critiques all parse, and it finds wrong steps (measured over a
+        # 30-step default run: failed 0.0 every step, penalized token fraction 0.26..0.48)
+        assert row["capo/critique_failed_frac"] < 0.2
+        assert 0.0 < row["capo/penalized_token_frac"] <= 1.0
         assert row["reward/mean"] == row["reward/math_verify_mean"]  # r_v is the only term
         assert math.isfinite(row["train/loss"]) and row["time/reward_s"] > 0
     assert (tmp_path / "run" / "summary.png").read_bytes()[:4] == b"\x89PNG"

@@ -4,6 +4,7 @@ keyed by the spec and reused, and (slow) the warm-started policy and judge do wh
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -24,12 +25,14 @@ def judge_tok():
 
 
 def test_judge_examples_are_the_genrm_prompt(judge_tok):
+    from yatt_apps.config import TINY_JUDGE
     from yatt_multimodal.genrm import GenRMJudge
     from yatt_multimodal.prompt_codecs import HFChatCodec
 
     rows = [PromptRow(prompt="3 + 4 =", answer="7")] * 12
     examples = warmstart.judge_examples(judge_tok, rows, random.Random(0))
-    judge = GenRMJudge(engine=None, codec=HFChatCodec(judge_tok))
+    judge = GenRMJudge(engine=None, codec=HFChatCodec(judge_tok), spec=TINY_JUDGE)
+    assert (TINY_JUDGE.template_name, TINY_JUDGE.template_version) == ("verify_yes_no", 2)
     for (prompt, verdict), candidate in zip(examples, _candidates(rows, 0), strict=True):
         request = RewardRequest(request_id="r", prompt="3 + 4 =", response=candidate, reference="7")
         assert prompt == judge.build_prompt(request).token_ids
@@ -38,13 +41,14 @@ def test_judge_examples_are_the_genrm_prompt(judge_tok):
 
 
 def test_critic_examples_are_the_genprm_prompt(judge_tok):
+    from yatt_apps.config import TINY_CRITIC, tiny_cpu_capo
     from yatt_multimodal.genprm import GenPRM, split_steps
     from yatt_multimodal.prompt_codecs import HFChatCodec
-    from yatt_multimodal.types import JudgeSpec
 
+    assert tiny_cpu_capo().capo.critic == TINY_CRITIC
     rows = [PromptRow(prompt="9 - 4 =", answer="5")] * 6
     examples = warmstart.critic_examples(judge_tok, rows, random.Random(1))
-    prm = GenPRM(None, HFChatCodec(judge_tok), JudgeSpec(template_name="step_critique"), tokenizer=judge_tok)
+    prm = GenPRM(None, HFChatCodec(judge_tok), TINY_CRITIC, tokenizer=judge_tok)
     candidates = [c for c in _candidates(rows, 1) if split_steps(c)]
     for (prompt, target), candidate in zip(examples, candidates, strict=True):
         request = RewardRequest(request_id="r", prompt="9 - 4 =", response=candidate, reference="5")
@@ -99,17 +103,19 @@ def test_bad_warm_start_specs():
 
 @pytest.fixture(scope="module")
 def preset_models(tmp_path_factory):
-    """The default preset's warm-started policy and judge (trained once per module, in a private cache)."""
+    """The default run's warm-started policy and judge, built as `yatt grpo` builds them (the same tokenizer
+    corpus: a judge trained with another tokenizer is another judge), once per module in a private cache."""
+    from types import SimpleNamespace
+
     from yatt_apps.config import tiny_cpu
+    from yatt_apps.launch import prepare_models
 
     tmp = tmp_path_factory.mktemp("warm")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("YATT_CACHE_DIR", str(tmp / "cache"))
         cfg = tiny_cpu()
-        corpus = tokenizer_corpus(arithmetic_task(cfg.data.num_train_rows, seed=0))
-        policy = prepare_model(cfg.model, tmp / "policy", corpus)
-        judge = prepare_model(cfg.judge, tmp / "judge", corpus)
-    return cfg, policy, judge
+        policy, judge = prepare_models(cfg, SimpleNamespace(path=tmp))
+    return cfg, Path(policy), Path(judge)
 
 
 @pytest.mark.slow
@@ -138,11 +144,9 @@ def test_warm_judge_states_the_verdict_phrase(preset_models):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    reason="the tiny judge has not learned to tell right from near-miss answers within its warm-start "
-    "budget (held-out verdict accuracy about 0.6, the share of wrong candidates)",
-    strict=False,
-)
 def test_warm_judge_agrees_with_math_verify(preset_models):
+    """Greedy verdicts on 128 held-out (problem, candidate) prompts agree with math_verify at least 0.8 of the
+    time (0.38 of them are right: always "No" would score 0.62). Measured 0.98 with verify_yes_no v2 (800
+    steps); with v1, whose solution sits before the instruction, about 0.56 (always "No")."""
     report = msgspec.json.decode((preset_models[2] / "warm_start.json").read_bytes())
     assert report["held_out_accuracy"] >= 0.8, report

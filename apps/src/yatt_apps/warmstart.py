@@ -6,10 +6,12 @@ and a random tiny judge never states a verdict. The tiny presets therefore warm-
 
 - "policy": on worked answers of the arithmetic task (response = the answer), stopped early so that it starts
   with some greedy accuracy and headroom for RL;
-- "genrm": as a `verify_yes_no` judge: (problem, candidate answer, verdict) rendered exactly as the GenRM's
-  prompt (template + `HFChatCodec`), the candidate right or close to right (off by small amounts, sign slips)
-  or malformed like a tiny policy's outputs, the target `Verdict: Yes` / `Verdict: No` as `math_verify` says;
-- "step_critique": as CAPO's step critic on the `step_critique` template, the target `Wrong steps: none` or the
+- "genrm": as the tiny presets' GenRM (`TINY_JUDGE`, verify_yes_no v2: the solution last, next to the verdict;
+  with v1's solution-then-instruction order the tiny judge stayed at "always No"): (problem, candidate answer,
+  verdict) rendered exactly as the GenRM's prompt (template + `HFChatCodec`), the candidate right or close to
+  right (off by small amounts, sign slips) or malformed like a tiny policy's outputs, the target
+  `Verdict: Yes` / `Verdict: No` as `math_verify` says;
+- "step_critique": as CAPO's step critic (`TINY_CRITIC`, step_critique v2), the target `Wrong steps: none` or the
   wrong step numbers.
 
 The result is cached under `$YATT_CACHE_DIR` (default `~/.cache/yatt/models`) in a folder named by a hash of
@@ -53,13 +55,22 @@ def cache_key(spec: ModelSpec, corpus: list[str]) -> str:
     return hashlib.sha256(msgspec.json.encode(doc)).hexdigest()[:16]
 
 
-def extra_corpus(spec: ModelSpec) -> list[str]:
-    """Text a judge's tokenizer also trains on: its template and verdict phrases (shorter prompts)."""
+def judge_template(kind: str):
+    """The template a warm-started judge is trained on: the tiny presets' GenRM (`TINY_JUDGE`) or CAPO critic
+    (`TINY_CRITIC`) template, so the warm start and the run render the same prompts."""
     from yatt_multimodal.templates import get_template
 
+    from yatt_apps.config import TINY_CRITIC, TINY_JUDGE
+
+    spec = TINY_JUDGE if kind == "genrm" else TINY_CRITIC
+    return get_template(spec.template_name, spec.template_version)
+
+
+def extra_corpus(spec: ModelSpec) -> list[str]:
+    """Text a judge's tokenizer also trains on: its template and verdict phrases (shorter prompts)."""
     if spec.warm_start not in ("genrm", "step_critique"):
         return []
-    tpl = get_template("verify_yes_no" if spec.warm_start == "genrm" else "step_critique", 1)
+    tpl = judge_template(spec.warm_start)
     phrases = list(VERDICTS) if spec.warm_start == "genrm" else ["Wrong steps: none", "Wrong steps: 1"]
     return [tpl.system, tpl.user, *phrases] * 50
 
@@ -146,10 +157,8 @@ def policy_examples(tok, rows: list[PromptRow]) -> list[tuple[list[int], list[in
 
 
 def judge_examples(tok, rows: list[PromptRow], rng: random.Random) -> list[tuple[list[int], list[int]]]:
-    """verify_yes_no prompts exactly as `GenRMJudge.build_prompt` + `HFChatCodec` render them."""
-    from yatt_multimodal.templates import get_template
-
-    tpl = get_template("verify_yes_no", 1)
+    """`TINY_JUDGE`'s prompts exactly as `GenRMJudge.build_prompt` + `HFChatCodec` render them."""
+    tpl = judge_template("genrm")
     out = []
     for row in rows:
         candidate = near_miss(rng, row)
@@ -163,9 +172,8 @@ def critic_examples(tok, rows: list[PromptRow], rng: random.Random) -> list[tupl
     """step_critique prompts exactly as `GenPRM._prompt` + `HFChatCodec` render them; a one-step answer is
     wrong step 1 unless it is right."""
     from yatt_multimodal.genprm import number_steps, split_steps
-    from yatt_multimodal.templates import get_template
 
-    tpl = get_template("step_critique", 1)
+    tpl = judge_template("step_critique")
     out = []
     for row in rows:
         candidate = near_miss(rng, row)

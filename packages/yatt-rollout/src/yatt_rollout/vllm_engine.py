@@ -108,6 +108,12 @@ class VLLMEngine:
         self._state = threading.Lock()  # guards the flags above against a call racing an exclusive op
         self._ids = itertools.count(1)  # vLLM ids are unique per engine; callers' request ids need not be
         self._inbox: queue.SimpleQueue[_Add | _Exclusive | list[str] | None] = queue.SimpleQueue()
+        # vLLM's CPU worker sizes its attention metadata by the constructing thread's torch thread count; the loop
+        # thread must run its kernels with the same count (a new thread starts from OMP_NUM_THREADS, which Ray
+        # sets to 1: "thread_num == thread_num (2 vs. 1)" in cpu_attn otherwise)
+        import torch
+
+        self._num_threads = torch.get_num_threads()
         self._loop = threading.Thread(target=self._serve, name="yatt-vllm-engine", daemon=True)
         self._loop.start()
 
@@ -225,6 +231,9 @@ class VLLMEngine:
     def _serve(self) -> None:
         """Admit calls' requests between steps, step while anything runs, route finished outputs back.
         An exclusive op waits at the head of `pending` until the engine is idle; calls behind it wait too."""
+        import torch
+
+        torch.set_num_threads(self._num_threads)
         engine = self.llm.llm_engine
         sinks: dict[str, queue.SimpleQueue] = {}  # vLLM id -> its caller's sink
         pending: deque[_Add | _Exclusive] = deque()

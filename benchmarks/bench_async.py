@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 
-def config(staleness: int, num_steps: int):
+def config(staleness: int, num_steps: int, partial: bool = False):
     import msgspec
     from yatt_apps.config import PRESETS, ControllerSpec, PlacementConfig
     from yatt_placement.types import ClusterSpec
@@ -32,6 +32,7 @@ def config(staleness: int, num_steps: int):
         cfg,
         run=replace(cfg.run, num_steps=num_steps, prompts_per_step=8, eval_every=0, progress=False),
         algo=replace(cfg.algo, max_staleness=staleness),
+        rollout=replace(cfg.rollout, partial=partial and staleness > 0),
         controller=ControllerSpec(num_controllers=2, heartbeat_interval_s=1.0, hang_timeout_s=300.0),
         placement=PlacementConfig(
             mode="disaggregated", cluster=ClusterSpec(num_nodes=1, devices_per_node=4, device_memory_gb=16.0)
@@ -39,7 +40,7 @@ def config(staleness: int, num_steps: int):
     )
 
 
-def run_all(num_steps: int) -> dict[int, list[dict]]:
+def run_all(num_steps: int, partial: bool = False) -> dict[int, list[dict]]:
     import ray
     from yatt_apps.grpo import JOB
     from yatt_apps.launch import ENV, run_job
@@ -58,7 +59,7 @@ def run_all(num_steps: int) -> dict[int, list[dict]]:
     try:
         with tempfile.TemporaryDirectory() as root:
             for k in (0, 1, 2):
-                run_job(config(k, num_steps), Path(root) / f"k{k}", JOB)
+                run_job(config(k, num_steps, partial), Path(root) / f"k{k}", JOB)
                 lines = (Path(root) / f"k{k}" / "metrics.jsonl").read_text().splitlines()
                 out[k] = [json.loads(line) for line in lines]
     finally:
@@ -66,13 +67,21 @@ def run_all(num_steps: int) -> dict[int, list[dict]]:
     return out
 
 
+def phase_medians(steps: list[dict]) -> dict[str, float]:
+    """Median seconds of each phase of a step (`time/<phase>` of the metrics), for the profile line."""
+    keys = ("rollout_reward", "advantages", "logprobs", "train", "weight_sync", "idle", "step")
+    keys += ("rollout_s", "reward_s")  # busy seconds of the streamed rollout and reward stages
+    return {k: round(statistics.median(s.get(f"time/{k}", 0.0) for s in steps), 3) for k in keys}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="6 steps per setting (about two minutes)")
+    parser.add_argument("--partial", action="store_true", help="async settings with rollout.partial=true")
     args = parser.parse_args()
     began = time.perf_counter()
     num_steps = 6 if args.quick else 16
-    runs = run_all(num_steps)
+    runs = run_all(num_steps, args.partial)
     skip = 2  # start-up and the async window filling
     step_s = {k: statistics.median(s["time/step"] for s in steps[skip:]) for k, steps in runs.items()}
     tokens = {
@@ -80,9 +89,11 @@ def main() -> None:
     }
     staleness = max(s.get("async/staleness_max", 0.0) for k in (1, 2) for s in runs[k])
     print(f"tiny GRPO + judge, disaggregated on 4 logical devices (2 CPU cores), {num_steps} steps each")
+    phases = {k: phase_medians(steps[skip:]) for k, steps in runs.items()}
     for k, steps in runs.items():
         curve = [round(s["reward/mean"], 3) for s in steps]
         print(f"  max_staleness {k}: {step_s[k]:.3f} s/step, {tokens[k]:.0f} tokens/s, reward {curve}")
+        print(f"    where a step's time goes (median s): {phases[k]}")
     summary = {
         "quick": args.quick,
         "sync_step_s": round(step_s[0], 4),
@@ -97,6 +108,11 @@ def main() -> None:
             str(k): round(statistics.mean(s.get("async/rollout_train_overlap_s", 0.0) for s in steps), 4)
             for k, steps in runs.items()
         },
+        "partial": args.partial,
+        "partial_resumed": {
+            str(k): sum(s.get("async/partial_resumed", 0.0) for s in steps) for k, steps in runs.items()
+        },
+        "phase_s": {str(k): v for k, v in phases.items()},
         "wall_s": round(time.perf_counter() - began, 1),
     }
     print(json.dumps(summary))

@@ -80,10 +80,11 @@ def test_a_resumed_async_run_trains_the_same_next_batches(ray_session, tmp_path)
 
 @pytest.mark.slow
 def test_partial_rollouts_resume_generations_across_weight_pushes(ray_session, tmp_path):
-    """rollout.partial=true, k=1: long generations (hot sampling, up to 160 tokens) are still running when
-    the step's weights are pushed; the engine loads them between two decode steps and resumes, so trained
-    completions span two versions, and the staleness of their oldest token stays within the bound."""
-    cfg = async_config(1, 3)
+    """rollout.partial=true, k=1: generations (hot sampling, up to 160 tokens) of the batch launched at step
+    s are still running when step s pushes its weights; the engine loads them between two decode steps and
+    resumes, so completions trained at steps 2-3 span two versions (step 0's batch was made before any push),
+    and the staleness of their oldest token stays within the bound."""
+    cfg = async_config(1, 4)
     replace = msgspec.structs.replace
     cfg = replace(
         cfg,
@@ -92,7 +93,7 @@ def test_partial_rollouts_resume_generations_across_weight_pushes(ray_session, t
     )
     run_job(cfg, tmp_path / "run", JOB)
     steps = metrics(tmp_path / "run")
-    assert sorted(steps) == [0, 1, 2]
+    assert sorted(steps) == [0, 1, 2, 3]
     assert all(s["async/staleness_max"] <= 1 for s in steps.values())
     assert steps[0]["async/partial_resumed"] == 0  # step 0 trains samples made before any push
     assert sum(s["async/partial_resumed"] for s in steps.values()) > 0

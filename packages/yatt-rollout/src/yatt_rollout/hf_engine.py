@@ -68,6 +68,7 @@ class HFEngine:
     `tokenizer` supplies eos and pad ids (else the model's generation config); `processor` is the image
     processor (or a full processor with `.image_processor`) for VLM prompts. `max_context` defaults to the
     model's `max_position_embeddings`. Unseeded requests draw from one generator seeded with `seed`.
+    `partial`: weight updates pause the running batch between two decode steps instead of waiting for it.
     """
 
     def __init__(

@@ -79,6 +79,7 @@ class VLLMEngine:
     `LLM` unchanged), safe to call from many threads at once.
 
     `max_model_len` bounds prompt + completion. Unseeded requests use vLLM's sampler seeded by `seed`.
+    `partial`: weight updates land between steps of the running requests instead of after them.
     `close()` stops the loop thread.
     """
 

@@ -7,13 +7,15 @@ first steps excluded), completion tokens per second, the reward curve of each, a
 trained sample had. On a 2-core machine the "devices" share the cores, so the overlap of generation with
 training is bounded by the CPU, not by the layout: the figures are what was measured.
 
-Where a step's time goes (`phase_s`, median seconds; measured 2026-11-22 on the shared 2-core machine, load
-about 18, 6 steps): synchronous 0.42 s = rollout_reward 0.20 (generation busy 0.04, the GenRM judge 0.16)
-+ logprobs 0.05 + train 0.15 + weight_sync 0.02. Async hides rollout_reward (0.01 s), so a step's floor is
-logprobs + train + weight_sync, about 0.22 s (a 1.9x ceiling); but the judge then scores the next batch
-while the learner trains, on the same two cores, and train grew to 0.22 s (k=1): async1 0.33 s (1.29x),
-async2 0.27 s (1.56x). Generation is short next to training here, so no generation is in flight at a
-weight push and partial rollouts (`--partial`, `rollout.partial=true`) have nothing to resume.
+Where a step's time goes (`phase_s`, median seconds; the shared 2-core machine, 2026-11-22): synchronous
+0.31-0.55 s = rollout_reward 0.15-0.31 (generation busy 0.04-0.12 s, the GenRM judge the rest) + logprobs
+0.02-0.05 + train 0.10-0.15 + weight_sync 0.02-0.03. Async hides rollout_reward (0.01-0.03 s), so a step's
+floor is logprobs + train + weight_sync, about 0.2 s; but the judge then scores the next batch while the
+learner trains on the same two cores, and train grows (0.10 -> 0.19 s in one run). Three runs under other
+sessions' varying load: async1_speedup 1.29, 0.95, 2.65; async2_speedup 1.56, 1.29, 1.57 (each setting runs
+at a different time, so the load differs between them: compare `phase_s`, not single figures). Generation
+is short next to training here, so no generation is in flight at a weight push and partial rollouts
+(`--partial`, `rollout.partial=true`) resume nothing (`partial_resumed` 0).
 
     python benchmarks/bench_async.py --quick [--partial]
 """

@@ -7,7 +7,17 @@ first steps excluded), completion tokens per second, the reward curve of each, a
 trained sample had. On a 2-core machine the "devices" share the cores, so the overlap of generation with
 training is bounded by the CPU, not by the layout: the figures are what was measured.
 
-    python benchmarks/bench_async.py --quick
+Where a step's time goes (`phase_s`, median seconds; the shared 2-core machine, 2026-11-22): synchronous
+0.31-0.55 s = rollout_reward 0.15-0.31 (generation busy 0.04-0.12 s, the GenRM judge the rest) + logprobs
+0.02-0.05 + train 0.10-0.15 + weight_sync 0.02-0.03. Async hides rollout_reward (0.01-0.03 s), so a step's
+floor is logprobs + train + weight_sync, about 0.2 s; but the judge then scores the next batch while the
+learner trains on the same two cores, and train grows (0.10 -> 0.19 s in one run). Three runs under other
+sessions' varying load: async1_speedup 1.29, 0.95, 2.65; async2_speedup 1.56, 1.29, 1.57 (each setting runs
+at a different time, so the load differs between them: compare `phase_s`, not single figures). Generation
+is short next to training here, so no generation is in flight at a weight push and partial rollouts
+(`--partial`, `rollout.partial=true`) resume nothing (`partial_resumed` 0).
+
+    python benchmarks/bench_async.py --quick [--partial]
 """
 
 from __future__ import annotations
@@ -21,7 +31,7 @@ import time
 from pathlib import Path
 
 
-def config(staleness: int, num_steps: int):
+def config(staleness: int, num_steps: int, partial: bool = False):
     import msgspec
     from yatt_apps.config import PRESETS, ControllerSpec, PlacementConfig
     from yatt_placement.types import ClusterSpec
@@ -32,6 +42,7 @@ def config(staleness: int, num_steps: int):
         cfg,
         run=replace(cfg.run, num_steps=num_steps, prompts_per_step=8, eval_every=0, progress=False),
         algo=replace(cfg.algo, max_staleness=staleness),
+        rollout=replace(cfg.rollout, partial=partial and staleness > 0),
         controller=ControllerSpec(num_controllers=2, heartbeat_interval_s=1.0, hang_timeout_s=300.0),
         placement=PlacementConfig(
             mode="disaggregated", cluster=ClusterSpec(num_nodes=1, devices_per_node=4, device_memory_gb=16.0)
@@ -39,7 +50,7 @@ def config(staleness: int, num_steps: int):
     )
 
 
-def run_all(num_steps: int) -> dict[int, list[dict]]:
+def run_all(num_steps: int, partial: bool = False) -> dict[int, list[dict]]:
     import ray
     from yatt_apps.grpo import JOB
     from yatt_apps.launch import ENV, run_job
@@ -58,7 +69,7 @@ def run_all(num_steps: int) -> dict[int, list[dict]]:
     try:
         with tempfile.TemporaryDirectory() as root:
             for k in (0, 1, 2):
-                run_job(config(k, num_steps), Path(root) / f"k{k}", JOB)
+                run_job(config(k, num_steps, partial), Path(root) / f"k{k}", JOB)
                 lines = (Path(root) / f"k{k}" / "metrics.jsonl").read_text().splitlines()
                 out[k] = [json.loads(line) for line in lines]
     finally:
@@ -66,13 +77,25 @@ def run_all(num_steps: int) -> dict[int, list[dict]]:
     return out
 
 
+def phase_medians(steps: list[dict]) -> dict[str, float]:
+    """Median seconds of each phase of a step (`time/<phase>` of the metrics), for the profile line."""
+    keys = ("rollout_reward", "advantages", "logprobs", "train", "weight_sync", "idle", "step")
+    keys += ("rollout_s", "reward_s")  # busy seconds of the streamed rollout and reward stages
+    return {k: round(statistics.median(s.get(f"time/{k}", 0.0) for s in steps), 3) for k in keys}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="6 steps per setting (about two minutes)")
+    parser.add_argument(
+        "--quick", action="store_true", help="12 steps per setting (start-up dominates: minutes per setting)"
+    )
+    parser.add_argument("--partial", action="store_true", help="async settings with rollout.partial=true")
     args = parser.parse_args()
     began = time.perf_counter()
-    num_steps = 6 if args.quick else 16
-    runs = run_all(num_steps)
+    # a tiny step takes well under a second and each setting's start-up far longer: 12 steps make the median
+    # (of the 10 after the window fills) steadier at almost no cost
+    num_steps = 12 if args.quick else 24
+    runs = run_all(num_steps, args.partial)
     skip = 2  # start-up and the async window filling
     step_s = {k: statistics.median(s["time/step"] for s in steps[skip:]) for k, steps in runs.items()}
     tokens = {
@@ -80,9 +103,11 @@ def main() -> None:
     }
     staleness = max(s.get("async/staleness_max", 0.0) for k in (1, 2) for s in runs[k])
     print(f"tiny GRPO + judge, disaggregated on 4 logical devices (2 CPU cores), {num_steps} steps each")
+    phases = {k: phase_medians(steps[skip:]) for k, steps in runs.items()}
     for k, steps in runs.items():
         curve = [round(s["reward/mean"], 3) for s in steps]
         print(f"  max_staleness {k}: {step_s[k]:.3f} s/step, {tokens[k]:.0f} tokens/s, reward {curve}")
+        print(f"    where a step's time goes (median s): {phases[k]}")
     summary = {
         "quick": args.quick,
         "sync_step_s": round(step_s[0], 4),
@@ -97,6 +122,11 @@ def main() -> None:
             str(k): round(statistics.mean(s.get("async/rollout_train_overlap_s", 0.0) for s in steps), 4)
             for k, steps in runs.items()
         },
+        "partial": args.partial,
+        "partial_resumed": {
+            str(k): sum(s.get("async/partial_resumed", 0.0) for s in steps) for k, steps in runs.items()
+        },
+        "phase_s": {str(k): v for k, v in phases.items()},
         "wall_s": round(time.perf_counter() - began, 1),
     }
     print(json.dumps(summary))

@@ -36,6 +36,8 @@ def test_colocated_async_is_a_config_error(tmp_path, capsys):
     assert "algo.max_staleness > 0 needs placement.mode disaggregated" in capsys.readouterr().err
     assert main(["dapo", "--set", "algo.max_staleness=1", "--run-dir", str(tmp_path / "d")]) == 2
     assert "the dapo job trains on-policy only" in capsys.readouterr().err
+    assert main(["grpo", "--set", "rollout.partial=true", "--run-dir", str(tmp_path / "p")]) == 2
+    assert "rollout.partial=true needs algo.max_staleness > 0" in capsys.readouterr().err
 
 
 def metrics(run_dir) -> dict[int, dict]:
@@ -74,3 +76,24 @@ def test_a_resumed_async_run_trains_the_same_next_batches(ray_session, tmp_path)
             if not k.startswith(("time/", "throughput/", "async/roll"))
         }
         assert a == pytest.approx(b, rel=1e-5, abs=1e-6), step
+
+
+@pytest.mark.slow
+def test_partial_rollouts_resume_generations_across_weight_pushes(ray_session, tmp_path):
+    """rollout.partial=true, k=1: generations (hot sampling, up to 160 tokens) of the batch launched at step
+    s are still running when step s pushes its weights; the engine loads them between two decode steps and
+    resumes, so completions trained at steps 2-3 span two versions (step 0's batch was made before any push),
+    and the staleness of their oldest token stays within the bound."""
+    cfg = async_config(1, 4)
+    replace = msgspec.structs.replace
+    cfg = replace(
+        cfg,
+        rollout=replace(cfg.rollout, partial=True),
+        sampling=replace(cfg.sampling, temperature=3.0, max_new_tokens=160),
+    )
+    run_job(cfg, tmp_path / "run", JOB)
+    steps = metrics(tmp_path / "run")
+    assert sorted(steps) == [0, 1, 2, 3]
+    assert all(s["async/staleness_max"] <= 1 for s in steps.values())
+    assert steps[0]["async/partial_resumed"] == 0  # step 0 trains samples made before any push
+    assert sum(s["async/partial_resumed"] for s in steps.values()) > 0

@@ -12,8 +12,13 @@ The last k batches launched are never trained (dropped, deterministically).
 Overlap needs the rollout engines on other processes than the learner (disaggregated placement): in full
 colocation the engines and the learner share each device's process and time-share it, so async is refused
 there. At a checkpoint the queue is awaited and stored with the controller's state, so a resumed run trains
-the same next batches as one that never stopped. No partial rollouts: a generation in flight finishes on the
-weights it started with (`async/partial_resumed` counts 0).
+the same next batches as one that never stopped.
+
+Partial rollouts (`rollout.partial = true`): the engines apply a weight push between two decode steps of the
+generations in flight (KV cache recomputed) instead of after them, so the push no longer waits for the
+launched batches. A completion then carries tokens of several versions (`Completion.version_runs`); its
+staleness is that of its oldest token, which is still made by the launch step's policy or a later one, so
+the bound k holds. `async/partial_resumed` counts the trained completions that span more than one version.
 """
 
 from __future__ import annotations
@@ -50,6 +55,11 @@ def check_async(cfg: RunConfig) -> None:
             "algo.max_staleness > 0 needs placement.mode disaggregated (or partial/dynamic): in full colocation "
             "rollout and training time-share every device's process, so generation cannot overlap training"
         )
+    if cfg.rollout.partial and not cfg.algo.max_staleness:
+        raise ValueError(
+            "rollout.partial=true needs algo.max_staleness > 0: on-policy steps have no generation in flight "
+            "when the weights are pushed, so there is nothing to pause and resume"
+        )
 
 
 def launch(ctx, cfg: RunConfig, rows: list[PromptRow], tok, step: int) -> Launched:
@@ -81,15 +91,27 @@ def next_batch(ctx, cfg: RunConfig, rows: list[PromptRow], tok) -> tuple[Launche
         queue.append(launch(ctx, cfg, rows, tok, ctx.step + k))
     oldest = queue.popleft()
     scored = oldest.scored.result()
-    ctx.check_versions([c.policy_version for c in scored.completions], max_staleness=k)
+    ctx.check_versions([oldest_version(c) for c in scored.completions], max_staleness=k)
     return oldest, scored
+
+
+def versions(completion) -> list[int]:
+    """The policy versions of a completion's tokens, run by run (a multi-turn `Trajectory` has one run)."""
+    runs = completion.runs() if hasattr(completion, "runs") else []
+    return [v for v, _ in runs] or [completion.policy_version]
+
+
+def oldest_version(completion) -> int:
+    """The version a staleness bound is checked against: that of the completion's oldest token."""
+    return min(versions(completion))
 
 
 def async_sums(ctx, scored, kept: list[int], version: int, train: tuple[float, float]) -> dict[str, float]:
     """Per trained sample, the updated policy's `version` - the version that made it (sum, count; the max is
     all-reduced here), and how long this step's training overlapped the rollouts then in flight (the launched batches
     still generating when training began or after; measured when each batch is consumed)."""
-    ages = [version - scored.completions[i].policy_version for i in kept]
+    ages = [version - oldest_version(scored.completions[i]) for i in kept]
+    resumed = sum(len(set(versions(scored.completions[i]))) > 1 for i in kept)
     trains = _TRAINS.setdefault(ctx.rank, deque(maxlen=64))
     trains.append(train)
     start, end = scored.stream.get("rollout_start", 0.0), scored.stream.get("rollout_end", 0.0)
@@ -100,6 +122,7 @@ def async_sums(ctx, scored, kept: list[int], version: int, train: tuple[float, f
         "async/samples": float(len(ages)),
         "async/staleness_max_all": peak,
         "async/overlap_s": overlap,
+        "async/partial_resumed/sum": float(resumed),  # completions whose tokens span a weight update
     }
 
 

@@ -165,9 +165,9 @@ def test_requests_arriving_during_a_batch_join_the_next(engine, tok):
     started = threading.Event()
     original = engine._decode
 
-    def observed(batch):  # the real decode, with a signal that the first batch is running
+    def observed(batch, switches):  # the real decode, with a signal that the first batch is running
         started.set()
-        return original(batch)
+        return original(batch, switches)
 
     engine._decode = observed
     try:
@@ -231,6 +231,68 @@ def test_update_weights_matches_a_fresh_engine(model, tok, path):
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(e.logprobs), atol=1e-6, rtol=0)
     assert {c.policy_version for c in before} == {0} and {c.policy_version for c in after} == {5}
     assert eng.policy_version == 5
+
+
+def test_partial_update_resumes_a_running_batch_under_the_new_weights(model, tok):
+    """partial=True: a weight update lands between two decode steps of a running batch. The long row's
+    first S tokens are the old policy's greedy tokens, the rest the new policy's greedy continuation of
+    prompt + those S tokens (KV recomputed), with logprobs of a fresh forward of each; version_runs says so.
+    A row that ended before the update has one run."""
+    import threading
+
+    new = tiny_causal_lm(len(tok), seed=7, max_position_embeddings=CONTEXT)
+    old = tiny_causal_lm(len(tok), seed=0, max_position_embeddings=CONTEXT)
+    eng = HFEngine(tiny_causal_lm(len(tok), seed=0, max_position_embeddings=CONTEXT), tok, partial=True)
+    forwards, third = [0], threading.Event()
+
+    def count(
+        *_,
+    ):  # the engine's 3rd forward (prefill + 2 steps): a step well inside the long row's 40 tokens
+        forwards[0] += 1
+        if forwards[0] == 3:
+            third.set()
+
+    hook = eng.model.register_forward_hook(count)
+    prompt = tok.encode("1 +")
+    try:
+        futures = eng.submit(
+            [
+                _req("long", prompt, temperature=0, max_new_tokens=40),
+                _req("short", prompt, temperature=0, max_new_tokens=1),
+            ]
+        )
+        third.wait(timeout=60)
+        eng.load_weights(list(new.state_dict().items()), version=5)  # returns once loaded mid-batch
+        long, short = (f.result()[0] for f in futures)
+    finally:
+        hook.remove()
+        eng.close()
+    (v0, s), (v1, rest) = long.version_runs
+    assert (v0, v1, long.policy_version, eng.policy_version) == (0, 5, 0, 5)
+    assert s >= 2 and rest > 0 and s + rest == len(long.token_ids) and eng.stats["resumed_rows"] == 1
+    assert short.version_runs == [(0, 1)] and short.token_ids == long.token_ids[:1]
+    head, tail = long.token_ids[:s], long.token_ids[s:]
+    ref_old = old.generate(
+        torch.tensor([prompt]), max_new_tokens=s, do_sample=False, eos_token_id=tok.eos_token_id
+    )
+    assert ref_old[0, len(prompt) :].tolist() == head
+    ref_new = new.generate(
+        torch.tensor([prompt + head]), max_new_tokens=40 - s, do_sample=False, eos_token_id=tok.eos_token_id
+    )
+    assert ref_new[0, len(prompt) + s :].tolist() == tail
+    expected = torch.cat([_forward_logprobs(old, prompt, head), _forward_logprobs(new, prompt + head, tail)])
+    torch.testing.assert_close(torch.tensor(long.logprobs), expected, atol=1e-5, rtol=0)
+
+
+def test_a_partial_update_between_batches_loads_at_once(model, tok):
+    eng = HFEngine(tiny_causal_lm(len(tok), seed=0, max_position_embeddings=CONTEXT), tok, partial=True)
+    new = tiny_causal_lm(len(tok), seed=7, max_position_embeddings=CONTEXT)
+    try:
+        eng.load_weights(list(new.state_dict().items()), version=2)  # idle engine: no batch to pause
+        (out,) = eng.generate([_req("a", tok.encode("2 +"), temperature=0, max_new_tokens=5)])
+    finally:
+        eng.close()
+    assert out.version_runs == [(2, len(out.token_ids))] and out.policy_version == 2
 
 
 def test_update_copies_into_the_existing_parameters(model, tok):

@@ -48,3 +48,20 @@ def test_constraints_are_sent_only_when_set():
         msgspec.json.decode(msgspec.json.encode(both), type=SamplingParams)
     params = SamplingParams(choices=["yes", "no"])
     assert msgspec.json.decode(msgspec.json.encode(params), type=SamplingParams).choices == ["yes", "no"]
+
+
+def test_version_runs_are_appended_and_default_to_one_run():
+    from yatt_rollout.types import Completion
+
+    old = Completion(
+        request_id="r", index=0, token_ids=[5, 6, 7], logprobs=[], finish_reason="stop", policy_version=2
+    )
+    assert b"version_runs" not in msgspec.json.encode(old)  # old bytes unchanged while empty
+    assert old.runs() == [(2, 3)] and old.token_versions() == [2, 2, 2]
+    spanned = msgspec.structs.replace(old, version_runs=[(2, 1), (3, 2)])
+    wire = msgspec.json.decode(msgspec.json.encode(spanned), type=Completion)
+    assert wire.version_runs == [(2, 1), (3, 2)] and wire.token_versions() == [2, 3, 3]
+    error = Completion(
+        request_id="r", index=0, token_ids=[], logprobs=[], finish_reason="error", policy_version=4
+    )
+    assert error.runs() == [] and error.token_versions() == []

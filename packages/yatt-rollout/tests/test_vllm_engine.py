@@ -228,3 +228,49 @@ def test_concurrent_callers_are_served_together(engines, tok):
     # the short call was admitted and finished while the long one ran (one lock around generate would
     # make it wait for the long call's end)
     assert long_start < short_start < short_end < long_end, intervals
+
+
+def _raw_logprobs(model, prompt, tokens):
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+    return logits.log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+def test_partial_update_lands_between_steps_and_recomputes_the_kv_cache(engines, tok):
+    """partial=True: an update while an 80-token greedy generation runs lands between two steps. The first
+    S tokens are policy A's, the rest policy B's greedy continuation of prompt + those S tokens (HF
+    reference), with raw logprobs of a fresh forward of each model (B's: KV recomputed, not A's kept)."""
+    vllm_engine, _ = engines
+    a, b = (tiny_causal_lm(len(tok), seed=s, max_position_embeddings=CONTEXT) for s in (21, 22))
+    vllm_engine.update_weights(make_buckets(list(a.state_dict().items()), max_bytes=1 << 20), version=6)
+    digits = tok.encode("0123456789", add_special_tokens=False)  # no eos: the call runs all 80 steps
+    prompt = tok.encode("12 + 7 =")
+    long_req = _req("P", prompt, temperature=0, max_new_tokens=80, allowed_token_ids=digits)
+    result = []
+    call = threading.Thread(target=lambda: result.extend(vllm_engine.generate([long_req])))
+    vllm_engine.partial = True
+    try:
+        call.start()
+        deadline = time.monotonic() + 120
+        while vllm_engine.in_flight == 0 and time.monotonic() < deadline:  # at least one step done
+            time.sleep(0.001)
+        vllm_engine.update_weights(make_buckets(list(b.state_dict().items()), max_bytes=1 << 20), version=7)
+        call.join()
+    finally:
+        vllm_engine.partial = False
+    (out,) = result
+    (v0, s), (v1, rest) = out.version_runs
+    assert (v0, v1, out.policy_version, s + rest) == (6, 7, 6, 80) and s >= 1 and rest >= 1
+    head, tail = out.token_ids[:s], out.token_ids[s:]
+    refs = []
+    for model, ids, n in ((a, prompt, s), (b, prompt + head, rest)):
+        hf = HFEngine(model, tok)
+        try:
+            refs.append(
+                hf.generate([_req("r", ids, temperature=0, max_new_tokens=n, allowed_token_ids=digits)])
+            )
+        finally:
+            hf.close()
+    assert [r[0].token_ids for r in refs] == [head, tail]
+    expected = torch.cat([_raw_logprobs(a, prompt, head), _raw_logprobs(b, prompt + head, tail)])
+    torch.testing.assert_close(torch.tensor(out.logprobs), expected, atol=1e-4, rtol=0)

@@ -28,6 +28,15 @@ EXAMPLES = [
         finish_reason="stop",
         policy_version=3,
     ),
+    Completion(  # a partial rollout: 2 tokens by policy 3, then 1 by policy 4 after a weight update
+        request_id="c0-s3-p13",
+        index=0,
+        token_ids=[40, 42, 2],
+        logprobs=[-0.5, -0.75, -0.125],
+        finish_reason="stop",
+        policy_version=3,
+        version_runs=[(3, 2), (4, 1)],
+    ),
     WeightBucket(
         names=["model.embed_tokens.weight", "lm_head.weight"],
         shapes=[[2, 2], [1, 2]],

@@ -6,8 +6,14 @@ takes up to `max_batch_size` rows per batch, so requests that arrive while a bat
 A batch is one prefill over the left-padded prompts and one cached forward per new token; each row stops
 at its own eos/stop token or budget and then leaves the batch with its KV cache rows. Sampled tokens and
 logprobs stay on the model's device until the batch ends (`live_rows.py`); constrained rows (`choices`,
-`allowed_token_ids`) walk a transition table there too (`constraints.py`). Weight updates, sleep and wake
-wait for the running batch.
+`allowed_token_ids`) walk a transition table there too (`constraints.py`). Sleep and wake wait for the
+running batch; so do weight updates, unless the engine is `partial`.
+
+Partial rollouts (`partial=True`): a weight update that arrives while a batch runs is applied by the worker
+between two decode steps. The rows still running pause there, the new weights load, and their KV cache is
+recomputed: one prefill of prompt + tokens so far under the new weights, so every later token is sampled
+from the new policy given its whole context. Each completion's `version_runs` says which tokens each
+version made (its `policy_version` is the oldest).
 
 VLM prompts (the Qwen2-VL family): images from `Prompt.media` go through the image processor; the prompt's
 `<|image_pad|>` placeholders are expanded to the image token count, `mm_token_type_ids` marks them, and
@@ -62,6 +68,7 @@ class HFEngine:
     `tokenizer` supplies eos and pad ids (else the model's generation config); `processor` is the image
     processor (or a full processor with `.image_processor`) for VLM prompts. `max_context` defaults to the
     model's `max_position_embeddings`. Unseeded requests draw from one generator seeded with `seed`.
+    `partial`: weight updates pause the running batch between two decode steps instead of waiting for it.
     """
 
     def __init__(
@@ -74,6 +81,7 @@ class HFEngine:
         device: str = "cpu",
         max_context: int | None = None,
         seed: int = 0,
+        partial: bool = False,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -90,12 +98,14 @@ class HFEngine:
         self.image_processor = getattr(processor, "image_processor", processor)
         self.image_token_id = getattr(model.config, "image_token_id", None)
         self.slots = WeightSlots(model)
-        self.stats = {"batches": 0, "rows": 0, "generated_tokens": 0}
+        self.partial = partial  # weight updates pause a running batch instead of waiting for it
+        self.stats = {"batches": 0, "rows": 0, "generated_tokens": 0, "resumed_rows": 0}
         self.recent_batches: deque[list[str]] = deque(maxlen=256)  # request ids of the latest batches
         self._default_gen = torch.Generator(self.device).manual_seed(seed)
         self._version = 0
         self._asleep = False
         self._busy = False
+        self._swap: tuple[Sequence[tuple[str, torch.Tensor]], int] | None = None  # a partial update to apply
         self._cv = threading.Condition()
         self._rows: queue.SimpleQueue[list[_Row] | None] = queue.SimpleQueue()
         self._pending: list[_Row] = []
@@ -151,8 +161,18 @@ class HFEngine:
         self.load_weights([pair for bucket in buckets for pair in bucket_tensors(bucket)], version)
 
     def load_weights(self, named: Sequence[tuple[str, torch.Tensor]], version: int) -> None:
-        """`update_weights` for tensors already in this process (colocated sync: no bucket packing)."""
+        """`update_weights` for tensors already in this process (colocated sync: no bucket packing). Returns
+        once loaded: after the running batch, or (partial) at its next decode step."""
         with self._cv:
+            while self._swap is not None:  # one partial update at a time
+                self._cv.wait()
+            if self.partial and self._busy:
+                ticket = self._swap = (named, version)
+                while self._swap is ticket and self._busy:
+                    self._cv.wait()
+                if self._swap is not ticket:
+                    return  # the worker loaded it between two steps
+                self._swap = None  # the batch ended first: load it here
             while self._busy:
                 self._cv.wait()
             self.slots.load(named)
@@ -281,12 +301,22 @@ class HFEngine:
                     self._busy = False
                     self._cv.notify_all()
 
+    def _take_swap(self) -> int:
+        """Apply the pending partial update (worker thread, between decode steps); its version."""
+        with self._cv, torch.inference_mode(False):
+            named, version = self._swap
+            self.slots.load(named)
+            self._version, self._swap = version, None
+            self._cv.notify_all()
+        return version
+
     def _run(self, batch: list[_Row], version: int) -> None:
         self.recent_batches.append(sorted({row.request.req.request_id for row in batch}))
         self.stats["batches"] += 1
         self.stats["rows"] += len(batch)
+        switches = [(0, version)]  # (first step, version) of each policy the batch decoded under
         try:
-            results = self._decode(batch)
+            results = self._decode(batch, switches)
         except Exception as err:  # a failing batch fails its own requests; the engine keeps serving
             for row in batch:
                 message = f"{type(err).__name__}: {err}"
@@ -294,13 +324,16 @@ class HFEngine:
             return
         for row, (tokens, logprobs, reason) in zip(batch, results, strict=True):
             self.stats["generated_tokens"] += len(tokens)
+            runs = _version_runs(switches, len(tokens))
+            self.stats["resumed_rows"] += len(runs) > 1
             completion = Completion(
                 request_id=row.request.req.request_id,
                 index=row.index,
                 token_ids=tokens,
                 logprobs=logprobs if row.request.req.sampling.logprobs else [],
                 finish_reason=reason,
-                policy_version=version,
+                policy_version=runs[0][0] if runs else switches[-1][1],
+                version_runs=runs,
             )
             self._finish(row, completion)
 
@@ -331,19 +364,25 @@ class HFEngine:
         return input_ids.to(self.device), mask.to(self.device), budget
 
     @torch.inference_mode()
-    def _decode(self, batch: list[_Row]) -> list[tuple[list[int], list[float], str]]:
+    def _decode(
+        self, batch: list[_Row], switches: list[tuple[int, int]]
+    ) -> list[tuple[list[int], list[float], str]]:
         """Prefill the left-padded batch, then one cached step per token. A row that stops leaves the batch
-        (its KV cache rows too), so the others run at their own size.
+        (its KV cache rows too), so the others run at their own size. A partial weight update taken at a step
+        is appended to `switches` and the running rows are prefilled again under it.
 
         Tokens and logprobs stay on the device until the batch ends (one transfer each); per step the host
         reads one flag (did any row end?) and, on the steps where rows end, which ones."""
-        input_ids, mask, budget = self._left_pad(batch)
+        prompt_ids, prompt_mask, budget = self._left_pad(batch)
         rows = LiveRows.build(batch, budget, self.eos_ids, self.vocab_size, self.device)
-        text_pos = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, T]; padding positions are never attended
-        kwargs, deltas = self._prefill_inputs(batch, input_ids, mask, text_pos)
-        out = self.model(input_ids=input_ids, attention_mask=mask, use_cache=True, logits_to_keep=1, **kwargs)
-        cache, pos = out.past_key_values, text_pos[:, -1:]  # pos [L, 1]
+        out, cache, mask, pos, deltas = self._prefill(batch, prompt_ids, prompt_mask)
         for step in itertools.count():
+            if self._swap is not None:  # partial: new weights, then the KV cache of the running rows again
+                switches.append((step, self._take_swap()))
+                live = rows.live
+                ids = torch.cat([prompt_ids[live], rows.tokens[live, :step]], dim=1)
+                m = torch.cat([prompt_mask[live], prompt_mask.new_ones((len(live), step))], dim=1)
+                out, cache, mask, pos, deltas = self._prefill([batch[i] for i in live.tolist()], ids, m)
             logits = out.logits[:, -1].float()  # [L, V]
             if rows.constraint is not None:  # logprobs below are then the constrained distribution's
                 logits = rows.constraint.mask(logits)
@@ -366,6 +405,14 @@ class HFEngine:
             )
         return rows.results()
 
+    def _prefill(self, batch: list[_Row], input_ids: torch.Tensor, mask: torch.Tensor) -> tuple:
+        """One forward over left-padded `input_ids` [L, T]: (output, KV cache, mask, last positions [L, 1],
+        M-RoPE deltas or None)."""
+        text_pos = (mask.cumsum(-1) - 1).clamp(min=0)  # [L, T]; padding positions are never attended
+        kwargs, deltas = self._prefill_inputs(batch, input_ids, mask, text_pos)
+        out = self.model(input_ids=input_ids, attention_mask=mask, use_cache=True, logits_to_keep=1, **kwargs)
+        return out, out.past_key_values, mask, text_pos[:, -1:], deltas
+
     def _prefill_inputs(
         self, batch: list[_Row], input_ids: torch.Tensor, mask: torch.Tensor, text_pos: torch.Tensor
     ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
@@ -385,6 +432,13 @@ class HFEngine:
         )
         kwargs["position_ids"] = torch.cat([text_pos[None], pos3])  # [4, B, T]: text positions, then t/h/w
         return kwargs, deltas.reshape(-1, 1)
+
+
+def _version_runs(switches: list[tuple[int, int]], num_tokens: int) -> list[tuple[int, int]]:
+    """(version, tokens) runs of a row of `num_tokens` tokens, from the batch's (first step, version) switches."""
+    bounds = [start for start, _ in switches[1:]] + [num_tokens]
+    runs = [(v, min(end, num_tokens) - start) for (start, v), end in zip(switches, bounds, strict=True)]
+    return [(v, n) for v, n in runs if n > 0]
 
 
 def _mrope_step(pos: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:

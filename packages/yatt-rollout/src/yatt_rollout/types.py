@@ -117,6 +117,11 @@ class GenerateRequest(_Wire, kw_only=True):
 class Completion(_Wire, kw_only=True):
     """One sampled completion. `logprobs[i]` is the sampling-time logprob of `token_ids[i]`.
 
+    `version_runs` is the policy version of every token as runs `(version, n_tokens)` in token order, their
+    counts summing to `len(token_ids)`; more than one run when a partial rollout spanned a weight update.
+    `policy_version` is the oldest (first) run's version, the one a staleness bound is checked against.
+    Empty (old producers, error completions): every token is `policy_version`'s; read it with `runs()`.
+
     Producer: a `Generator`. Consumer: the controller (reward, advantages, training) which checks
     `policy_version` against the version it expects. `finish_reason == "error"` carries `error` and no tokens.
     """
@@ -128,6 +133,17 @@ class Completion(_Wire, kw_only=True):
     finish_reason: FinishReason
     policy_version: int
     error: str = ""
+    version_runs: list[tuple[int, int]] = []  # appended: omitted while empty, so old bytes are unchanged
+
+    def runs(self) -> list[tuple[int, int]]:
+        """`version_runs`, or one run of `policy_version` over every token when the producer sent none."""
+        if self.version_runs:
+            return [tuple(run) for run in self.version_runs]
+        return [(self.policy_version, len(self.token_ids))] if self.token_ids else []
+
+    def token_versions(self) -> list[int]:
+        """The policy version of each token, one per `token_ids` entry."""
+        return [version for version, count in self.runs() for _ in range(count)]
 
 
 class WeightBucket(_Wire, kw_only=True):

@@ -8,6 +8,13 @@ caller. No lock is held around a generate loop. Weight updates, sleep and wake a
 too, at a boundary: requests already admitted finish first (so each completion's `policy_version` is the
 weights it was sampled with), requests arriving meanwhile wait and run after.
 
+Partial rollouts (`partial=True`): a weight update runs at the next step boundary even while requests are
+in flight. vLLM reloads the weights in place, then preempts the running requests
+(`reset_prefix_cache(reset_running_requests=True)`): their KV cache is recomputed from prompt + tokens so
+far under the new weights when they resume. vLLM labels every step's tokens with the engine's weight version
+(`set_weight_version`), and each completion's `version_runs` comes from those spans (`policy_version` is the
+oldest).
+
 Inputs use vLLM's current path: token ids as a `TokensPrompt` rendered by the engine's `Renderer`
 (`render_cmpl`) into an engine input, then `add_request` (no raw-prompt processing, no detokenization).
 Logprobs are vLLM's default raw logprobs of the sampled tokens (`logprobs=0`), the quantity `HFEngine`
@@ -64,6 +71,7 @@ class _Exclusive:
 
     fn: Callable[[], None]
     done: Future
+    partial: bool = False  # may run while requests are in flight (a partial weight update)
 
 
 class VLLMEngine:
@@ -71,6 +79,7 @@ class VLLMEngine:
     `LLM` unchanged), safe to call from many threads at once.
 
     `max_model_len` bounds prompt + completion. Unseeded requests use vLLM's sampler seeded by `seed`.
+    `partial`: weight updates land between steps of the running requests instead of after them.
     `close()` stops the loop thread.
     """
 
@@ -83,6 +92,7 @@ class VLLMEngine:
         seed: int = 0,
         enforce_eager: bool = True,
         enable_sleep_mode: bool = False,
+        partial: bool = False,
         **llm_kwargs: Any,
     ) -> None:
         configure_cpu_env()
@@ -99,6 +109,8 @@ class VLLMEngine:
             **llm_kwargs,
         )
         self.max_model_len = max_model_len
+        self.partial = partial  # weight updates land between steps of running requests (KV recomputed)
+        self.llm.llm_engine.set_weight_version("0")  # vLLM labels each step's tokens with it
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
         self.native_sleep = enable_sleep_mode and current_platform.is_sleep_mode_available()
         self.in_flight = 0  # vLLM requests in the engine now (written by the loop thread)
@@ -147,12 +159,15 @@ class VLLMEngine:
 
         def update() -> None:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": pairs})
-            self.llm.reset_prefix_cache()  # cached KV was computed by the old weights
+            # cached KV was computed by the old weights; running requests (partial) are preempted and
+            # recompute theirs when they resume
+            self.llm.reset_prefix_cache(reset_running_requests=self.partial)
+            self.llm.llm_engine.set_weight_version(str(version))
             with self._state:
                 self._version = version
                 self._needs_weights = False
 
-        self._exclusive(update)
+        self._exclusive(update, partial=self.partial)
 
     def sleep(self, level: int = 1) -> None:
         if level not in (1, 2):
@@ -185,9 +200,9 @@ class VLLMEngine:
 
     # ---- callers' side -----------------------------------------------------------------------------------
 
-    def _exclusive(self, fn: Callable[[], None]) -> None:
+    def _exclusive(self, fn: Callable[[], None], *, partial: bool = False) -> None:
         done: Future = Future()
-        self._inbox.put(_Exclusive(fn, done))
+        self._inbox.put(_Exclusive(fn, done, partial))
         done.result()  # re-raises what the loop thread caught
 
     def _run(self, requests: Sequence[GenerateRequest]) -> Iterator[list[Completion]]:
@@ -282,7 +297,7 @@ class VLLMEngine:
         while pending:
             head = pending[0]
             if isinstance(head, _Exclusive):
-                if sinks:
+                if sinks and not head.partial:
                     return  # the running requests finish under the current weights first
                 pending.popleft()
                 try:
@@ -367,6 +382,11 @@ def _completions(req: GenerateRequest, output: Any, version: int) -> list[Comple
     out = []
     for sample in sorted(output.outputs, key=lambda o: o.index):
         tokens = list(sample.token_ids)
+        spans = getattr(sample, "weight_versions", None)  # vLLM's (version label, start, end) of its tokens
+        if spans:
+            runs = [(int(span.version), span.end - span.start) for span in spans if span.end > span.start]
+        else:
+            runs = [(version, len(tokens))] if tokens else []
         logprobs = (
             [lp[t].logprob for t, lp in zip(tokens, sample.logprobs, strict=True)] if sample.logprobs else []
         )
@@ -378,8 +398,9 @@ def _completions(req: GenerateRequest, output: Any, version: int) -> list[Comple
                 token_ids=tokens,
                 logprobs=logprobs,
                 finish_reason=reason,
-                policy_version=version,
+                policy_version=runs[0][0] if runs else version,
                 error="" if reason != "error" else f"vLLM finished with {sample.finish_reason!r}",
+                version_runs=runs,
             )
         )
     return out

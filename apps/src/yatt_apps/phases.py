@@ -430,7 +430,7 @@ def summarize(total: dict[str, float], stats: dict[str, float], world_size: int 
         out["async/staleness_mean"] = total["async/staleness/sum"] / max(total["async/samples"], 1.0)
         out["async/staleness_max"] = total["async/staleness_max_all"] / max(world_size, 1)
         out["async/rollout_train_overlap_s"] = total["async/overlap_s"] / max(world_size, 1)
-        out["async/partial_resumed"] = 0.0  # no partial rollouts: a generation finishes on its weights
+        out["async/partial_resumed"] = total.get("async/partial_resumed/sum", 0.0)  # rollout.partial
     if "judge/judged" in total:
         out["judge/parse_rate"] = total["judge/parsed"] / max(total["judge/judged"], 1.0)
         if total["judge/compared"]:

@@ -258,20 +258,24 @@ class PolicyWorker:
         self.gather_weights()  # every rank restores together; the push after a resume reads this
 
 
-def build_engine(cfg: RunConfig, spec: ModelSpec, engine: str, model_dir: str, *, seed: int, processor=None):
+def build_engine(
+    cfg: RunConfig, spec: ModelSpec, engine: str, model_dir: str, *, seed: int, processor=None, partial=False
+):
     """The engine serving `spec` (`engine`: "hf" or "vllm") on this process's device in the spec's dtype. A
     vLLM engine spans the replica's `spec.tensor_parallel` devices (vLLM's own tensor parallelism)."""
     trust = spec.trust_remote_code
     if engine == "vllm":
-        return _vllm_engine(cfg, spec, model_dir, seed=seed)
+        return _vllm_engine(cfg, spec, model_dir, seed=seed, partial=partial)
     from yatt_rollout.hf_engine import HFEngine
 
     model = load_causal_lm(model_dir, trust_remote_code=trust, dtype=dtype_name(spec))
     tok = load_tokenizer(model_dir, trust_remote_code=trust)
-    return HFEngine(model, tok, processor=processor, max_batch_size=256, seed=seed, device=device())
+    return HFEngine(
+        model, tok, processor=processor, max_batch_size=256, seed=seed, device=device(), partial=partial
+    )
 
 
-def _vllm_engine(cfg: RunConfig, spec: ModelSpec, model_dir: str, *, seed: int):
+def _vllm_engine(cfg: RunConfig, spec: ModelSpec, model_dir: str, *, seed: int, partial: bool = False):
     """vLLM on the model directory: context = the model's max_position_embeddings; on CUDA native sleep, and
     a third of the device's memory where the device is shared with other roles."""
     import json
@@ -294,6 +298,7 @@ def _vllm_engine(cfg: RunConfig, spec: ModelSpec, model_dir: str, *, seed: int):
         seed=seed,
         trust_remote_code=spec.trust_remote_code,
         max_model_len=int(hf_config.get("max_position_embeddings", 2048)),
+        partial=partial,
         **kwargs,
     )
 
@@ -318,11 +323,19 @@ class RolloutWorker:
 
         _one_thread()
         self.engine = None
+        # rollout.partial: a weight push loads while generate runs (the engine pauses its own batch)
+        self.loads_while_generating = cfg.rollout.partial
         if worker_info is not None and worker_info.tp_rank > 0:
             return
         processor = load_image_processor(model_dir) if is_vlm(model_dir) else None  # image prompts
         self.engine = build_engine(
-            cfg, cfg.model, cfg.rollout.engine, model_dir, seed=cfg.run.seed, processor=processor
+            cfg,
+            cfg.model,
+            cfg.rollout.engine,
+            model_dir,
+            seed=cfg.run.seed,
+            processor=processor,
+            partial=cfg.rollout.partial,
         )
 
     def generate(self, requests: list) -> list:

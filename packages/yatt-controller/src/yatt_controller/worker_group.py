@@ -119,8 +119,12 @@ class _Host:
 
         named = weight_sync.receive(self._sync_groups[group], buckets)
         for key in [keys] if isinstance(keys, str) else keys:
+            target = self._objects[key]
+            if getattr(target, "loads_while_generating", False):  # partial rollouts: the engine pauses
+                target.load_weights(named, version)  # its own running batch, loads, and resumes it
+                continue
             with self._lock(key):  # after the calls in flight on that engine
-                self._objects[key].load_weights(named, version)
+                target.load_weights(named, version)
         return sum(b.nbytes for b in buckets)
 
     def sync_close(self, group: str) -> None:
@@ -283,9 +287,10 @@ class WorkerGroup:
         self._outstanding: dict[int, list[ray.ObjectRef]] = {}  # dp rank -> call_one refs not seen done
         self._next_rank = 0  # round-robin start among equally loaded ranks
         self.healer: Any = None  # set by a controller on its service views: replaces dead replicas
+        self._choosing = threading.Lock()  # call_one from several threads (the async producer's scoring)
 
     def __getstate__(self) -> dict:
-        skip = ("_outstanding", "_next_rank", "healer")
+        skip = ("_outstanding", "_next_rank", "healer", "_choosing")
         return {k: v for k, v in self.__dict__.items() if k not in skip}
 
     def __setstate__(self, state: dict) -> None:  # unpickled in a controller: a fresh window there
@@ -357,15 +362,16 @@ class WorkerGroup:
     def call_one(self, method: str, *args: Any, **kwargs: Any) -> ray.ObjectRef:
         """One call to the least-loaded data-parallel rank of this view (fewest `call_one` calls not yet
         finished; ties go round-robin), sent to all its tp peers; returns the tp_rank-0 worker's ref."""
-        for rank, refs in self._outstanding.items():
-            if refs:
-                _, self._outstanding[rank] = ray.wait(refs, num_returns=len(refs), timeout=0)
-        size = self.dp_size
-        order = [(self._next_rank + i) % size for i in range(size)]
-        rank = min(order, key=lambda r: len(self._outstanding.get(r, ())))  # min keeps the first of ties
-        self._next_rank = (rank + 1) % size
-        ref = dispatch.to_rank(self.workers, rank, method, args, kwargs)
-        self._outstanding.setdefault(rank, []).append(ref)
+        with self._choosing:  # the bookkeeping below is shared by every thread calling this view
+            for rank, refs in self._outstanding.items():
+                if refs:
+                    _, self._outstanding[rank] = ray.wait(refs, num_returns=len(refs), timeout=0)
+            size = self.dp_size
+            order = [(self._next_rank + i) % size for i in range(size)]
+            rank = min(order, key=lambda r: len(self._outstanding.get(r, ())))  # min keeps the first of ties
+            self._next_rank = (rank + 1) % size
+            ref = dispatch.to_rank(self.workers, rank, method, args, kwargs)
+            self._outstanding.setdefault(rank, []).append(ref)
         if self.healer is not None:  # a dead replica is replaced and the call sent again (faults.py)
             dispatch.on_death(ref, lambda error: self._resend(rank, method, args, kwargs, error))
         return ref

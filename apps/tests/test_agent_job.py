@@ -98,6 +98,10 @@ def test_grpo_calculator_job_two_steps(tmp_path: Path, engine: str):
         "--set",
         "run.num_steps=2",
         "--set",
+        "run.prompts_per_step=8",
+        "--set",
+        "sampling.n=4",
+        "--set",
         "run.eval_every=1",
         "--json",
     ]

@@ -20,6 +20,7 @@ def async_config(k: int, num_steps: int, **run) -> RunConfig:
     return replace(
         cfg,
         run=replace(cfg.run, num_steps=num_steps, prompts_per_step=4, eval_every=0, progress=False, **run),
+        sampling=replace(cfg.sampling, n=4),
         algo=replace(cfg.algo, max_staleness=k),
         controller=ControllerSpec(
             num_controllers=2, heartbeat_interval_s=1.0, hang_timeout_s=240.0, checkpoint_every=2
@@ -45,11 +46,23 @@ def metrics(run_dir) -> dict[int, dict]:
     return {row["step"]: row for row in rows}
 
 
+@pytest.fixture(scope="module")
+def straight_k1(ray_session, tmp_path_factory):
+    """One 4-step k=1 run, shared by the bound test and the resume test (its straight reference)."""
+    run_dir = tmp_path_factory.mktemp("async") / "straight"
+    run_job(async_config(1, 4), run_dir, JOB)
+    return run_dir
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 2])
-def test_staleness_is_bounded_and_generation_overlaps_training(ray_session, tmp_path, k):
-    run_job(async_config(k, 4), tmp_path / "run", JOB)
-    steps = metrics(tmp_path / "run")
+def test_staleness_is_bounded_and_generation_overlaps_training(ray_session, request, tmp_path, k):
+    if k == 1:
+        run_dir = request.getfixturevalue("straight_k1")
+    else:
+        run_dir = tmp_path / "run"
+        run_job(async_config(k, 4), run_dir, JOB)
+    steps = metrics(run_dir)
     assert sorted(steps) == [0, 1, 2, 3]
     # every trained sample was checked against the bound; the step's oldest reached it once the window filled
     assert all(s["async/staleness_max"] <= k for s in steps.values())
@@ -59,13 +72,12 @@ def test_staleness_is_bounded_and_generation_overlaps_training(ray_session, tmp_
 
 
 @pytest.mark.slow
-def test_a_resumed_async_run_trains_the_same_next_batches(ray_session, tmp_path):
+def test_a_resumed_async_run_trains_the_same_next_batches(ray_session, straight_k1, tmp_path):
     """Stopped after step 1 (checkpoint holding the batches in flight) and resumed: steps 2 and 3 equal the
     straight run's (seeded sampling, same data cursor)."""
-    run_job(async_config(1, 4), tmp_path / "straight", JOB)
     run_job(async_config(1, 2, schedule_steps=4), tmp_path / "stopped", JOB)
     run_job(async_config(1, 4, schedule_steps=4), tmp_path / "stopped", JOB)
-    straight, resumed = metrics(tmp_path / "straight"), metrics(tmp_path / "stopped")
+    straight, resumed = metrics(straight_k1), metrics(tmp_path / "stopped")
     for step in (2, 3):
         a = {
             k: v for k, v in resumed[step].items() if not k.startswith(("time/", "throughput/", "async/roll"))

@@ -216,6 +216,7 @@ def small(*, devices: int = 2, **sections) -> RunConfig:
     cfg = replace(
         cfg,
         run=replace(cfg.run, num_steps=2, prompts_per_step=4, eval_every=0, progress=False, schedule_steps=2),
+        sampling=replace(cfg.sampling, n=4),  # the figures below: 4 prompts x 4 samples
         controller=replace(cfg.controller, num_controllers=devices, hang_timeout_s=300.0),
         placement=PlacementConfig(
             cluster=ClusterSpec(num_nodes=1, devices_per_node=devices, device_memory_gb=16.0)

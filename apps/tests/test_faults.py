@@ -49,6 +49,7 @@ def config(num_steps: int):
         judge=None,
         rewards=[r for r in cfg.rewards if r.kind != "genrm"],
         run=replace(cfg.run, num_steps=num_steps, prompts_per_step=4, eval_every=0, progress=False),
+        sampling=replace(cfg.sampling, n=4),
         controller=ControllerSpec(
             mode="parallel", num_controllers=2, heartbeat_interval_s=1.0, hang_timeout_s=240.0, max_restarts=1
         ),

@@ -54,8 +54,8 @@ def test_run_directory_is_complete(learning_run):
                 "time/logprobs", "time/train", "time/weight_sync", "time/idle", "throughput/tokens_per_s",
                 "reward_status/parse_error", "val/accuracy"):  # fmt: skip
         assert key in first, key
-    # every judgement of the tiny judge was accounted for: 16 prompts x 4 samples per step
-    assert sum(first[f"reward_status/{s}"] for s in ("ok", "parse_error", "timeout", "error")) == 64
+    # every judgement of the tiny judge was accounted for: 32 prompts x 8 samples per step
+    assert sum(first[f"reward_status/{s}"] for s in ("ok", "parse_error", "timeout", "error")) == 256
     assert (learning_run / "summary.png").read_bytes()[:4] == b"\x89PNG"
     assert any((learning_run / "tb").iterdir())
     kept = sorted(p.name for p in (learning_run / "checkpoints").iterdir())
@@ -68,7 +68,8 @@ def test_judge_parses_and_the_schedule_spans_the_run(learning_run):
     is still above its floor on the last step (the schedule counts optimizer updates: 8 steps x 2)."""
     metrics = _metrics(learning_run)
     assert all(row["judge/parse_rate"] == 1.0 for row in metrics.values())
-    assert all(0.0 <= row["judge/agreement"] <= 1.0 for row in metrics.values() if "judge/agreement" in row)
+    agreement = [metrics[step]["judge/agreement"] for step in sorted(metrics)]
+    assert sum(agreement[-4:]) / 4 >= 0.8, agreement  # the judge agrees with math_verify (0.97-1.0 measured)
     assert all("reward/genrm_mean" in row and "reward/math_verify_mean" in row for row in metrics.values())
     assert metrics[7]["train/lr"] > 0.0
     assert metrics[0]["val/accuracy"] > 0.0  # the warm-started policy answers some validation prompts

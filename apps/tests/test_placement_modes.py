@@ -28,6 +28,7 @@ def small(preset: str, mode: str, controller: str, *, devices: int, **placement)
     return replace(
         cfg,
         run=replace(cfg.run, num_steps=2, prompts_per_step=4, eval_every=0, progress=False),
+        sampling=replace(cfg.sampling, n=4),
         controller=ControllerSpec(
             mode=controller, num_controllers=num_controllers, heartbeat_interval_s=1.0, hang_timeout_s=240.0
         ),
@@ -68,15 +69,10 @@ def test_grpo_with_judge_runs_in_every_layout(ray_session, tmp_path, mode, contr
     assert summary["judge/parse_rate"] >= 0.0 and "time/rollout_reward_overlap_s" in summary
     if controller == "parallel":  # only step reports reach the driver: report-sized bytes
         assert summary["driver_bytes"] < 100_000, summary["driver_bytes"]
-
-
-def test_partial_overlaps_rollout_and_judging(ray_session, tmp_path):
-    """Rollout on device 0, the judge on device 1: chunks are judged while later chunks generate."""
-    cfg = small("tiny_cpu", "partial", "single", devices=2)
-    summary = run(cfg, tmp_path, "overlap")
-    check(summary, cfg)
-    assert summary["time/rollout_reward_overlap_s"] > 0.0
-    assert summary["time/judge_started_before_rollout_end"] == 1.0  # the judge's first request came early
+    if (mode, controller) == ("partial", "single"):
+        # rollout on device 0, the judge on device 1: chunks are judged while later chunks generate
+        assert summary["time/rollout_reward_overlap_s"] > 0.0
+        assert summary["time/judge_started_before_rollout_end"] == 1.0  # the judge's first request came early
     assert summary["time/rollout_s"] > 0.0 and summary["time/reward_s"] > 0.0
 
 

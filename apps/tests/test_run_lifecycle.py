@@ -22,7 +22,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-SHORT = ["--set", "run.eval_every=0", "--set", "run.prompts_per_step=4"]
+SHORT = ["--set", "run.eval_every=0", "--set", "run.prompts_per_step=4", "--set", "sampling.n=4"]
 
 
 def _env(ray_tmp: str, **extra: str) -> dict[str, str]:
@@ -214,12 +214,10 @@ def test_wandb_offline_run_has_the_metric_names(two_step_run, wandb_records):
 
 def test_resume_of_the_finished_run_starts_nothing(two_step_run):
     ray_tmp = _ray_tmp()
-    started = time.monotonic()
     out = _yatt("resume", str(two_step_run), env=_env(ray_tmp))
     assert f"run {two_step_run} is finished: its last step (1) is done" in out.stdout
     assert json.loads(out.stdout.splitlines()[-1])["finished"] is True
     assert "Ray" not in out.stderr and not any(Path(ray_tmp).iterdir())  # Ray never started
-    assert time.monotonic() - started < 120
 
 
 # ---- Ctrl-C, kill -9, resume -----------------------------------------------------------------------------
@@ -228,19 +226,19 @@ def test_resume_of_the_finished_run_starts_nothing(two_step_run):
 def test_ctrl_c_stops_cleanly_and_resume_logs_every_step_once(tmp_path):
     """SIGINT to the job's process group (what a terminal's Ctrl-C does) once step 2 is logged: exit 130, the
     resume hint with the last logged step and the checkpoint it continues from, no traceback, no Ray process
-    left; the resumed run redoes the steps after that checkpoint and logs steps 0..7 once each."""
+    left; the resumed run redoes the steps after that checkpoint and logs steps 0..23 once each."""
     from yatt_controller import checkpoint
 
     run_dir, ray_tmp = tmp_path / "run", _ray_tmp()
     proc = _start(
-        run_dir, _env(ray_tmp), "--set", "run.num_steps=8", "--set", "controller.checkpoint_every=2"
+        run_dir, _env(ray_tmp), "--set", "run.num_steps=24", "--set", "controller.checkpoint_every=2"
     )
     _wait_for_step(proc, run_dir, 2)
-    os.killpg(proc.pid, signal.SIGINT)
+    os.killpg(proc.pid, signal.SIGINT)  # controllers run ahead of the driver's log: 24 steps leave room
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 130, err[-3000:]
     logged = _steps(run_dir)
-    assert logged == list(range(len(logged))) and 3 <= len(logged) < 8  # stopped before the end
+    assert logged == list(range(len(logged))) and 3 <= len(logged) < 24  # stopped before the end
     found = checkpoint.latest(run_dir / "checkpoints")
     assert found is not None and found[1].step <= logged[-1] + 1  # +1: written, its report not yet in
     assert err.endswith(
@@ -251,7 +249,7 @@ def test_ctrl_c_stops_cleanly_and_resume_logs_every_step_once(tmp_path):
     assert "Traceback" not in err, err[-3000:]
     assert _no_ray_left(ray_tmp) == []
     _yatt("resume", str(run_dir), "--json", env=_env(_ray_tmp()))
-    assert _steps(run_dir) == list(range(8))
+    assert _steps(run_dir) == list(range(24))
 
 
 def test_kill_9_then_resume_logs_every_step_once(tmp_path):

@@ -148,6 +148,8 @@ def test_yatt_sft_on_a_jsonl_writes_a_loadable_folder(tmp_path):
         "--set",
         "run.num_steps=8",
         "--set",
+        "optim.lr=5e-3",
+        "--set",
         "run.eval_every=0",
         "--set",
         "data.num_val_rows=0",

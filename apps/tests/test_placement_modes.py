@@ -90,7 +90,7 @@ def test_dynamic_moves_devices_toward_a_slow_judge(ray_session, tmp_path, contro
         replan=ReplanConfig(patience=1, gap_threshold=0.1, min_gain=0.01, cooldown=0),
     )
     replace = msgspec.structs.replace
-    judge = replace(cfg.rewards[-1].judge, num_samples=4, max_new_tokens=24)
+    judge = replace(cfg.rewards[-1].judge, num_samples=16, max_new_tokens=24)
     rewards = [*cfg.rewards[:-1], replace(cfg.rewards[-1], judge=judge)]
     cfg = replace(cfg, rewards=rewards, run=replace(cfg.run, num_steps=4))
     summary = run(cfg, tmp_path, f"dynamic-{controller}")

@@ -189,6 +189,7 @@ def score_stream(
         # when this controller's rollout calls were in flight (perf_counter), for async overlap figures
         "rollout_start": result.first_submit["rollout"],
         "rollout_end": result.last_done["rollout"],
+        "reward_end": result.last_done.get("reward", result.last_done["rollout"]),
     }
     standard = ("scores", "keep", "statuses", "sample_components")
     return Scored(
@@ -444,7 +445,7 @@ def summarize(total: dict[str, float], stats: dict[str, float], world_size: int 
             out[key.removesuffix("/sum") + "_mean"] = value / samples
         elif key.startswith("reward_status/"):
             out[key] = value
-        elif key in ("stream/rollout_start", "stream/rollout_end"):
+        elif key in ("stream/rollout_start", "stream/rollout_end", "stream/reward_end"):
             continue
         elif key.startswith("stream/"):
             name = {"overlap_s": "rollout_reward_overlap_s", "early": "judge_started_before_rollout_end"}

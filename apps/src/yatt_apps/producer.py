@@ -109,12 +109,14 @@ def oldest_version(completion) -> int:
 def async_sums(ctx, scored, kept: list[int], version: int, train: tuple[float, float]) -> dict[str, float]:
     """Per trained sample, the updated policy's `version` - the version that made it (sum, count; the max is
     all-reduced here), and how long this step's training overlapped the rollouts then in flight (the launched batches
-    still generating when training began or after; measured when each batch is consumed)."""
+    still being generated or scored when training began or after: a batch's production runs from its first
+    generation request to its last scored chunk; measured when each batch is consumed)."""
     ages = [version - oldest_version(scored.completions[i]) for i in kept]
     resumed = sum(len(set(versions(scored.completions[i]))) > 1 for i in kept)
     trains = _TRAINS.setdefault(ctx.rank, deque(maxlen=64))
     trains.append(train)
-    start, end = scored.stream.get("rollout_start", 0.0), scored.stream.get("rollout_end", 0.0)
+    start = scored.stream.get("rollout_start", 0.0)
+    end = scored.stream.get("reward_end", scored.stream.get("rollout_end", 0.0))
     overlap = sum(max(0.0, min(end, b) - max(start, a)) for a, b in trains)
     peak = ctx.all_reduce({"max": float(max(ages, default=0))}, "max")["max"]
     return {

@@ -248,7 +248,9 @@ class VLLMEngine:
         An exclusive op waits at the head of `pending` until the engine is idle; calls behind it wait too."""
         import torch
 
-        torch.set_num_threads(self._num_threads)
+        # torch._C's setter: vLLM's CPU worker replaces `torch.set_num_threads` with a no-op once it has bound
+        # its threads, which would leave this thread at OMP_NUM_THREADS
+        torch._C.set_num_threads(self._num_threads)
         engine = self.llm.llm_engine
         sinks: dict[str, queue.SimpleQueue] = {}  # vLLM id -> its caller's sink
         pending: deque[_Add | _Exclusive] = deque()

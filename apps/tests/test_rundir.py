@@ -169,3 +169,38 @@ def _wandb_records(run: Path):
             chunk = b""
         elif kind == 0:
             chunk = b""
+
+
+def test_summary_panels_show_accuracy_agreement_and_each_reward_term():
+    from yatt_apps.rundir import plot_panels
+
+    history = [
+        {
+            "step": 0,
+            "val/accuracy": 0.39,
+            "judge/agreement": 1.0,
+            "reward/mean": 0.4,
+            "reward/genrm_mean": 0.3,
+        },
+        {"step": 1, "judge/agreement": 1.0, "reward/mean": 0.5, "reward/genrm_mean": 0.35},
+        {
+            "step": 2,
+            "val/accuracy": 0.66,
+            "judge/agreement": 1.0,
+            "reward/mean": 0.6,
+            "reward/math_verify_mean": 0.2,
+        },
+    ]
+    panels = dict(plot_panels(history))
+    # no KL or response length logged: those panels are left out; a constant series says so in its title
+    assert list(panels) == [
+        "validation accuracy",
+        "judge agreement with the rule (constant 1)",
+        "reward per term",
+    ]
+    assert panels["validation accuracy"] == {"val/accuracy": [(0, 0.39), (2, 0.66)]}  # evaluated steps only
+    assert panels["reward per term"] == {
+        "reward/genrm_mean": [(0, 0.3), (1, 0.35)],
+        "reward/math_verify_mean": [(2, 0.2)],
+        "reward/mean": [(0, 0.4), (1, 0.5), (2, 0.6)],
+    }

@@ -28,8 +28,14 @@ import msgspec
 
 from yatt_apps.overlay import to_yaml
 
-# metric-name prefixes drawn in summary.png, one panel each
-PLOT_PANELS = {"reward": "reward/mean", "kl": "train/kl", "response length": "rollout/response_len_mean"}
+# summary.png's panels: a title and the metrics it draws (a trailing "*" matches every metric of that form)
+PLOT_PANELS = {
+    "validation accuracy": ["val/accuracy"],
+    "judge agreement with the rule": ["judge/agreement"],
+    "reward per term": ["reward/mean", "reward/*_mean"],
+    "kl": ["train/kl"],
+    "response length": ["rollout/response_len_mean"],
+}
 TIMING_PREFIX = "time/"
 NOT_PHASES = {"time/step", "time/startup"}  # timings that are not a part of the step's stacked phase time
 METRICS = "metrics.jsonl"
@@ -165,8 +171,34 @@ def open_wandb(path: Path, log: Any, config: dict[str, Any]):
     )
 
 
+def plot_panels(history: list[dict[str, float]]) -> list[tuple[str, dict[str, list[tuple[int, float]]]]]:
+    """The panels summary.png draws: (title, {metric: [(step, value), ...]}) for each of PLOT_PANELS that has a
+    series. A panel with no series is left out; one whose every value is the same says so in its title
+    ("constant 1"), so a flat line is read as what it is, not as a plotting failure."""
+    names = sorted({k for row in history for k in row})
+    panels = []
+    for title, patterns in PLOT_PANELS.items():
+        keys = [k for k in names if any(_matches(k, p) for p in patterns)]
+        series = {k: [(row["step"], row[k]) for row in history if k in row] for k in keys}
+        values = {v for points in series.values() for _, v in points}
+        if not values:
+            continue
+        panels.append((f"{title} (constant {values.pop():g})" if len(values) == 1 else title, series))
+    return panels
+
+
+def _matches(key: str, pattern: str) -> bool:
+    head, star, tail = pattern.partition("*")
+    return (
+        key.startswith(head) and key.endswith(tail) and len(key) > len(head) + len(tail)
+        if star
+        else key == pattern
+    )
+
+
 def plot_summary(history: list[dict[str, float]], out: Path) -> Path | None:
-    """Draw reward, KL, response length and stacked phase times against step into one PNG."""
+    """Draw validation accuracy, judge agreement, reward per term, KL, response length and stacked phase times
+    against step into one PNG (see `plot_panels`)."""
     if not history:
         return None
     import matplotlib
@@ -175,10 +207,15 @@ def plot_summary(history: list[dict[str, float]], out: Path) -> Path | None:
     import matplotlib.pyplot as plt
 
     steps = [row["step"] for row in history]
-    fig, axes = plt.subplots(1, len(PLOT_PANELS) + 1, figsize=(4 * (len(PLOT_PANELS) + 1), 3.2))
-    for ax, (title, key) in zip(axes, PLOT_PANELS.items(), strict=False):
-        ax.plot(steps, [row.get(key, math.nan) for row in history], marker="o", ms=3)
-        ax.set_title(title)
+    panels = plot_panels(history)
+    fig, axes = plt.subplots(1, len(panels) + 1, figsize=(4 * (len(panels) + 1), 3.2), squeeze=False)
+    axes = axes[0]
+    for ax, (title, series) in zip(axes, panels, strict=False):
+        for key, points in series.items():
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", ms=3, label=key)
+        if len(series) > 1:
+            ax.legend(fontsize=7)
+        ax.set_title(title, fontsize=9)
         ax.set_xlabel("step")
     phases = sorted(
         {k for row in history for k in row if k.startswith(TIMING_PREFIX) and k not in NOT_PHASES}

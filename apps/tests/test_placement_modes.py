@@ -7,6 +7,7 @@ One Ray session (logical devices) is shared by every case of the module, and eac
 
 from __future__ import annotations
 
+import json
 import math
 
 import msgspec
@@ -78,9 +79,14 @@ def test_grpo_with_judge_runs_in_every_layout(ray_session, tmp_path, mode, contr
 
 @pytest.mark.parametrize("controller", ["parallel", "single"])
 def test_dynamic_moves_devices_toward_a_slow_judge(ray_session, tmp_path, controller):
-    """A judge made slow (long outputs, many judgements) starts with one device of four; the re-planner
-    moves rollout devices to it at a weight-sync boundary, no step is lost, every sample is of the current
-    policy version (the step checks it)."""
+    """A judge made slow starts with one device of four; the re-planner moves rollout devices to it at a
+    weight-sync boundary, no step is lost, every sample is of the current policy version (the step checks it).
+
+    The judge is slow by construction, not by luck: not warm-started and unconstrained, it writes all of its 24
+    tokens for each of 16 verdicts per response (256 sequences a step on one device), while the warm-started
+    policy answers in a few tokens on three. Controllers do not wait for the driver, whose heartbeat (every
+    0.2 s here) carries the step reports the re-planner reads, so a move decided after step s lands a step or
+    two later: 8 steps leave room (a CI run with 4 steps of 0.3 s finished before the first move landed)."""
     cfg = small(
         "tiny_cpu",
         "dynamic",
@@ -90,12 +96,22 @@ def test_dynamic_moves_devices_toward_a_slow_judge(ray_session, tmp_path, contro
         replan=ReplanConfig(patience=1, gap_threshold=0.1, min_gain=0.01, cooldown=0),
     )
     replace = msgspec.structs.replace
-    judge = replace(cfg.rewards[-1].judge, num_samples=16, max_new_tokens=24)
-    rewards = [*cfg.rewards[:-1], replace(cfg.rewards[-1], judge=judge)]
-    cfg = replace(cfg, rewards=rewards, run=replace(cfg.run, num_steps=4))
+    judge = replace(cfg.rewards[-1].judge, num_samples=16, max_new_tokens=24, choices=msgspec.UNSET)
+    cfg = replace(
+        cfg,
+        judge=replace(cfg.judge, warm_start="none", warm_start_steps=0),
+        rewards=[*cfg.rewards[:-1], replace(cfg.rewards[-1], judge=judge)],
+        run=replace(cfg.run, num_steps=8),
+        controller=replace(cfg.controller, heartbeat_interval_s=0.2),
+    )
     summary = run(cfg, tmp_path, f"dynamic-{controller}")
     check(summary, cfg)
-    assert summary["placement/moves"] >= 1
+    decisions = [json.loads(line) for line in (tmp_path / f"dynamic-{controller}" / "placement.jsonl").open()]
+    assert len(decisions) == cfg.run.num_steps, decisions
+    first = decisions[0]  # the judge's device was the busiest, by far
+    assert first["busy_s_per_device"]["genrm"] > 2 * first["busy_s_per_device"]["rollout"], decisions
+    assert any(d["moved"] for d in decisions), decisions
+    assert summary["placement/moves"] >= 1, decisions
     assert summary["placement/judge_devices"] > 1 and summary["placement/rollout_devices"] < 3
 
 

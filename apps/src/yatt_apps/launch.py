@@ -8,6 +8,7 @@ only step reports (small numbers) come back.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import time
 from collections.abc import Sequence
@@ -63,11 +64,13 @@ def placement_plan(cfg: RunConfig, job: JobDef):
     return plan(cfg.placement.cluster, job.roles(cfg), cfg.placement.mode, profile=profile)
 
 
-def replan_hook(cfg: RunConfig, job: JobDef, plan):
+def replan_hook(cfg: RunConfig, job: JobDef, plan, log_path: Path | None = None):
     """Dynamic placement: the driver's per-step hook. It turns the hosts' measured busy seconds of the step
     (device-seconds per role) into `PhaseStats` (mean busy seconds per device of each movable role) for
     `DynamicReplanner`, and returns the new plan it decides (applied by the runtime at the next weight-sync
-    boundary), else None."""
+    boundary), else None. With `log_path` (RUN_DIR/placement.jsonl), every decision is appended as one JSON
+    line: the step, each movable role's busy seconds per device and devices, whether it moved, and why (or why
+    not): what a user reads to see why the devices did or did not move."""
     if cfg.placement.mode != "dynamic":
         return None
     from yatt_placement.replanner import DynamicReplanner
@@ -79,9 +82,20 @@ def replan_hook(cfg: RunConfig, job: JobDef, plan):
         devices = {key: planner.devices(key) for key in planner.movable()}
         per_device = {key: busy.get(key, 0.0) / n for key, n in devices.items()}
         step_time = max(max(per_device.values(), default=0.0), 1e-6)
-        return planner.observe(
+        new = planner.observe(
             PhaseStats(step=step, step_time_s=step_time, busy_s=per_device, num_devices=devices)
         )
+        if log_path is not None:
+            record = {
+                "step": step,
+                "busy_s_per_device": per_device,
+                "devices": devices,
+                "moved": new is not None,
+                "reason": planner.last_reason,
+            }
+            with open(log_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        return new
 
     return replan
 
@@ -239,7 +253,7 @@ def run_job(cfg: RunConfig, run_dir: str | Path, job: JobDef) -> dict[str, Any]:
         num_steps=cfg.run.num_steps,
         checkpoint_dir=str(run.checkpoints),
         on_step=logger,
-        **({"replan": hook} if (hook := replan_hook(cfg, job, plan)) else {}),
+        **({"replan": hook} if (hook := replan_hook(cfg, job, plan, path / "placement.jsonl")) else {}),
     )
     try:
         result = run_controllers(cfg.controller, runtime, realized)

@@ -8,6 +8,7 @@ Layout:
     RUN_DIR/wandb/              the W&B run's local files, with `log.wandb=true`
     RUN_DIR/checkpoints/        written by yatt_controller's atomic checkpointer
     RUN_DIR/final/              the trained policy as an HF folder, written when the run ends
+    RUN_DIR/placement.jsonl     placement.mode=dynamic: the re-planner's decision after every step, and why
     RUN_DIR/summary.png         reward, KL, response length and phase times, drawn at the end
 
 Exact records: every step appears once. A resumed run (`resume_step`, the checkpoint it continues from)

@@ -104,17 +104,16 @@ def test_bad_warm_start_specs():
 @pytest.fixture(scope="module")
 def preset_models(tmp_path_factory):
     """The default run's warm-started policy and judge, built as `yatt grpo` builds them (the same tokenizer
-    corpus: a judge trained with another tokenizer is another judge), once per module in a private cache."""
+    corpus: a judge trained with another tokenizer is another judge), from the shared cache that every tiny
+    job of the suite uses (built here, or by whichever job ran first: the same key, the same bytes)."""
     from types import SimpleNamespace
 
     from yatt_apps.config import tiny_cpu
     from yatt_apps.launch import prepare_models
 
     tmp = tmp_path_factory.mktemp("warm")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("YATT_CACHE_DIR", str(tmp / "cache"))
-        cfg = tiny_cpu()
-        policy, judge = prepare_models(cfg, SimpleNamespace(path=tmp))
+    cfg = tiny_cpu()
+    policy, judge = prepare_models(cfg, SimpleNamespace(path=tmp))
     return cfg, Path(policy), Path(judge)
 
 

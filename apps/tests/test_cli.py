@@ -75,7 +75,15 @@ def test_overlong_prompt_exits_2_naming_the_row(tmp_path, capsys):
     )
     run_dir = tmp_path / "run"
     # no warm start: another training set is another tokenizer corpus, so another (80 s) warm start
-    argv = ["grpo", "--set", f"data.train={data}", "--set", "data.max_prompt_tokens=40", "--run-dir", str(run_dir)]
+    argv = [
+        "grpo",
+        "--set",
+        f"data.train={data}",
+        "--set",
+        "data.max_prompt_tokens=40",
+        "--run-dir",
+        str(run_dir),
+    ]
     argv += ["--set", "model.warm_start_steps=0", "--set", "judge.warm_start_steps=0"]
     assert main(argv) == 2
     assert f"{data}:2: prompt has" in capsys.readouterr().err  # the jsonl line of the overlong row

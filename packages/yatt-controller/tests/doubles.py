@@ -9,6 +9,7 @@ per test, even across restarts.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -285,3 +286,20 @@ def move_step(ctx, batch: list[int]) -> dict[str, float]:
         "min_version": float(min(part[2] for part in seen)),
         "max_version": float(max(part[3] for part in seen)),
     }
+
+
+def start_ray(*by_value, num_gpus: int = 8) -> None:
+    """A local Ray for one test module (logical GPUs as devices); `by_value`: the test modules whose functions
+    and classes Ray workers get by value (they cannot import test modules), this one included."""
+    import ray
+    import ray.cloudpickle
+
+    for module in (sys.modules[__name__], *by_value):
+        ray.cloudpickle.register_pickle_by_value(module)
+    ray.init(
+        address="local",
+        num_cpus=8,
+        num_gpus=num_gpus,
+        include_dashboard=False,
+        object_store_memory=512 * 2**20,
+    )

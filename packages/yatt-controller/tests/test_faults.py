@@ -5,12 +5,12 @@ reports of an uninterrupted run."""
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import yatt_controller_doubles as doubles  # loaded by conftest.py
 from yatt_controller.faults import Repair, RepairBook, swap_workers
 from yatt_controller.worker_group import Worker, WorkerGroup
 
@@ -54,33 +54,15 @@ def test_swap_replaces_only_the_restarted_replicas_and_keeps_view_ranks():
     assert not swap_workers(view, "reward", repair)  # another group's repair leaves it alone
 
 
-def _load_doubles():
-    spec = importlib.util.spec_from_file_location(
-        "yatt_controller_doubles", Path(__file__).with_name("doubles.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-doubles = _load_doubles()
-
-
 @pytest.fixture(scope="module")
 def disaggregated():
     """Learner ranks on devices 0 and 2, one rollout replica on device 1 (no process shared with a learner):
     in parallel mode both controllers call the one replica, so both see its death."""
     import ray
-    import ray.cloudpickle
     import yatt_placement.realize as realize_mod
     from yatt_placement.types import PlacementPlan, RolePlacement
 
-    ray.cloudpickle.register_pickle_by_value(doubles)
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    ray.init(
-        address="local", num_cpus=8, num_gpus=8, include_dashboard=False, object_store_memory=512 * 2**20
-    )
+    doubles.start_ray(sys.modules[__name__])
     plan = PlacementPlan(
         mode="disaggregated",
         num_devices=3,

@@ -3,12 +3,11 @@ and parallel mode (`shard_rows`). One Ray session for the module; each test real
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
 import ray
+import yatt_controller_doubles as doubles  # loaded by conftest.py
 import yatt_placement.realize as realize_mod
 from yatt_controller.runner import Job, Services, run
 from yatt_controller.stream import Stage, run_stream
@@ -20,28 +19,9 @@ from yatt_placement.types import PlacementPlan, RolePlacement
 pytest.importorskip("torch")
 
 
-def _load_doubles():
-    spec = importlib.util.spec_from_file_location(
-        "yatt_controller_doubles", Path(__file__).with_name("doubles.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-doubles = _load_doubles()
-
-
 @pytest.fixture(scope="module")
 def session():
-    import ray.cloudpickle
-
-    ray.cloudpickle.register_pickle_by_value(doubles)  # Ray workers cannot import test modules
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    ray.init(
-        address="local", num_cpus=8, num_gpus=16, include_dashboard=False, object_store_memory=512 * 2**20
-    )
+    doubles.start_ray(sys.modules[__name__], num_gpus=16)
     yield
     ray.shutdown()
 

@@ -4,44 +4,25 @@ checkpoint resume after a crash, and health (a killed worker, a hang). One Ray s
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import re
 import sys
-from pathlib import Path
 
 import pytest
 import ray
+import yatt_controller_doubles as doubles  # loaded by conftest.py
 import yatt_placement.realize as realize_mod
 from yatt_controller.runner import ControllerFailure, Job, Services, run
 from yatt_controller.types import ControllerSpec
 from yatt_controller.worker_group import HostPool, WorkerGroup
 from yatt_placement.types import PlacementPlan, RolePlacement
 
-
-def _load_doubles():
-    spec = importlib.util.spec_from_file_location(
-        "yatt_controller_doubles", Path(__file__).with_name("doubles.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-doubles = _load_doubles()
 MEDIA = 4096  # bytes of media per sample
 ROWS = 64
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    import ray.cloudpickle
-
-    ray.cloudpickle.register_pickle_by_value(doubles)  # Ray workers cannot import test modules
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    ray.init(
-        address="local", num_cpus=8, num_gpus=8, include_dashboard=False, object_store_memory=512 * 2**20
-    )
+    doubles.start_ray(sys.modules[__name__])
     plan = PlacementPlan(
         mode="colocated",
         num_devices=2,

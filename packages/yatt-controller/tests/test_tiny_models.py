@@ -4,10 +4,8 @@ driver. One Ray session for the module."""
 
 from __future__ import annotations
 
-import importlib.util
 import socket
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -15,25 +13,14 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import ray
+import yatt_controller_doubles as doubles  # loaded by conftest.py
+import yatt_controller_tiny_models as tiny
 import yatt_placement.realize as realize_mod
 from yatt_controller.runner import Job, Services, run
 from yatt_controller.sync import WeightSync
 from yatt_controller.types import ControllerSpec
 from yatt_controller.worker_group import HostPool, WorkerGroup
 from yatt_placement.types import PlacementPlan, RolePlacement
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(
-        f"yatt_controller_{name}", Path(__file__).with_name(f"{name}.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-tiny = _load("tiny_models")
 
 
 def _free_port() -> int:
@@ -44,13 +31,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def cluster():
-    import ray.cloudpickle
-
-    ray.cloudpickle.register_pickle_by_value(tiny)  # Ray workers cannot import test modules
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    ray.init(
-        address="local", num_cpus=8, num_gpus=8, include_dashboard=False, object_store_memory=512 * 2**20
-    )
+    doubles.start_ray(tiny, sys.modules[__name__])
     plan = PlacementPlan(
         mode="disaggregated",
         num_devices=3,

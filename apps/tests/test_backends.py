@@ -119,6 +119,16 @@ CONFIG_ERRORS = [
         "placement.cluster.devices_per_node=3 (an actor replica spans devices of one host)",
     ),
     (
+        {
+            "model": {"tensor_parallel": 2},
+            "rollout": {"engine": "vllm"},
+            "learner": {"backend": "megatron"},
+            "ray": {"address": "auto"},
+        },
+        "model.tensor_parallel=2 does not divide the model's 1 key/value heads (learner.backend=megatron splits "
+        "them over tensor-parallel ranks)",
+    ),
+    (
         {"judge": {"pipeline_parallel": 2, "seed": 1}},
         "judge.pipeline_parallel=2: the judge is not trained; set it to 1",
     ),
@@ -161,9 +171,15 @@ def test_pipeline_parallel_reads_a_local_model_folder(tmp_path):
     config.write_text(json.dumps({"num_hidden_layers": 4, "tie_word_embeddings": True}))
     with pytest.raises(ValueError, match=r"ties its embeddings \(tie_word_embeddings\), which the Megatron"):
         _with(model={"path": str(tmp_path), "pipeline_parallel": 2}, **megatron)
-    config.write_text(json.dumps({"num_hidden_layers": 4}))
+    config.write_text(
+        json.dumps({"num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 1})
+    )
     cfg = _with(model={"path": str(tmp_path), "pipeline_parallel": 2}, **megatron)
     assert cfg.model.pipeline_parallel == 2
+    with pytest.raises(
+        ValueError, match=r"^model\.tensor_parallel=2 does not divide the model's 1 key/value"
+    ):
+        _with(model={"path": str(tmp_path), "tensor_parallel": 2}, rollout={"engine": "vllm"}, **megatron)
     assert (
         _with(model={"path": "org/not-here", "pipeline_parallel": 2}, **megatron).model.path == "org/not-here"
     )
@@ -179,7 +195,7 @@ def test_actor_replica_spans_tensor_x_pipeline_devices():
     from yatt_placement.planner import plan
 
     cfg = _with(
-        model={"pipeline_parallel": 2, "tensor_parallel": 2, "num_layers": 4},
+        model={"pipeline_parallel": 2, "tensor_parallel": 2, "num_layers": 4, "num_kv_heads": 2},
         rollout={"engine": "vllm"},
         learner={"backend": "megatron"},
         ray={"address": "auto"},
@@ -203,6 +219,19 @@ def test_actor_replica_spans_tensor_x_pipeline_devices():
     assert ranks.get_ranks("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
     with pytest.raises(ValueError, match=r"model\.tensor_parallel=3 does not divide the actor replica's 4"):
         megatron_layout(3, 4)
+
+
+def test_vllm_tensor_parallel_executor_on_cpu(monkeypatch):
+    """On the CPU a vLLM replica's TP workers are vLLM's own processes ("mp": its Ray executor refuses the CPU
+    platform), without automatic NUMA binding unless the user set one; on CUDA they are Ray workers."""
+    from yatt_apps import workers
+
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    assert workers._vllm_tp_executor() == "mp" and os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-3|4-7")
+    assert workers._vllm_tp_executor() == "mp" and os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0-3|4-7"
+    monkeypatch.setattr(workers, "device", lambda: "cuda")
+    assert workers._vllm_tp_executor() == "ray"
 
 
 def test_possible_combinations_pass():

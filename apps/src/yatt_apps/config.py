@@ -277,7 +277,8 @@ def hardware_problems(cfg: RunConfig) -> list[str]:
 
 def pipeline_problems(cfg: RunConfig) -> list[str]:
     """`model.pipeline_parallel`: Megatron only, stages that split the layers evenly, and an actor replica of
-    tensor_parallel x pipeline_parallel devices inside one host. The judge is never pipelined."""
+    tensor_parallel x pipeline_parallel devices inside one host; Megatron's TP splits the key/value heads. The
+    judge is never pipelined. Model facts are checked where known here (a tiny model, a local folder)."""
     pp, tp, per_node = (
         cfg.model.pipeline_parallel,
         cfg.model.tensor_parallel,
@@ -287,20 +288,26 @@ def pipeline_problems(cfg: RunConfig) -> list[str]:
         return [
             f"judge.pipeline_parallel={cfg.judge.pipeline_parallel}: the judge is not trained; set it to 1"
         ]
-    if pp == 1:
-        return []
     if pp < 1:
         return [f"model.pipeline_parallel must be >= 1, got {pp}"]
     if cfg.learner.backend != "megatron":
+        if pp == 1:
+            return []
         return [
             f"model.pipeline_parallel={pp} needs learner.backend=megatron (got {cfg.learner.backend!r}): only "
             "the Megatron learner runs pipeline stages"
         ]
-    problems = []
-    layers, tied = _known_layers(cfg.model)
-    if layers is not None and layers % pp:
-        problems.append(f"model.pipeline_parallel={pp} does not divide the model's {layers} layers")
-    if tied:
+    arch, problems = _known_arch(cfg.model), []
+    if tp > 1 and arch.get("kv_heads", tp) % tp:
+        problems.append(
+            f"model.tensor_parallel={tp} does not divide the model's {arch['kv_heads']} key/value heads "
+            "(learner.backend=megatron splits them over tensor-parallel ranks)"
+        )
+    if pp == 1:
+        return problems
+    if arch.get("layers", pp) % pp:
+        problems.append(f"model.pipeline_parallel={pp} does not divide the model's {arch['layers']} layers")
+    if arch.get("tied"):
         problems.append(
             f"model.pipeline_parallel={pp}: the model ties its embeddings (tie_word_embeddings), which the "
             "Megatron learner supports only at model.pipeline_parallel=1"
@@ -313,20 +320,22 @@ def pipeline_problems(cfg: RunConfig) -> list[str]:
     return problems
 
 
-def _known_layers(spec: ModelSpec) -> tuple[int | None, bool]:
-    """The model's decoder layers and whether it ties its embeddings: the spec's for a tiny model (path
-    empty; never tied), a local folder's config.json otherwise; (None, False) where not known here (a hub id)."""
+def _known_arch(spec: ModelSpec) -> dict[str, int]:
+    """What is known here of the model's shape: `layers`, `kv_heads`, `tied` (embeddings). A tiny model (path
+    empty; never tied) from the spec, a local folder from its config.json; {} for a hub id."""
     if not spec.path:
-        return spec.num_layers, False
+        return {"layers": spec.num_layers, "kv_heads": spec.num_kv_heads, "tied": 0}
     import json
     from pathlib import Path
 
     config = Path(spec.path).expanduser() / "config.json"
     if not config.is_file():
-        return None, False
+        return {}
     hf = json.loads(config.read_text())
     hf = hf.get("text_config", hf)
-    return hf.get("num_hidden_layers"), bool(hf.get("tie_word_embeddings", False))
+    known = {"layers": hf.get("num_hidden_layers"), "tied": int(bool(hf.get("tie_word_embeddings", False)))}
+    known["kv_heads"] = hf.get("num_key_value_heads", hf.get("num_attention_heads"))
+    return {k: v for k, v in known.items() if isinstance(v, int)}
 
 
 MEGATRON_CPU_SHIM = "YATT_TEST_MEGATRON_CPU_SHIM"  # the test-only CPU shim (yatt_apps.megatron_shim)

@@ -307,7 +307,7 @@ def _vllm_engine(cfg: RunConfig, spec: ModelSpec, model_dir: str, *, seed: int, 
     hf_config = json.loads((Path(model_dir) / "config.json").read_text())
     kwargs: dict[str, Any] = {"tensor_parallel_size": spec.tensor_parallel}
     if spec.tensor_parallel > 1:
-        kwargs["distributed_executor_backend"] = "ray"  # vLLM's TP workers on the replica's devices
+        kwargs["distributed_executor_backend"] = _vllm_tp_executor()
     if device() == "cuda":
         shared = cfg.placement.mode != "disaggregated"
         kwargs |= {"enable_sleep_mode": True, **({"gpu_memory_utilization": 0.3} if shared else {})}
@@ -320,6 +320,19 @@ def _vllm_engine(cfg: RunConfig, spec: ModelSpec, model_dir: str, *, seed: int, 
         partial=partial,
         **kwargs,
     )
+
+
+def _vllm_tp_executor() -> str:
+    """vLLM's executor for a replica's TP workers. CUDA: "ray", on the replica's GPUs. CPU: "mp" (worker
+    processes of this one), since vLLM's Ray executor refuses the CPU platform ("current platform cpu does not
+    support ray": CpuPlatform has no Ray device key); and, unless set, VLLM_CPU_OMP_THREADS_BIND=nobind, since
+    vLLM's automatic binding needs a NUMA node per TP rank (set the variable to bind cores yourself)."""
+    import os
+
+    if device() == "cuda":
+        return "ray"
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    return "mp"
 
 
 def load_named(engine: Any, named: list, version: int) -> None:

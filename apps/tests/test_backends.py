@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import signal
 import subprocess
@@ -93,6 +94,44 @@ CONFIG_ERRORS = [
         {"learner": {"backend": "megatron", "data_parallel": "fsdp2"}},
         "LearnerConfig.backend='megatron' conflicts with data_parallel='fsdp2' (a torch-backend setting)",
     ),
+    (
+        {"model": {"pipeline_parallel": 2}},
+        "model.pipeline_parallel=2 needs learner.backend=megatron (got 'ddp'): only the Megatron learner runs "
+        "pipeline stages",
+    ),
+    (
+        {"model": {"pipeline_parallel": 2}, "learner": {"backend": "fsdp2"}},
+        "model.pipeline_parallel=2 needs learner.backend=megatron (got 'fsdp2')",
+    ),
+    ({"model": {"pipeline_parallel": 0}}, "model.pipeline_parallel must be >= 1, got 0"),
+    (
+        {"model": {"pipeline_parallel": 4}, "learner": {"backend": "megatron"}, "ray": {"address": "auto"}},
+        "model.pipeline_parallel=4 does not divide the model's 2 layers",
+    ),
+    (
+        {
+            "model": {"pipeline_parallel": 2, "num_layers": 4},
+            "learner": {"backend": "megatron"},
+            "ray": {"address": "auto"},
+            "placement": {"cluster": {"num_nodes": 2, "devices_per_node": 3, "device_memory_gb": 16.0}},
+        },
+        "model.tensor_parallel=1 x model.pipeline_parallel=2 = 2 does not divide "
+        "placement.cluster.devices_per_node=3 (an actor replica spans devices of one host)",
+    ),
+    (
+        {
+            "model": {"tensor_parallel": 2},
+            "rollout": {"engine": "vllm"},
+            "learner": {"backend": "megatron"},
+            "ray": {"address": "auto"},
+        },
+        "model.tensor_parallel=2 does not divide the model's 1 key/value heads (learner.backend=megatron splits "
+        "them over tensor-parallel ranks)",
+    ),
+    (
+        {"judge": {"pipeline_parallel": 2, "seed": 1}},
+        "judge.pipeline_parallel=2: the judge is not trained; set it to 1",
+    ),
 ]
 
 
@@ -118,6 +157,81 @@ def test_megatron_without_cuda_is_a_config_error(monkeypatch):
     assert _with(learner={"backend": "megatron"}, ray={"address": "auto"}).learner.backend == "megatron"
     monkeypatch.setenv(MEGATRON_CPU_SHIM, "1")
     assert _with(learner={"backend": "megatron"}).learner.backend == "megatron"
+
+
+def test_pipeline_parallel_reads_a_local_model_folder(tmp_path):
+    """A local model's config.json gives its layers and embedding tying (a hub id is checked by the learner)."""
+    config = tmp_path / "config.json"
+    megatron = {"learner": {"backend": "megatron"}, "ray": {"address": "auto"}}
+    config.write_text(json.dumps({"num_hidden_layers": 3, "tie_word_embeddings": False}))
+    with pytest.raises(
+        ValueError, match=r"^model\.pipeline_parallel=2 does not divide the model's 3 layers$"
+    ):
+        _with(model={"path": str(tmp_path), "pipeline_parallel": 2}, **megatron)
+    config.write_text(json.dumps({"num_hidden_layers": 4, "tie_word_embeddings": True}))
+    with pytest.raises(ValueError, match=r"ties its embeddings \(tie_word_embeddings\), which the Megatron"):
+        _with(model={"path": str(tmp_path), "pipeline_parallel": 2}, **megatron)
+    config.write_text(
+        json.dumps({"num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 1})
+    )
+    cfg = _with(model={"path": str(tmp_path), "pipeline_parallel": 2}, **megatron)
+    assert cfg.model.pipeline_parallel == 2
+    with pytest.raises(
+        ValueError, match=r"^model\.tensor_parallel=2 does not divide the model's 1 key/value"
+    ):
+        _with(model={"path": str(tmp_path), "tensor_parallel": 2}, rollout={"engine": "vllm"}, **megatron)
+    assert (
+        _with(model={"path": "org/not-here", "pipeline_parallel": 2}, **megatron).model.path == "org/not-here"
+    )
+
+
+def test_actor_replica_spans_tensor_x_pipeline_devices():
+    """The planner gets an actor of tp x pp devices per replica and a rollout of tp; Megatron's rank order
+    makes each replica's consecutive worker ranks one model-parallel group (stage = position // tp)."""
+    pytest.importorskip("megatron.core")
+    from megatron.core.parallel_state import RankGenerator
+    from yatt_apps.jobs import policy_roles
+    from yatt_apps.workers import megatron_layout
+    from yatt_placement.planner import plan
+
+    cfg = _with(
+        model={"pipeline_parallel": 2, "tensor_parallel": 2, "num_layers": 4, "num_kv_heads": 2},
+        rollout={"engine": "vllm"},
+        learner={"backend": "megatron"},
+        ray={"address": "auto"},
+        placement={"cluster": {"num_nodes": 1, "devices_per_node": 8, "device_memory_gb": 16.0}},
+    )
+    roles = {r.role: r for r in policy_roles(cfg)}
+    assert roles["actor"].model_parallel_size == 4 and roles["rollout"].model_parallel_size == 2
+    placed = {
+        r.role: r.replicas for r in plan(cfg.placement.cluster, list(roles.values()), "colocated").roles
+    }
+    assert placed["actor"] == [[0, 1, 2, 3], [4, 5, 6, 7]] and len(placed["rollout"]) == 4
+    layout = megatron_layout(2, 4)
+    assert layout == {
+        "tensor_model_parallel_size": 2,
+        "pipeline_model_parallel_size": 2,
+        "order": "tp-cp-ep-pp-dp",
+    }
+    ranks = RankGenerator(tp=2, ep=1, dp=2, pp=2, cp=1, order=layout["order"])
+    assert ranks.get_ranks("tp-pp") == [[0, 1, 2, 3], [4, 5, 6, 7]]  # model-parallel group = a replica
+    assert ranks.get_ranks("pp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert ranks.get_ranks("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    with pytest.raises(ValueError, match=r"model\.tensor_parallel=3 does not divide the actor replica's 4"):
+        megatron_layout(3, 4)
+
+
+def test_vllm_tensor_parallel_executor_on_cpu(monkeypatch):
+    """On the CPU a vLLM replica's TP workers are vLLM's own processes ("mp": its Ray executor refuses the CPU
+    platform), without automatic NUMA binding unless the user set one; on CUDA they are Ray workers."""
+    from yatt_apps import workers
+
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    assert workers._vllm_tp_executor() == "mp" and os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-3|4-7")
+    assert workers._vllm_tp_executor() == "mp" and os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0-3|4-7"
+    monkeypatch.setattr(workers, "device", lambda: "cuda")
+    assert workers._vllm_tp_executor() == "ray"
 
 
 def test_possible_combinations_pass():
@@ -405,6 +519,38 @@ def test_megatron_learner_under_the_cpu_shim(ray_session, tmp_path):
     rows = metrics(tmp_path / "megatron")
     assert rows[1]["train/grad_norm"] > 0 and rows[2]["train/kl"] != 0.0
     assert all(0.0 < row["train/rollout_mismatch"] < 1e-4 for row in rows.values())
+
+
+@pytest.mark.slow
+def test_megatron_pipeline_parallel_under_the_cpu_shim(ray_session, tmp_path):
+    """Megatron-Core at PP = 2 (one actor replica over both devices, 1F1B over gloo p2p, TEST-ONLY CPU shim),
+    2 steps with a checkpoint after each. Step 0's update moves the weights (KL to the reference at step 1);
+    step 1's samples come from HF engines on both devices, each loaded in process from its own learner
+    stage's export (so each stage must export the whole model), and match the learner's logprobs to 1e-4.
+    The checkpoint's two learner blobs are the two stages' shards: the embeddings and layer 0 on stage 0,
+    layer 1, the final norm and the output layer on stage 1."""
+    import torch
+
+    base = small(learner=LearnerConfig(backend="megatron"))
+    cfg = replace(
+        base,
+        model=replace(base.model, pipeline_parallel=2),
+        controller=replace(base.controller, checkpoint_every=1, num_controllers=1),  # one replica: DP = 1
+    )
+    summary = run(cfg, tmp_path / "pp")
+    assert summary["step"] == 1 and summary["restarts"] == 0, summary["failures"]
+    rows = metrics(tmp_path / "pp")
+    assert all(math.isfinite(v) for row in rows.values() for v in row.values() if isinstance(v, float))
+    assert rows[0]["train/grad_norm"] > 0 and rows[1]["train/kl"] > 0.0
+    assert all(0.0 < row["train/rollout_mismatch"] < 1e-4 for row in rows.values())
+    last = max(p for p in (tmp_path / "pp" / "checkpoints").iterdir() if p.is_dir())
+    stages = [torch.load(last / f"learner-0.{i}.bin", weights_only=True)["model"] for i in (0, 1)]
+    assert [sorted(k for k in s if not k.startswith("decoder.layers.")) for s in stages] == [
+        ["embedding.word_embeddings.weight"],
+        ["decoder.final_layernorm.weight", "output_layer.weight"],
+    ]
+    assert all("decoder.layers.0.mlp.linear_fc1.weight" in s for s in stages)  # one local layer per stage
+    assert not any(k.startswith("decoder.layers.1.") for s in stages for k in s)
 
 
 # ---- CUDA paths (gpu: skipped without CUDA; run them wherever a device is lent) ------------------------------

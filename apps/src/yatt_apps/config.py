@@ -39,6 +39,7 @@ class ModelSpec(_Config, kw_only=True):
     seed: int = 0
     num_params: float = 0.0  # for placement planning; 0: counted from the model where it is built
     tensor_parallel: int = 1
+    pipeline_parallel: int = 1  # learner pipeline stages (Megatron); actor replica: tp x pp devices
     trust_remote_code: bool = False
     # the engine serving this model where it is served (the judge's; the policy's is `rollout.engine`)
     engine: Literal["hf", "vllm"] = "hf"
@@ -258,6 +259,7 @@ def hardware_problems(cfg: RunConfig) -> list[str]:
     vlm = cfg.model.arch == "qwen2_vl"
     if vlm and cfg.rollout.engine == "vllm":
         problems.append("rollout.engine='vllm' does not serve a VLM policy (model.arch='qwen2_vl'): use 'hf'")
+    problems += pipeline_problems(cfg)
     backend = cfg.learner.backend
     if backend == "megatron":
         if vlm:
@@ -271,6 +273,69 @@ def hardware_problems(cfg: RunConfig) -> list[str]:
         if not megatron_device_ok(cfg):
             problems.append(MEGATRON_NEEDS_CUDA)
     return problems
+
+
+def pipeline_problems(cfg: RunConfig) -> list[str]:
+    """`model.pipeline_parallel`: Megatron only, stages that split the layers evenly, and an actor replica of
+    tensor_parallel x pipeline_parallel devices inside one host; Megatron's TP splits the key/value heads. The
+    judge is never pipelined. Model facts are checked where known here (a tiny model, a local folder)."""
+    pp, tp, per_node = (
+        cfg.model.pipeline_parallel,
+        cfg.model.tensor_parallel,
+        cfg.placement.cluster.devices_per_node,
+    )
+    if cfg.judge is not None and cfg.judge.pipeline_parallel != 1:
+        return [
+            f"judge.pipeline_parallel={cfg.judge.pipeline_parallel}: the judge is not trained; set it to 1"
+        ]
+    if pp < 1:
+        return [f"model.pipeline_parallel must be >= 1, got {pp}"]
+    if cfg.learner.backend != "megatron":
+        if pp == 1:
+            return []
+        return [
+            f"model.pipeline_parallel={pp} needs learner.backend=megatron (got {cfg.learner.backend!r}): only "
+            "the Megatron learner runs pipeline stages"
+        ]
+    arch, problems = _known_arch(cfg.model), []
+    if tp > 1 and arch.get("kv_heads", tp) % tp:
+        problems.append(
+            f"model.tensor_parallel={tp} does not divide the model's {arch['kv_heads']} key/value heads "
+            "(learner.backend=megatron splits them over tensor-parallel ranks)"
+        )
+    if pp == 1:
+        return problems
+    if arch.get("layers", pp) % pp:
+        problems.append(f"model.pipeline_parallel={pp} does not divide the model's {arch['layers']} layers")
+    if arch.get("tied"):
+        problems.append(
+            f"model.pipeline_parallel={pp}: the model ties its embeddings (tie_word_embeddings), which the "
+            "Megatron learner supports only at model.pipeline_parallel=1"
+        )
+    if tp >= 1 and per_node % (tp * pp):
+        problems.append(
+            f"model.tensor_parallel={tp} x model.pipeline_parallel={pp} = {tp * pp} does not divide "
+            f"placement.cluster.devices_per_node={per_node} (an actor replica spans devices of one host)"
+        )
+    return problems
+
+
+def _known_arch(spec: ModelSpec) -> dict[str, int]:
+    """What is known here of the model's shape: `layers`, `kv_heads`, `tied` (embeddings). A tiny model (path
+    empty; never tied) from the spec, a local folder from its config.json; {} for a hub id."""
+    if not spec.path:
+        return {"layers": spec.num_layers, "kv_heads": spec.num_kv_heads, "tied": 0}
+    import json
+    from pathlib import Path
+
+    config = Path(spec.path).expanduser() / "config.json"
+    if not config.is_file():
+        return {}
+    hf = json.loads(config.read_text())
+    hf = hf.get("text_config", hf)
+    known = {"layers": hf.get("num_hidden_layers"), "tied": int(bool(hf.get("tie_word_embeddings", False)))}
+    known["kv_heads"] = hf.get("num_key_value_heads", hf.get("num_attention_heads"))
+    return {k: v for k, v in known.items() if isinstance(v, int)}
 
 
 MEGATRON_CPU_SHIM = "YATT_TEST_MEGATRON_CPU_SHIM"  # the test-only CPU shim (yatt_apps.megatron_shim)

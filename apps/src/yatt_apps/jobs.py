@@ -28,15 +28,24 @@ def num_params(spec: ModelSpec) -> float:
 def policy_roles(cfg: RunConfig, *, critic: bool = False) -> list:
     """The trained policy (actor), its rollout engine, an optional critic beside the actor, and the reward
     service (`genrm` with a judge model, else a light `reward` role). In disaggregated mode the trainer gets
-    one replica per controller (parallel) and `placement.rollout_replicas` sizes the rollout."""
+    one replica per controller (parallel) and `placement.rollout_replicas` sizes the rollout. An actor replica
+    spans `model.tensor_parallel x model.pipeline_parallel` devices (Megatron's stages); a rollout replica
+    only `tensor_parallel` (the engine holds the whole model)."""
     from yatt_placement.types import RoleSpec
 
-    policy, tp = num_params(cfg.model), cfg.model.tensor_parallel
+    policy, tp, pp = num_params(cfg.model), cfg.model.tensor_parallel, cfg.model.pipeline_parallel
     place = cfg.placement
     trainer = cfg.controller.num_controllers if place.mode == "disaggregated" else 0
     rollout = place.rollout_replicas if place.mode != "colocated" else 0
     roles = [
-        RoleSpec(role="actor", num_params=policy, trainable=True, tensor_parallel=tp, num_replicas=trainer),
+        RoleSpec(
+            role="actor",
+            num_params=policy,
+            trainable=True,
+            tensor_parallel=tp,
+            pipeline_parallel=pp,
+            num_replicas=trainer,
+        ),
         RoleSpec(role="rollout", num_params=policy, tensor_parallel=tp, num_replicas=rollout),
     ]
     if critic:  # the value model: the policy's backbone with a one-label head, trained beside it

@@ -37,7 +37,7 @@ FIELD_DOCS: dict[str, str] = {
     "ModelSpec.vocab_size": "tiny model: vocabulary of the tokenizer trained on the task's text",
     "ModelSpec.max_position_embeddings": "tiny model: longest sequence",
     "ModelSpec.seed": "tiny model: weight init seed",
-    "ModelSpec.tensor_parallel": "devices one replica of the model spans",
+    "ModelSpec.tensor_parallel": "tensor-parallel devices of one replica (the actor's spans tp x pipeline_parallel)",
     "ModelSpec.trust_remote_code": "allow the model folder's own Python code (HF trust_remote_code)",
     "DataSpec.train": "the training set: a .jsonl or .parquet file; empty: the embedded arithmetic task",
     "DataSpec.val": "the validation set (same format); empty: none, or the embedded task's split",

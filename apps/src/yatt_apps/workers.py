@@ -129,9 +129,10 @@ def _torch_learners(cfg: RunConfig, model_dir: str, group: Any, reference: bool)
 
 
 def _megatron_learners(cfg: RunConfig, model_dir: str, info: Any, key: str, reference: bool):
-    """Megatron-Core learners over every actor worker: tensor parallel = the actor replica's size (its workers
-    get the same rows), data parallel = the replicas, pipeline parallel 1. CUDA only, except under the
-    labelled test-only CPU shim ($YATT_TEST_MEGATRON_CPU_SHIM=1, `yatt_apps.megatron_shim`)."""
+    """Megatron-Core learners over every actor worker: an actor replica (its workers get the same rows) is one
+    model-parallel group of `model.tensor_parallel` x `model.pipeline_parallel` ranks, data parallel = the
+    replicas. CUDA only, except under the labelled test-only CPU shim ($YATT_TEST_MEGATRON_CPU_SHIM=1,
+    `yatt_apps.megatron_shim`)."""
     import os
 
     import torch
@@ -150,7 +151,8 @@ def _megatron_learners(cfg: RunConfig, model_dir: str, info: Any, key: str, refe
 
     join_learner_group(info, key, always=True)
     if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(tensor_model_parallel_size=info.tp_size, pipeline_model_parallel_size=1)
+        tp = cfg.model.tensor_parallel
+        ps.initialize_model_parallel(**megatron_layout(tp, info.tp_size))
     if torch.cuda.is_available():  # Megatron's CUDA RNG tracker (the shim replaced it on CPU)
         from megatron.core import tensor_parallel
 
@@ -169,6 +171,23 @@ def _megatron_learners(cfg: RunConfig, model_dir: str, info: Any, key: str, refe
         )
 
     return build(cfg.optim), build(None) if reference else None
+
+
+def megatron_layout(tp: int, replica_size: int) -> dict[str, Any]:
+    """`initialize_model_parallel`'s sizes and rank order for actor replicas of `replica_size` workers at
+    tensor parallel `tp`. Worker rank = dp_rank x replica_size + position, so a replica's ranks are consecutive:
+    order "tp-cp-ep-pp-dp" (tensor fastest, data parallel slowest) makes each replica one model-parallel group
+    (position = pp_rank x tp + tp_rank); Megatron's default "tp-cp-ep-dp-pp" would put a replica's stages
+    replica_size / pp ranks apart, across replicas."""
+    if tp < 1 or replica_size % tp:
+        raise ValueError(
+            f"model.tensor_parallel={tp} does not divide the actor replica's {replica_size} devices"
+        )
+    return {
+        "tensor_model_parallel_size": tp,
+        "pipeline_model_parallel_size": replica_size // tp,
+        "order": "tp-cp-ep-pp-dp",
+    }
 
 
 class PolicyWorker:
@@ -288,7 +307,7 @@ def _vllm_engine(cfg: RunConfig, spec: ModelSpec, model_dir: str, *, seed: int, 
     hf_config = json.loads((Path(model_dir) / "config.json").read_text())
     kwargs: dict[str, Any] = {"tensor_parallel_size": spec.tensor_parallel}
     if spec.tensor_parallel > 1:
-        kwargs["distributed_executor_backend"] = "ray"  # vLLM's TP workers on the replica's devices
+        kwargs["distributed_executor_backend"] = _vllm_tp_executor()
     if device() == "cuda":
         shared = cfg.placement.mode != "disaggregated"
         kwargs |= {"enable_sleep_mode": True, **({"gpu_memory_utilization": 0.3} if shared else {})}
@@ -301,6 +320,19 @@ def _vllm_engine(cfg: RunConfig, spec: ModelSpec, model_dir: str, *, seed: int, 
         partial=partial,
         **kwargs,
     )
+
+
+def _vllm_tp_executor() -> str:
+    """vLLM's executor for a replica's TP workers. CUDA: "ray", on the replica's GPUs. CPU: "mp" (worker
+    processes of this one), since vLLM's Ray executor refuses the CPU platform ("current platform cpu does not
+    support ray": CpuPlatform has no Ray device key); and, unless set, VLLM_CPU_OMP_THREADS_BIND=nobind, since
+    vLLM's automatic binding needs a NUMA node per TP rank (set the variable to bind cores yourself)."""
+    import os
+
+    if device() == "cuda":
+        return "ray"
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    return "mp"
 
 
 def load_named(engine: Any, named: list, version: int) -> None:

@@ -325,8 +325,8 @@ class LearnerConfig(_Config, kw_only=True):
     logits_chunk_size: int = 1024  # positions per chunk in logprob and entropy
     value_clip_range: float = 0.2  # the critic's clipped value loss
     temperature: float = 1.0  # logits are divided by the rollout's sampling temperature before log_softmax
-    # which learner a job builds: the torch backend with DDP or FSDP2 over its ranks, or Megatron-Core (TP from
-    # the actor role's tensor parallel size). "fsdp2" here and data_parallel="fsdp2" mean the same thing.
+    # which learner a job builds: the torch backend with DDP or FSDP2 over its ranks, or Megatron-Core (TP, PP:
+    # the job's model.tensor_parallel, model.pipeline_parallel). "fsdp2" and data_parallel="fsdp2" are the same.
     backend: Literal["ddp", "fsdp2", "megatron"] = "ddp"
 
     def __post_init__(self) -> None:

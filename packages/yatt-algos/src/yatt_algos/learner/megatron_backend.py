@@ -346,11 +346,36 @@ class MegatronPolicyLearner:
             for rank, part in enumerate(parts):
                 stage[rank][key] = part
         pp_rank, pp = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
-        yield from megatron_stage_to_hf(stage, self.arch, pp_rank=pp_rank, pp=pp).items()
+        own = megatron_stage_to_hf(stage, self.arch, pp_rank=pp_rank, pp=pp)
+        if pp == 1:
+            yield from own.items()
+            return
+        for src in range(pp):  # stage by stage: HF order (embeddings, layers 0.., norm, lm_head)
+            yield from self._stage_from(src, own if src == pp_rank else None)
+
+    def _stage_from(
+        self, src: int, own: dict[str, torch.Tensor] | None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Pipeline stage `src`'s HF tensors on every stage: its (name, shape, dtype) list, then each tensor,
+        broadcast over the pipeline group from `src` (`own` is its dict there, None elsewhere)."""
+        from megatron.core import parallel_state as ps
+
+        group = ps.get_pipeline_model_parallel_group()
+        box = [[(k, tuple(v.shape), v.dtype) for k, v in own.items()] if own is not None else None]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, src), group=group)
+        for name, shape, dtype in box[0]:
+            tensor = (
+                own[name].contiguous()
+                if own is not None
+                else torch.empty(shape, dtype=dtype, device=self.device)
+            )
+            dist.broadcast(tensor, src=dist.get_global_rank(group, src), group=group)
+            yield name, tensor
 
     def export_weights(self, bucket_bytes: int = 512 << 20) -> Iterator[export.NamedTensors]:
-        """Buckets of (HF name, full tensor) for the layers of this pipeline stage, gathered over tensor
-        parallel (a collective: every TP rank must iterate)."""
+        """Buckets of (HF name, full tensor) for the whole model on every rank: gathered over tensor parallel,
+        then each pipeline stage's layers broadcast over the pipeline group (a collective: every TP and PP rank
+        of a replica must iterate it to the end)."""
         return export.iter_buckets(self._hf_named(), bucket_bytes)
 
     def state_dict(self) -> dict[str, Any]:

@@ -481,6 +481,24 @@ def test_vllm_rollout_and_judge(ray_session, tmp_path):
 
 
 @pytest.mark.slow
+def test_vllm_tensor_parallel_rollout(ray_session, tmp_path):
+    """`rollout.engine=vllm` with `model.tensor_parallel=2`: one rollout replica spans both devices (vLLM's
+    own tensor parallelism; on CPU its mp executor), the DDP learner's two ranks feed it; rule rewards only.
+    Both steps complete with the engine's logprobs of its samples within 1e-3 of the learner's."""
+    base = small(rollout=RolloutSpec(engine="vllm"))
+    cfg = replace(
+        base,
+        model=replace(base.model, tensor_parallel=2),
+        judge=None,
+        rewards=[s for s in base.rewards if s.kind != "genrm"],
+        controller=replace(base.controller, num_controllers=1),
+    )
+    summary = run(cfg, tmp_path / "tp2")
+    assert summary["step"] == 1 and summary["restarts"] == 0, summary["failures"]
+    assert all(0.0 < r["train/rollout_mismatch"] < 1e-3 for r in metrics(tmp_path / "tp2").values())
+
+
+@pytest.mark.slow
 def test_fsdp2_learner_and_resume_parity(ray_session, tmp_path):
     """FSDP2 over two learner ranks (gloo), rule rewards only: 2 steps, checkpoints after each. A copy of that
     run directory cut back to its step-0 checkpoint, resumed, logs the same step 1 as the straight run (the

@@ -115,7 +115,11 @@ def load_policy(run_dir: Path, ckpt: Path):
     blob = ckpt / LEARNER_BLOB
     if not blob.is_file():
         raise ValueError(f"{ckpt}: no {LEARNER_BLOB} (the learner's state); files: {sorted(_names(ckpt))}")
-    if any(name.startswith("learner-0.") and name != LEARNER_BLOB for name in _names(ckpt)):
+    from yatt_apps.workers import learner_backend
+
+    # a DDP replica over k devices (model.tensor_parallel = k for a vLLM rollout) holds k whole copies
+    sharded = learner_backend(cfg) != "ddp"
+    if sharded and any(name.startswith("learner-0.") and name != LEARNER_BLOB for name in _names(ckpt)):
         raise ValueError(f"{ckpt}: a tensor-parallel learner checkpoint; export reads unsharded ones only")
     state = torch.load(blob, map_location="cpu", weights_only=True)
     check_learner_state(state)

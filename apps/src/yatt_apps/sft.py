@@ -77,6 +77,8 @@ def sft_step(
 def check(cfg: RunConfig) -> None:
     if cfg.judge is not None or cfg.rewards:
         raise ValueError("sft trains on responses, not rewards: set judge to null and rewards to []")
+    if cfg.model.pipeline_parallel > 1:
+        raise ValueError("sft trains with the torch learner: model.pipeline_parallel must be 1")
 
 
 def step_function(cfg: RunConfig, policy_dir: str, val_rows=None):

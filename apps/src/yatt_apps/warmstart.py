@@ -268,7 +268,9 @@ def warm_start(spec: ModelSpec, model, tok) -> dict[str, Any]:
     examples = make()
     held_out, train = examples[:128], examples[128:]
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matrices: a second thread gains little and stalls on a busy machine
+    # two threads at most: measured on an idle 2-core machine, the judge's warm start runs 1.3x faster on two
+    # than on one (same losses), and tiny matrices gain nothing from more; one on a machine of one core
+    torch.set_num_threads(min(2, threads))
     torch.manual_seed(spec.seed)
     try:
         losses = sft_steps(

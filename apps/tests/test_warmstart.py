@@ -82,6 +82,11 @@ def test_cache_is_keyed_by_the_spec_and_reused(tmp_path, monkeypatch):
     assert key == warmstart.cache_key(msgspec.structs.replace(spec), CORPUS)
     assert key != warmstart.cache_key(msgspec.structs.replace(spec, warm_start_steps=4), CORPUS)
     assert key != warmstart.cache_key(spec, CORPUS[1:])
+    assert key != warmstart.cache_key(msgspec.structs.replace(spec, hidden_size=32), CORPUS)
+    serving = msgspec.structs.replace(
+        spec, tensor_parallel=2, pipeline_parallel=2, engine="vllm", dtype="fp32"
+    )
+    assert key == warmstart.cache_key(serving, CORPUS)  # how a model is served does not change its weights
     first = prepare_model(spec, tmp_path / "a" / "policy", CORPUS)
     report = msgspec.json.decode((first / "warm_start.json").read_bytes())
     assert report["kind"] == "policy" and report["steps"] == 3

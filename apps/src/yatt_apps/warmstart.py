@@ -39,6 +39,16 @@ TASK_ROWS = 2048  # distinct problems drawn for the warm start (the task has 21 
 TASK_SEED = 20_000  # apart from the run's train (seed) and validation (seed + 10_000) draws
 FORMAT_VERSION = 2  # bump when the data or training below changes: the cache key includes it
 VERDICTS = ("Verdict: Yes", "Verdict: No")
+# ModelSpec fields that say how a model is served or planned, not what its weights are: left out of the cache
+# key (a run at tensor_parallel=2 or on vLLM reuses the same warm-started model)
+SERVING_FIELDS = (
+    "num_params",
+    "tensor_parallel",
+    "pipeline_parallel",
+    "trust_remote_code",
+    "engine",
+    "dtype",
+)
 JUDGE_PROMPT_WEIGHT = 0.2  # judges also learn their prompts' tokens at this weight (see `sft_steps`)
 
 
@@ -51,7 +61,8 @@ def cache_key(spec: ModelSpec, corpus: list[str]) -> str:
     from importlib.metadata import version
 
     versions = [version(p) for p in ("yatt-apps", "yatt-multimodal", "yatt-rollout", "transformers", "torch")]
-    doc = [msgspec.to_builtins(spec), corpus, TASK_ROWS, TASK_SEED, FORMAT_VERSION, versions]
+    shaping = {k: v for k, v in msgspec.to_builtins(spec).items() if k not in SERVING_FIELDS}
+    doc = [shaping, corpus, TASK_ROWS, TASK_SEED, FORMAT_VERSION, versions]
     return hashlib.sha256(msgspec.json.encode(doc)).hexdigest()[:16]
 
 

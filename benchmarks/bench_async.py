@@ -1,23 +1,24 @@
 """Asynchronous training with bounded staleness against synchronous, on the real tiny GRPO job with its judge.
 
-The same job (`yatt_apps.launch.run_job`: tiny Qwen2 policy and judge, rule rewards + GenRM, two parallel
-controllers) on 4 logical devices in a disaggregated layout (learner 2, rollout 1, judge 1), with
-`algo.max_staleness` 0, 1 and 2, same seeds, in one Ray session: median seconds per step (start-up and the
-first steps excluded), completion tokens per second, the reward curve of each, and the largest staleness any
-trained sample had. On a 2-core machine the "devices" share the cores, so the overlap of generation with
-training is bounded by the CPU, not by the layout: the figures are what was measured.
+The same job (`yatt_apps.launch.run_job`: tiny Qwen2 policy and judge, rule rewards + GenRM) on 4 logical
+devices in a disaggregated layout, with `algo.max_staleness` 0, 1 and 2, same seeds, in one Ray session: median
+seconds per step (start-up and the first steps excluded), completion tokens per second, the reward curve of
+each, and the largest staleness any trained sample had.
 
-Where a step's time goes (`phase_s`, median seconds; the shared 2-core machine, 2026-11-22): synchronous
-0.31-0.55 s = rollout_reward 0.15-0.31 (generation busy 0.04-0.12 s, the GenRM judge the rest) + logprobs
-0.02-0.05 + train 0.10-0.15 + weight_sync 0.02-0.03. Async hides rollout_reward (0.01-0.03 s), so a step's
-floor is logprobs + train + weight_sync, about 0.2 s; but the judge then scores the next batch while the
-learner trains on the same two cores, and train grows (0.10 -> 0.19 s in one run). Three runs under other
-sessions' varying load: async1_speedup 1.29, 0.95, 2.65; async2_speedup 1.56, 1.29, 1.57 (each setting runs
-at a different time, so the load differs between them: compare `phase_s`, not single figures). Generation
-is short next to training here, so no generation is in flight at a weight push and partial rollouts
-(`--partial`, `rollout.partial=true`) resume nothing (`partial_resumed` 0).
+Layout: `--learners N` learner devices (one controller and one learner rank each), the other devices rollout
+and judge. The default is 1: on a 2-core machine the 4 "devices" share the cores, and async can only overlap
+generation and judging with training where a core is left for them. With 2 learner ranks both cores train
+and the judge, running beside them, slows training instead (measured on the idle machine, 2026-11-22:
+`--learners 2` sync 0.340 s/step, async1 0.306 (1.11x), async2 0.269 (1.26x); logprobs + train grew from
+0.16 to 0.26 s under async while rollout_reward, 0.15 s, was hidden). `--learners 1` in the same hour: sync
+0.474 s/step (rollout_reward 0.217 + logprobs 0.065 + train 0.180), async1 0.340 (1.40x), async2 0.288
+(1.65x), staleness never above its bound. On real devices (disjoint GPUs) the 2-rank case is the one that
+pays: steps take max(generation, training) instead of their sum.
 
-    python benchmarks/bench_async.py --quick [--partial]
+Partial rollouts (`--partial`, `rollout.partial=true`) resume nothing here: a tiny batch's generation is
+done long before the push (`partial_resumed` 0); the job-level test uses a slow-decode test double for that.
+
+    python benchmarks/bench_async.py --quick [--partial] [--learners N]
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import time
 from pathlib import Path
 
 
-def config(staleness: int, num_steps: int, partial: bool = False):
+def config(staleness: int, num_steps: int, partial: bool = False, learners: int = 2):
     import msgspec
     from yatt_apps.config import PRESETS, ControllerSpec, PlacementConfig
     from yatt_placement.types import ClusterSpec
@@ -43,14 +44,14 @@ def config(staleness: int, num_steps: int, partial: bool = False):
         run=replace(cfg.run, num_steps=num_steps, prompts_per_step=8, eval_every=0, progress=False),
         algo=replace(cfg.algo, max_staleness=staleness),
         rollout=replace(cfg.rollout, partial=partial and staleness > 0),
-        controller=ControllerSpec(num_controllers=2, heartbeat_interval_s=1.0, hang_timeout_s=300.0),
+        controller=ControllerSpec(num_controllers=learners, heartbeat_interval_s=1.0, hang_timeout_s=300.0),
         placement=PlacementConfig(
             mode="disaggregated", cluster=ClusterSpec(num_nodes=1, devices_per_node=4, device_memory_gb=16.0)
         ),
     )
 
 
-def run_all(num_steps: int, partial: bool = False) -> dict[int, list[dict]]:
+def run_all(num_steps: int, partial: bool = False, learners: int = 2) -> dict[int, list[dict]]:
     import ray
     from yatt_apps.grpo import JOB
     from yatt_apps.launch import ENV, run_job
@@ -69,7 +70,7 @@ def run_all(num_steps: int, partial: bool = False) -> dict[int, list[dict]]:
     try:
         with tempfile.TemporaryDirectory() as root:
             for k in (0, 1, 2):
-                run_job(config(k, num_steps, partial), Path(root) / f"k{k}", JOB)
+                run_job(config(k, num_steps, partial, learners), Path(root) / f"k{k}", JOB)
                 lines = (Path(root) / f"k{k}" / "metrics.jsonl").read_text().splitlines()
                 out[k] = [json.loads(line) for line in lines]
     finally:
@@ -90,19 +91,27 @@ def main() -> None:
         "--quick", action="store_true", help="12 steps per setting (start-up dominates: minutes per setting)"
     )
     parser.add_argument("--partial", action="store_true", help="async settings with rollout.partial=true")
+    parser.add_argument(
+        "--learners",
+        type=int,
+        default=1,
+        help="learner devices (one controller each); the rest: rollout, judge",
+    )
     args = parser.parse_args()
     began = time.perf_counter()
     # a tiny step takes well under a second and each setting's start-up far longer: 12 steps make the median
     # (of the 10 after the window fills) steadier at almost no cost
     num_steps = 12 if args.quick else 24
-    runs = run_all(num_steps, args.partial)
+    runs = run_all(num_steps, args.partial, args.learners)
     skip = 2  # start-up and the async window filling
     step_s = {k: statistics.median(s["time/step"] for s in steps[skip:]) for k, steps in runs.items()}
     tokens = {
         k: statistics.median(s["throughput/tokens_per_s"] for s in steps[skip:]) for k, steps in runs.items()
     }
     staleness = max(s.get("async/staleness_max", 0.0) for k in (1, 2) for s in runs[k])
-    print(f"tiny GRPO + judge, disaggregated on 4 logical devices (2 CPU cores), {num_steps} steps each")
+    print(
+        f"tiny GRPO + judge, disaggregated on 4 logical devices ({args.learners} learner), {num_steps} steps each"
+    )
     phases = {k: phase_medians(steps[skip:]) for k, steps in runs.items()}
     for k, steps in runs.items():
         curve = [round(s["reward/mean"], 3) for s in steps]
@@ -123,6 +132,7 @@ def main() -> None:
             for k, steps in runs.items()
         },
         "partial": args.partial,
+        "learners": args.learners,
         "partial_resumed": {
             str(k): sum(s.get("async/partial_resumed", 0.0) for s in steps) for k, steps in runs.items()
         },

@@ -38,8 +38,10 @@ def _comparable(row: dict) -> dict:
 @pytest.fixture(scope="module")
 def learning_run(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("grpo") / "learn"
-    summary = _yatt("grpo", "--run-dir", str(run_dir), "--set", "run.num_steps=11", "--set", "run.eval_every=10",
-                    "--set", "controller.checkpoint_every=2", cwd=run_dir.parent)  # fmt: skip
+    # the newest 5 of the 6 checkpoints (steps 1, 3, ..., 9, 10) kept: the resume test starts from step 3's
+    argv = ["grpo", "--run-dir", str(run_dir), "--set", "run.num_steps=11", "--set", "run.eval_every=10"]
+    argv += ["--set", "controller.checkpoint_every=2", "--set", "controller.keep_checkpoints=5"]
+    summary = _yatt(*argv, cwd=run_dir.parent)
     # parallel controllers: only step reports pass through the driver (counted at Ray's API in the driver)
     assert summary["driver_bytes"] < 300_000 and summary["restarts"] == 0
     return run_dir
@@ -59,7 +61,7 @@ def test_run_directory_is_complete(learning_run):
     assert (learning_run / "summary.png").read_bytes()[:4] == b"\x89PNG"
     assert any((learning_run / "tb").iterdir())
     kept = sorted(p.name for p in (learning_run / "checkpoints").iterdir())
-    assert len(kept) == 2  # keep_checkpoints=2 of the 6 written
+    assert kept == [f"step-{k:08d}" for k in (3, 5, 7, 9, 10)]  # keep_checkpoints=5 of the 6 written
     assert (learning_run / "final" / "config.json").is_file()  # the last step's policy, exported
 
 
@@ -78,13 +80,19 @@ def test_judge_parses_and_the_schedule_spans_the_run(learning_run):
 
 
 def test_resume_reaches_the_same_next_steps(learning_run, tmp_path):
-    """A run stopped after step 3 (checkpoint at step 3) and resumed reaches the same steps 4 and 5 as the
-    run that never stopped: same data, same sampled completions, same rewards, same update."""
+    """A copy of the run cut back to its checkpoint of step 3 (later checkpoints removed) and resumed reaches the
+    same steps 4 and 5 as the run that never stopped: same data, same sampled completions, same rewards, same
+    update. (The resumed run drops the copied records after step 3 and writes them again.)"""
+    import shutil
+
     run_dir = tmp_path / "stopped"
-    _yatt("grpo", "--run-dir", str(run_dir), "--set", "run.num_steps=4", "--set", "run.schedule_steps=11",
-          "--set", "run.eval_every=10",
-          "--set", "controller.checkpoint_every=2", cwd=tmp_path)  # fmt: skip
-    _yatt("resume", str(run_dir), "--set", "run.num_steps=6", cwd=tmp_path)
+    shutil.copytree(learning_run, run_dir, ignore=shutil.ignore_patterns("final"))  # final/: a finished run
+    for ckpt in (run_dir / "checkpoints").iterdir():
+        if ckpt.is_dir() and ckpt.name != "step-00000003":
+            shutil.rmtree(ckpt)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.is_dir()) == ["step-00000003"]
+    # the schedule stays the 11-step one the checkpoint was made under
+    _yatt("resume", str(run_dir), "--set", "run.num_steps=6", "--set", "run.schedule_steps=11", cwd=tmp_path)
     resumed, straight = _metrics(run_dir), _metrics(learning_run)
     assert sorted(resumed) == list(range(6))
     for step in (4, 5):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ import msgspec
 
 from yatt_apps.overlay import to_yaml
 
-# summary.png's panels: a title and the metrics it draws (a trailing "*" matches every metric of that form)
+# summary.png's panels: a title and the metrics it draws (fnmatch patterns: "*" matches any text)
 PLOT_PANELS = {
     "validation accuracy": ["val/accuracy"],
     "judge agreement with the rule": ["judge/agreement"],
@@ -179,22 +180,13 @@ def plot_panels(history: list[dict[str, float]]) -> list[tuple[str, dict[str, li
     names = sorted({k for row in history for k in row})
     panels = []
     for title, patterns in PLOT_PANELS.items():
-        keys = [k for k in names if any(_matches(k, p) for p in patterns)]
+        keys = [k for k in names if any(fnmatchcase(k, p) for p in patterns)]
         series = {k: [(row["step"], row[k]) for row in history if k in row] for k in keys}
         values = {v for points in series.values() for _, v in points}
         if not values:
             continue
         panels.append((f"{title} (constant {values.pop():g})" if len(values) == 1 else title, series))
     return panels
-
-
-def _matches(key: str, pattern: str) -> bool:
-    head, star, tail = pattern.partition("*")
-    return (
-        key.startswith(head) and key.endswith(tail) and len(key) > len(head) + len(tail)
-        if star
-        else key == pattern
-    )
 
 
 def plot_summary(history: list[dict[str, float]], out: Path) -> Path | None:

@@ -132,15 +132,15 @@ def _megatron_learners(cfg: RunConfig, model_dir: str, info: Any, key: str, refe
     """Megatron-Core learners over every actor worker: an actor replica (its workers get the same rows) is one
     model-parallel group of `model.tensor_parallel` x `model.pipeline_parallel` ranks, data parallel = the
     replicas. CUDA only, except under the labelled test-only CPU shim ($YATT_TEST_MEGATRON_CPU_SHIM=1,
-    `yatt_apps.megatron_shim`)."""
+    `yatt_algos.learner.megatron_cpu_shim`)."""
     import os
 
     import torch
 
     if os.environ.get(MEGATRON_CPU_SHIM) == "1" and not torch.cuda.is_available():
-        from yatt_apps import megatron_shim
+        from yatt_algos.learner.megatron_cpu_shim import install
 
-        megatron_shim.install()  # TEST ONLY
+        install()  # TEST ONLY
     elif not torch.cuda.is_available():
         raise ValueError(
             "learner.backend='megatron' needs CUDA on every learner worker, and this one has none: give the "

@@ -3,10 +3,9 @@ generated batches. Nothing is downloaded."""
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
+from yatt_algos.learner.megatron_cpu_shim import megatron_cpu_shim  # TEST-ONLY shim
 
 
 def tiny_config(kind: str = "qwen2", **overrides):
@@ -136,47 +135,6 @@ def dp_batch() -> dict[str, torch.Tensor]:
     )
     batch["old_logprobs"] = torch.where(batch["response_mask"], old, 0.0)
     return batch
-
-
-class _ScheduleTorch:
-    """`torch` as Megatron's pipeline schedules module sees it inside the shim: the same, except `zeros`, whose
-    one `device="cuda"` call there (the schedule's token counter) makes its tensor on the CPU."""
-
-    def __getattr__(self, name: str):
-        return getattr(torch, name)
-
-    @staticmethod
-    def zeros(*args, device=None, **kwargs):
-        return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
-
-
-@contextlib.contextmanager
-def megatron_cpu_shim():
-    """TEST-ONLY CPU shim for megatron-core 0.16, never for a product path: the Megatron backend targets GPUs.
-
-    Megatron-Core calls CUDA in places that have nothing to do with the math: RoPE moves its `inv_freq` to
-    `torch.cuda.current_device()`, the RNG tracker forks CUDA generator states around dropout regions, and at
-    pipeline size > 1 the 1F1B schedule makes its token counter with `device="cuda"`
-    (pipeline_parallel/schedules.py, `forward_backward_pipelining_without_interleaving`) and the p2p shape
-    exchange calls `torch.cuda.synchronize()` after its (gloo-capable) `batch_isend_irecv`
-    (pipeline_parallel/p2p_communication.py, `_communicate_shapes`). Inside this context
-    `torch.cuda.current_device` returns the CPU device, `torch.cuda.synchronize` does nothing (no CUDA work
-    exists), the schedules module's `torch.zeros` puts its "cuda" tensors on the CPU, and the tracker is
-    Megatron's own inference tracker, whose `fork()` does nothing (the tiny test models have no dropout).
-    """
-    from megatron.core.pipeline_parallel import schedules
-    from megatron.core.tensor_parallel import random as mrandom
-
-    real = torch.cuda.current_device, torch.cuda.synchronize, schedules.torch
-    torch.cuda.current_device = lambda: torch.device("cpu")
-    torch.cuda.synchronize = lambda device=None: None
-    schedules.torch = _ScheduleTorch()
-    mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-    try:
-        yield
-    finally:
-        torch.cuda.current_device, torch.cuda.synchronize, schedules.torch = real
-        mrandom.initialize_rng_tracker(force_reset=True)
 
 
 def init_megatron(rank: int, world: int, port: int, *, tp: int = 1, pp: int = 1) -> None:

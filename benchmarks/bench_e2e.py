@@ -18,7 +18,8 @@ What is compared. One GRPO step = generate G completions for each of P prompts, 
 YATT runs the real app: `yatt_apps.launch.run_job` with the `tiny_cpu` preset minus the judge, colocated, in
 each layout of `--layouts` (`2c2d`: two parallel controllers on two logical devices, a learner rank each over
 gloo DDP; `1c1d`: one controller, one device), all in one Ray session; per device a policy learner rank with
-its reference, an HF rollout engine and a reward worker. The engines keep their weights between steps
+its reference, an HF rollout engine and a reward worker. A logical device is an equal share of the machine's
+cores (`placement.cpus_per_device` = cores / devices: the torch threads of each role on it). The engines keep their weights between steps
 (`placement.sleep_level=0`: a CPU has no device memory to hand over). Its step time is the lead controller's
 `time/step` (data, rollout, reward, advantages, train with the reference forward, weight sync; not
 checkpoints, which are off). TRL runs `GRPOTrainer(use_cpu=True, use_vllm=False)` in this process at each
@@ -115,6 +116,8 @@ def yatt_config(policy_dir: str, args: argparse.Namespace, num_steps: int, layou
         "model.warm_start=none",
         f"controller.num_controllers={devices}",
         f"placement.cluster.devices_per_node={devices}",
+        # a logical CPU device is an equal share of the machine's cores: its roles' torch threads
+        f"placement.cpus_per_device={max(1, (os.cpu_count() or 1) // devices)}",
         f"run.num_steps={num_steps}",
         f"run.prompts_per_step={args.prompts}",
         f"data.num_train_rows={args.num_rows}",

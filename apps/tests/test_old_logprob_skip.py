@@ -118,3 +118,23 @@ def test_step_helper_joins_every_ranks_rows_in_order(model_dir):
     for key in lp:
         assert torch.equal(lp[key], want[key]), key
     assert stats["num_skipped_steps"] == 0.0 and stats["ratio_max"] == 1.0
+
+
+def test_policy_worker_sizes_its_reference_and_threads_from_the_config(model_dir):
+    """The reference forward runs at `optim.micro_batch_size` rows (it ran 4 at a time whatever the user set:
+    a 64-row batch took 16 forwards) and the worker's torch threads are `placement.cpus_per_device`."""
+    cfg = _cfg()
+    cfg = msgspec.structs.replace(
+        cfg,
+        optim=msgspec.structs.replace(cfg.optim, micro_batch_size=8),
+        placement=msgspec.structs.replace(cfg.placement, cpus_per_device=2.0),
+    )
+    try:
+        worker = PolicyWorker(cfg, model_dir, "unused", worker_info=ONE_RANK)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(1)
+    rows = []
+    worker.reference.model.register_forward_hook(lambda m, args, out: rows.append(1))
+    worker.logprobs_and_train(_experience(worker.learner.model.config.vocab_size))
+    assert worker.reference.micro_batch_size == 8 and rows == [1]  # 8 rows: one reference forward

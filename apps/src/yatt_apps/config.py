@@ -87,7 +87,7 @@ class PlacementConfig(_Config, kw_only=True):
 
     mode: PlacementMode = "colocated"
     cluster: ClusterSpec = ClusterSpec(num_nodes=1, devices_per_node=2, device_memory_gb=16.0)
-    cpus_per_device: float = 1.0
+    cpus_per_device: float = 1.0  # Ray CPUs per device; also each hosted role's torch threads (at least 1)
     # colocated: the rollout engine's sleep level between generation and training (0: never sleep; 1: caches
     # and weights off the accelerator; 2: weights discarded, restored by the next weight push)
     sleep_level: int = 2

@@ -49,7 +49,7 @@ FIELD_DOCS: dict[str, str] = {
     "DataSpec.system_prompt": "a system message put before every prompt; empty: none",
     "PlacementConfig.mode": "colocated (all roles share devices), partial or disaggregated",
     "PlacementConfig.cluster": "the devices the job may use",
-    "PlacementConfig.cpus_per_device": "Ray CPUs reserved per logical device",
+    "PlacementConfig.cpus_per_device": "Ray CPUs reserved per logical device; each hosted role's torch threads",
     "ClusterSpec.num_nodes": "nodes in the cluster",
     "ClusterSpec.devices_per_node": "accelerators (or logical devices on CPU) per node",
     "ClusterSpec.device_memory_gb": "memory of one device, for planning",

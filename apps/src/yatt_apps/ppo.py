@@ -49,9 +49,9 @@ class CriticWorker:
         from transformers import AutoModelForTokenClassification
         from yatt_algos.learner.torch_backend import TorchCriticLearner
 
-        from yatt_apps.workers import join_learner_group
+        from yatt_apps.workers import join_learner_group, set_threads
 
-        torch.set_num_threads(1)  # several hosted roles share a CPU core on the tiny preset
+        set_threads(cfg)
         torch.manual_seed(cfg.run.seed + 1)  # the value head's init; identical on every rank
         group = None
         if worker_info.dp_size > 1:

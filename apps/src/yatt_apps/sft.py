@@ -141,9 +141,9 @@ class SFTWorker:
         from yatt_algos.learner.torch_backend import TorchPolicyLearner
 
         from yatt_apps.models import load_causal_lm
-        from yatt_apps.workers import _one_thread, join_learner_group
+        from yatt_apps.workers import join_learner_group, set_threads
 
-        _one_thread()
+        set_threads(cfg)
         torch.manual_seed(cfg.run.seed)
         group = join_learner_group(worker_info, key)
         algo = msgspec.structs.replace(cfg.algo, num_updates_per_batch=1)  # SFT: one pass per batch

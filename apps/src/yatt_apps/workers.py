@@ -19,10 +19,13 @@ from yatt_apps.models import load_causal_lm, load_tokenizer
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
-def _one_thread() -> None:
+def set_threads(cfg: RunConfig) -> None:
+    """torch's intra-op threads for a hosted role: `placement.cpus_per_device` (at least 1). On the CPU a
+    logical device is that many cores: the tiny presets put several devices on one core (1 thread each), and a
+    device that owns the machine's cores lets its roles use them all (colocated roles take turns)."""
     import torch
 
-    torch.set_num_threads(1)  # several hosted roles share a CPU core on the tiny preset
+    torch.set_num_threads(max(1, int(cfg.placement.cpus_per_device)))
 
 
 def device() -> str:
@@ -122,10 +125,12 @@ def _torch_learners(cfg: RunConfig, model_dir: str, group: Any, reference: bool)
         return load_causal_lm(model_dir, trust_remote_code=trust, dtype=dtype).to(dev)
 
     policy = TorchPolicyLearner(model(), algo=cfg.algo, optim_config=cfg.optim, learner=learner, group=group)
-    ref = (
-        TorchPolicyLearner(model(), algo=cfg.algo, optim_config=None, learner=learner) if reference else None
+    if not reference:
+        return policy, None
+    mbs = cfg.optim.micro_batch_size  # the reference's forward runs at the size the user set, as the policy's
+    return policy, TorchPolicyLearner(
+        model(), algo=cfg.algo, optim_config=None, learner=learner, micro_batch_size=mbs
     )
-    return policy, ref
 
 
 def _megatron_learners(cfg: RunConfig, model_dir: str, info: Any, key: str, reference: bool):
@@ -168,6 +173,7 @@ def _megatron_learners(cfg: RunConfig, model_dir: str, info: Any, key: str, refe
             optim_config=optim,
             learner=cfg.learner,
             params_dtype=params_dtype,
+            micro_batch_size=cfg.optim.micro_batch_size,
         )
 
     return build(cfg.optim), build(None) if reference else None
@@ -203,7 +209,7 @@ class PolicyWorker:
     def __init__(self, cfg: RunConfig, model_dir: str, key: str, *, worker_info: Any) -> None:
         import torch
 
-        _one_thread()
+        set_threads(cfg)
         torch.manual_seed(cfg.run.seed)
         self.backend = learner_backend(cfg)
         reference = bool(cfg.algo.kl_loss_coef or cfg.algo.kl_reward_coef)
@@ -353,7 +359,7 @@ class RolloutWorker:
     def __init__(self, cfg: RunConfig, model_dir: str, *, worker_info: Any = None) -> None:
         from yatt_apps.models import is_vlm, load_image_processor
 
-        _one_thread()
+        set_threads(cfg)
         self.engine = None
         # rollout.partial: a weight push loads while generate runs (the engine pauses its own batch)
         self.loads_while_generating = cfg.rollout.partial
@@ -394,7 +400,7 @@ class RewardWorker:
     def __init__(self, cfg: RunConfig, judge_dir: str = "", *, worker_info: Any = None) -> None:
         from yatt_multimodal.reward_specs import build_combined
 
-        _one_thread()
+        set_threads(cfg)
         self.engine = self.reward = None
         if worker_info is not None and worker_info.tp_rank > 0:
             return  # a judge over k devices (vLLM TP) lives in its replica's first worker, as in RolloutWorker

@@ -98,6 +98,10 @@ class CountingLearner:
     def getpid(self) -> int:
         return os.getpid()
 
+    def malloc_env(self) -> dict[str, str]:
+        """The host process's glibc malloc settings, as it started with them."""
+        return {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
+
 
 def media_step(ctx, batch: list[int]) -> dict[str, float]:
     """One step: generate, check versions, train on this controller's share, all-reduce the counts."""

@@ -76,6 +76,8 @@ def test_worker_group_dispatch_and_colocation(cluster):
         # roles the plan colocates share a process: one host per device
         assert ray.get(learner.broadcast("getpid")) == ray.get(rollout.broadcast("getpid"))
         assert len(set(ray.get(learner.broadcast("getpid")))) == 2
+        # every host process starts with one malloc arena (HOST_ENV: calls hop threads)
+        assert ray.get(learner.broadcast("malloc_env")) == [{"MALLOC_ARENA_MAX": "1"}] * 2
         assert ray.get(learner.broadcast("rank")) == [(0, 2), (1, 2)]
         # scatter: 5 prompts over 2 replicas -> [0, 1, 2] and [3, 4]; gather keeps both dp ranks in order
         outs = ray.get(rollout.gather(rollout.scatter("generate", [0, 1, 2, 3, 4])))

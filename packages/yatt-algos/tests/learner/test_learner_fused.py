@@ -65,3 +65,23 @@ def test_fused_update_refuses_what_it_cannot_do_exactly(tiny, fresh_batch):
     old = torch.zeros_like(fresh_batch["advantages"])
     with pytest.raises(ValueError, match="must not hold them"):
         learner().update_from_current({**fresh_batch, "old_logprobs": old})
+
+
+def test_an_inference_learner_runs_at_the_micro_batch_size_it_is_given(tiny, fresh_batch):
+    """A reference (optim_config=None) forwards `micro_batch_size` rows at a time (4 when unset): the job gives
+    it the policy's size, so a reference forward no longer runs 8 rows as two forwards of 4."""
+
+    def forwards(micro_batch_size):
+        rows = []
+        ref = TorchPolicyLearner(
+            tiny.lm(0), algo=AlgoConfig(), optim_config=None, micro_batch_size=micro_batch_size
+        )
+        ref.model.register_forward_hook(
+            lambda m, args, kw, out: rows.append(kw["input_ids"].shape[0]), with_kwargs=True
+        )
+        return ref.compute_logprobs(fresh_batch), rows
+
+    whole, whole_rows = forwards(8)
+    default, default_rows = forwards(None)
+    assert whole_rows == [8] and default_rows == [4, 4]
+    torch.testing.assert_close(whole, default, rtol=0, atol=1e-6)

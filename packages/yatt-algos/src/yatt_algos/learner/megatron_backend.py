@@ -132,7 +132,8 @@ def _causal_mask(t: int, device: torch.device) -> torch.Tensor:
 
 
 class MegatronPolicyLearner:
-    """Policy learner over Megatron-Core. `optim_config=None` builds an inference-only learner (reference)."""
+    """Policy learner over Megatron-Core. `optim_config=None` builds an inference-only learner (reference);
+    `micro_batch_size` as in `TorchPolicyLearner`."""
 
     def __init__(
         self,
@@ -143,6 +144,7 @@ class MegatronPolicyLearner:
         optim_config: OptimConfig | None,
         learner: LearnerConfig | None = None,
         params_dtype: torch.dtype = torch.float32,
+        micro_batch_size: int | None = None,
     ) -> None:
         from megatron.core import parallel_state as ps
 
@@ -166,7 +168,7 @@ class MegatronPolicyLearner:
         if optim_config is not None:
             self.optimizer = optim.build_optimizer(self.model.parameters(), optim_config)
             self.scheduler = optim.build_scheduler(self.optimizer, optim_config)
-        self.micro_batch_size = optim_config.micro_batch_size if optim_config else 4
+        self.micro_batch_size = micro_batch_size or (optim_config.micro_batch_size if optim_config else 4)
         self.num_steps = self.num_skipped_total = 0
 
     def _run(self, micros: list[Batch], *, entropy: str, forward_only: bool, norm: Normalizer | None = None):

@@ -92,6 +92,8 @@ def value_forward(model: torch.nn.Module, mb: Batch) -> dict[str, torch.Tensor]:
 
 class TorchPolicyLearner:
     """Policy learner over an HF causal LM. `optim_config=None` builds an inference-only learner (reference).
+    `micro_batch_size`: sequences per no-grad forward (default: `optim_config.micro_batch_size`, else 4); a job
+    gives its reference the policy's, so both forwards run at the size the user set.
 
     All ranks of `group` must call `update`, `export_weights` (under FSDP2) and `state_dict` (under FSDP2)
     together, each with its own shard of the batch.
@@ -105,10 +107,11 @@ class TorchPolicyLearner:
         optim_config: OptimConfig | None,
         learner: LearnerConfig | None = None,
         group: dist.ProcessGroup | None = None,
+        micro_batch_size: int | None = None,
     ) -> None:
         learner = learner or LearnerConfig()
         self.engine = TorchEngine(model, algo=algo, optim_config=optim_config, learner=learner, group=group)
-        self.micro_batch_size = optim_config.micro_batch_size if optim_config else 4
+        self.micro_batch_size = micro_batch_size or (optim_config.micro_batch_size if optim_config else 4)
 
     @property
     def model(self) -> torch.nn.Module:

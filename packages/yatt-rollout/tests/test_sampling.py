@@ -6,7 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from yatt_rollout.sampling import filter_logits, raw_logprobs, row_params, sample  # noqa: E402
+from yatt_rollout.sampling import filter_logits, inverse_cdf, raw_logprobs, row_params, sample  # noqa: E402
 
 # probabilities 0.5, 0.25, 0.15, 0.1 (log of them are the logits)
 LOGITS = torch.tensor([[math.log(0.5), math.log(0.25), math.log(0.15), math.log(0.1)]])
@@ -58,6 +58,30 @@ def test_sampling_matches_the_filtered_distribution():
     freq = torch.bincount(tokens, minlength=4).float() / 20000
     assert freq[3] == 0
     torch.testing.assert_close(freq[:3], torch.tensor([0.5, 0.25, 0.15]) / 0.9, atol=0.015, rtol=0)
+
+
+def test_seeded_rows_match_the_filtered_distribution_and_their_seed():
+    # top_p 0.8 keeps tokens 0..2 with renormalized probabilities 0.5/0.9, 0.25/0.9, 0.15/0.9; every row seeded
+    n = 20000
+    logits = LOGITS.repeat(n, 1)
+    params = row_params([1.0] * n, [0] * n, [0.8] * n)
+    tokens = sample(logits, params, [torch.Generator().manual_seed(i) for i in range(n)], torch.Generator())
+    freq = torch.bincount(tokens, minlength=4).float() / n
+    assert freq[3] == 0
+    torch.testing.assert_close(freq[:3], torch.tensor([0.5, 0.25, 0.15]) / 0.9, atol=0.015, rtol=0)
+    # a row's token is the first whose cumulative probability exceeds its generator's uniform draw
+    u = torch.rand(1, generator=torch.Generator().manual_seed(7), dtype=torch.float64).item()
+    want = int((torch.tensor([0.5, 0.75, 0.9]) / 0.9 <= u).sum())
+    assert sample(logits[:1], row_params([1.0], [0], [0.8]), [torch.Generator().manual_seed(7)], None) == want
+
+
+def test_inverse_cdf_never_picks_a_zero_probability_token():
+    probs = torch.tensor([[0.0, 0.3, 0.7, 0.0], [1.0, 0.0, 0.0, 0.0]])
+    for seed in range(200):
+        gens = [torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed + 1)]
+        first, second = inverse_cdf(probs, gens).tolist()
+        assert first in (1, 2) and second == 0
+    assert inverse_cdf(probs, [torch.Generator().manual_seed(0)] * 2).dtype == torch.int64
 
 
 def test_raw_logprobs_ignore_temperature():

@@ -57,3 +57,23 @@ def test_resumed_attempt_counts_startup_from_its_first_step(tmp_path, monkeypatc
     assert row["step"] == 7 and row["time/startup"] == 10.0 and row["time/idle"] == 0.0
     assert logger.bar.n == 8 and logger.eta_s(7) == 2.0  # one step left at 2 s
     assert progress._clock(3725) == "1:02:05"
+
+
+def test_a_resumed_run_logs_the_carried_steps_its_log_lacks(tmp_path):
+    """Resuming from the checkpoint of step 3 (start_step 4) after a driver died having logged steps 0..1:
+    the checkpoint's carried reports of steps 1..3 reach the logger first; 2 and 3 are logged (once, as
+    ordinary steps, no start-up), 1 is already there; then the run's own steps go on as usual."""
+    first = RunDir(tmp_path, tensorboard=False)
+    for step in (0, 1):
+        first.log(step, {"reward/mean": 0.1 * step})
+    first.close(plot=False)
+    run = RunDir(tmp_path, tensorboard=False, resume_step=3)
+    logger = StepLogger(run, num_steps=6, start_step=4, progress=False, started_at=0.0)
+    for step in (1, 2, 3):
+        logger(step, [_report(step, 2.0, 1.0, 1.0)])
+    logger(4, [_report(4, 2.0, 1.0, 0.5)])
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    assert rows[1] == {"step": 1, "reward/mean": 0.1}  # kept from the first driver, not rewritten
+    assert rows[2]["reward/mean"] == pytest.approx(0.2) and "time/startup" not in rows[2]
+    assert "time/startup" in rows[4]  # the resumed attempt's first own step still carries its start-up

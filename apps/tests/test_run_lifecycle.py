@@ -240,7 +240,9 @@ def test_ctrl_c_stops_cleanly_and_resume_logs_every_step_once(tmp_path):
     logged = _steps(run_dir)
     assert logged == list(range(len(logged))) and 3 <= len(logged) < 24  # stopped before the end
     found = checkpoint.latest(run_dir / "checkpoints")
-    assert found is not None and found[1].step <= logged[-1] + 1  # +1: written, its report not yet in
+    # controllers run ahead of the driver's log: the checkpoint may hold steps not logged yet (it carries
+    # their reports, and the resumed run logs them first)
+    assert found is not None and found[1].step < 24
     assert err.endswith(
         f"interrupted at step {logged[-1]}; resume with: yatt resume {run_dir}\n"
         f"(the run continues after the checkpoint of step {found[1].step})\n"

@@ -35,7 +35,7 @@ class StepLogger:
         self, run: RunDir, num_steps: int, start_step: int, progress: bool, started_at: float | None = None
     ):
         self.run, self.last = run, {}
-        self.num_steps, self.started_at = num_steps, started_at
+        self.num_steps, self.started_at, self.start_step = num_steps, started_at, start_step
         self.first = True
         self.durations: deque[float] = deque(maxlen=RATE_WINDOW)  # seconds of recent steps, start-up excluded
         self.previous: float | None = None  # perf_counter when the previous step's report arrived
@@ -54,7 +54,9 @@ class StepLogger:
                 bar_format=bar_format,
             )
 
-    def metrics(self, reports: list[Any], now: float) -> tuple[dict[str, float], float]:
+    def metrics(
+        self, reports: list[Any], now: float, first: bool | None = None
+    ) -> tuple[dict[str, float], float]:
         """(one step's metrics from the controllers' reports (the lead's), the step's seconds without
         start-up), start-up split off the first step."""
         lead = reports[0]
@@ -64,7 +66,7 @@ class StepLogger:
         idle = max(step_s - phases, 0.0)
         metrics = {**lead.metrics, **timings, "time/idle": idle}
         busy = step_s
-        if self.first:
+        if self.first if first is None else first:
             before = 0.0 if self.started_at is None else max(now - step_s - self.started_at, 0.0)
             metrics["time/startup"], metrics["time/idle"], busy = before + idle, 0.0, step_s - idle
         metrics["throughput/tokens_per_s"] = metrics.get("rollout/response_tokens", 0.0) / max(busy, 1e-9)
@@ -73,6 +75,10 @@ class StepLogger:
         return metrics, busy
 
     def __call__(self, step: int, reports: list[Any]) -> None:
+        if step < self.start_step:  # a report the checkpoint carried: logged now only if the log lacks it
+            if self.run.last_step is None or step > self.run.last_step:
+                self.run.log(step, self.metrics(reports, time.perf_counter(), first=False)[0])
+            return
         now = time.perf_counter()
         metrics, busy = self.metrics(reports, now)
         # after the first step, the wall time between reports (checkpoints and driver overhead included)

@@ -97,6 +97,11 @@ class RunDir:
         self._wandb = None
 
     @property
+    def last_step(self) -> int | None:
+        """The last step logged (this run's records, or those kept from before a resume)."""
+        return self._last
+
+    @property
     def checkpoints(self) -> Path:
         return self.path / "checkpoints"
 

@@ -290,3 +290,35 @@ def test_checkpointed_service_must_exist(cluster, tmp_path):
         ValueError, match=r"Services.checkpointed names \['critic'\], not among \['actor', 'rollout'\]"
     ):
         run(ControllerSpec(num_controllers=2, heartbeat_interval_s=0.5), job, cluster)
+
+
+def test_a_checkpoint_carries_the_reports_a_dead_driver_never_logged(cluster, tmp_path):
+    """Controllers run ahead of the driver's heartbeat: a checkpoint can be written before the driver has the
+    reports of its steps. It carries every controller's reports of the steps the driver had not logged, and a
+    run resumed from it (a new driver: nothing received) hands them to on_step before running on."""
+    from yatt_controller.checkpoint import latest
+    from yatt_controller.controller import saved_reports
+
+    spec = ControllerSpec(num_controllers=2, heartbeat_interval_s=0.5, checkpoint_every=2)
+    logged: dict[int, list] = {}
+    first = run(spec, dataclasses.replace(_job(tmp_path, num_steps=4), on_step=logged.__setitem__), cluster)
+    path, manifest = latest(str(tmp_path / "ckpt"))
+    assert manifest.step == 3
+    saved = saved_reports(path)
+    # the last step's reports from both controllers at least; none the driver had acknowledged before
+    assert {(r.step, r.controller_rank) for r in saved} >= {(3, 0), (3, 1)}
+    # a step the driver had not logged is carried by both controllers (one that only one carries was logged:
+    # the other controller's heartbeat had already said so)
+    pairs = {(r.step, r.controller_rank) for r in saved}
+    steps = sorted({s for s, _ in pairs if {(s, 0), (s, 1)} <= pairs})
+    assert [r.metrics for r in saved if r.step == 3] == [r.metrics for r in first.reports[3]]
+    # a new driver resuming from it: the run is done, but on_step gets each carried step, all ranks, in order
+    recovered: list[tuple[int, list]] = []
+    rest = run(
+        spec,
+        dataclasses.replace(_job(tmp_path, num_steps=4), on_step=lambda s, r: recovered.append((s, r))),
+        cluster,
+    )
+    assert rest.reports == {}  # recovered reports are not this run's
+    assert [s for s, _ in recovered] == steps and recovered[-1][0] == 3
+    assert [r.metrics for r in recovered[-1][1]] == [r.metrics for r in logged[3]]

@@ -174,7 +174,10 @@ class ControllerCore:
         )
         self._lock = threading.Lock()
         self._beat = (0, "start", time.time())
-        self._reports: list[StepReport] = []
+        self._reports: list[StepReport] = []  # finished, not yet handed to a heartbeat
+        # finished and not yet logged by the driver (its heartbeat says how far it has logged): a checkpoint
+        # carries them, so a run resumed after the driver died logs the steps it had not (saved_reports)
+        self._unlogged: list[StepReport] = []
         self.moves = 0  # live re-placements applied (rank 0 counts them in its reports)
         services = [n for n in plan.services if n != plan.learner_name and n not in plan.checkpointed]
         # replicas that can be replaced exist: a learner-only job reports no fault count
@@ -217,11 +220,13 @@ class ControllerCore:
         with self._lock:
             self._beat = (self.ctx.step, phase or self._beat[1], time.time())
 
-    def heartbeat(self) -> tuple[Heartbeat, list[StepReport]]:
-        """The last progress and the reports finished since the previous heartbeat."""
+    def heartbeat(self, logged_through: int = -1) -> tuple[Heartbeat, list[StepReport]]:
+        """The last progress and the reports finished since the previous heartbeat. `logged_through`: the
+        driver has logged every step up to it, so later checkpoints need not carry those reports."""
         with self._lock:
             step, phase, when = self._beat
             reports, self._reports = self._reports, []
+            self._unlogged = [r for r in self._unlogged if r.step > logged_through]
         node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
         return Heartbeat(actor=self.label, node_id=node, step=step, phase=phase, time_unix=when), reports
 
@@ -253,6 +258,8 @@ class ControllerCore:
                 timings_s=dict(self.ctx.timings_s),
                 num_samples=len(batch),
             )
+            with self._lock:
+                self._unlogged.append(report)
             every = self.plan.checkpoint_every
             # every k steps, and the last step of the run (what export and a finished run's resume read)
             if self.plan.checkpoint_dir and every and ((step + 1) % every == 0 or step == end_step - 1):
@@ -313,6 +320,8 @@ class ControllerCore:
             "rng": [version, list(internal), gauss],
             "state": self.ctx.state,
         }
+        with self._lock:  # this controller's reports the driver may not have logged, this step's included
+            state["reports"] = list(self._unlogged)
         return msgspec.msgpack.encode(state)
 
     def save(self, step: int) -> None:
@@ -390,5 +399,20 @@ class ControllerActor:
         return self.core.run(start_step, end_step)
 
     @ray.method(concurrency_group="health")
-    def heartbeat(self) -> tuple[Heartbeat, list[StepReport]]:
-        return self.core.heartbeat()
+    def heartbeat(self, logged_through: int = -1) -> tuple[Heartbeat, list[StepReport]]:
+        return self.core.heartbeat(logged_through)
+
+
+def saved_reports(path: str | Path) -> list[StepReport]:
+    """The step reports a verified checkpoint carries: each controller's reports that the driver had not
+    logged (as far as its last heartbeat told) when the checkpoint was written, this checkpoint's step
+    included. A run resumed from it logs the steps of these that its log lacks (checkpoints written before
+    reports were saved carry none)."""
+    path = Path(path)
+    manifest = checkpoint.verify(path)
+    out: list[StepReport] = []
+    for name in sorted(manifest.files):
+        if name.startswith("controller-") and name.endswith(".msgpack"):
+            state = msgspec.msgpack.decode((path / name).read_bytes())
+            out += [msgspec.convert(r, StepReport) for r in state.get("reports", [])]
+    return out

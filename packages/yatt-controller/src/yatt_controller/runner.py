@@ -23,7 +23,7 @@ import ray
 
 from yatt_controller import checkpoint
 from yatt_controller.collective import Rendezvous
-from yatt_controller.controller import ControllerActor, ControllerCore, ControllerPlan, StepFn
+from yatt_controller.controller import ControllerActor, ControllerCore, ControllerPlan, StepFn, saved_reports
 from yatt_controller.faults import Repairs, frozen_hosts, host_id
 from yatt_controller.ledger import count_driver_ray_bytes
 from yatt_controller.replace import Replacer
@@ -167,6 +167,8 @@ class _Attempt:
         self.dead: dict[str, float] = {}  # replaceable hosts seen dead -> when: their repair is due
         self.seen_repairs = 0
         self.replaced = 0
+        self.logged_through = -1  # every step up to this one has all its reports here (or was logged before)
+        self._complete: set[int] = set()  # steps whose reports all arrived in this attempt
 
     def start(self) -> None:
         services = self.job.build(self.pool)
@@ -182,6 +184,8 @@ class _Attempt:
         self.frozen = frozen_hosts(services.groups, frozen)
         found = checkpoint.latest(self.job.checkpoint_dir) if self.job.checkpoint_dir else None
         path = None if found is None else str(found[0])
+        if found is not None:
+            self._recover(found[0], found[1].step)
         if self.spec.mode == "single":
             self._start_single(services, path)
         else:
@@ -300,7 +304,7 @@ class _Attempt:
         spec = self.spec
         for actor, watch in self.controllers:
             if actor is not None and watch.pending is None:
-                watch.pending = actor.heartbeat.remote()
+                watch.pending = actor.heartbeat.remote(self.logged_through)
         beats = [(watch.pending, watch) for actor, watch in self.controllers if actor is not None]
         hosts = [
             (rec.handle.ping.remote(), _Watch(self._host_name(rec))) for rec in list(self.pool.hosts.values())
@@ -323,7 +327,7 @@ class _Attempt:
                 ) from exc
             self._seen(watch, value)
         if self.core is not None:
-            self._seen(self.controllers[0][1], self.core.heartbeat())
+            self._seen(self.controllers[0][1], self.core.heartbeat(self.logged_through))
         self._adopt_repairs()
         now = time.time()
         for _, watch in self.controllers:
@@ -358,6 +362,35 @@ class _Attempt:
             self.replaced += repair.replicas
         self.seen_repairs += len(new)
 
+    def _recover(self, path: Path, step: int) -> None:
+        """Before resuming from the checkpoint of `step`: the steps it carries reports of (every controller's,
+        for each step the driver had not logged when it was written) go to `on_step` in order, unless this
+        process has had all their reports already (a restart). They are not this run's reports (`RunResult`);
+        from here on every step up to `step` counts as logged."""
+        saved: dict[int, dict[int, StepReport]] = {}
+        for report in saved_reports(path):
+            saved.setdefault(report.step, {})[report.controller_rank] = report
+        for k in sorted(saved):
+            by_rank = saved[k]
+            had = len(self.reports.get(k, {})) == self._expected()
+            if len(by_rank) == self._expected() and not had and self.job.on_step is not None:
+                self.job.on_step(k, [by_rank[r] for r in sorted(by_rank)])
+        self.logged_through = max(self.logged_through, step)
+
+    def _expected(self) -> int:
+        return 1 if self.spec.mode == "single" else self.spec.num_controllers
+
+    def _take(self, report: StepReport) -> None:
+        by_rank = self.reports.setdefault(report.step, {})
+        by_rank[report.controller_rank] = report
+        if len(by_rank) != self._expected():
+            return
+        if self.job.on_step is not None:
+            self.job.on_step(report.step, [by_rank[r] for r in sorted(by_rank)])
+        self._complete.add(report.step)
+        while self.logged_through + 1 in self._complete:
+            self.logged_through += 1
+
     def _seen(self, watch: _Watch, value: Any) -> None:
         if isinstance(value, Heartbeat):  # a host's ping
             self._nodes[watch.label] = value.node_id
@@ -371,12 +404,8 @@ class _Attempt:
         self._busy[beat.actor] = (f"step {beat.step}, phase {beat.phase!r}", beat.time_unix)
         for report in reports:
             self.report_bytes += len(msgspec.msgpack.encode(report))
-            by_rank = self.reports.setdefault(report.step, {})
-            by_rank[report.controller_rank] = report
-            expected = 1 if self.spec.mode == "single" else self.spec.num_controllers
-            if len(by_rank) == expected and self.job.on_step is not None:
-                self.job.on_step(report.step, [by_rank[r] for r in sorted(by_rank)])
-            if len(by_rank) == expected and self.replacer is not None:
+            self._take(report)
+            if len(self.reports[report.step]) == self._expected() and self.replacer is not None:
                 self.replacer.after_step(report.step)
 
     def _node(self, label: str) -> str:
@@ -420,7 +449,11 @@ class _Attempt:
         live = []
         for actor, watch in self.controllers:
             if actor is not None:
-                live += [(ref, watch) for ref in (watch.pending, actor.heartbeat.remote()) if ref is not None]
+                live += [
+                    (ref, watch)
+                    for ref in (watch.pending, actor.heartbeat.remote(self.logged_through))
+                    if ref is not None
+                ]
                 watch.pending = None
         if live:
             ray.wait([ref for ref, _ in live], num_returns=len(live), timeout=timeout_s)
@@ -428,7 +461,7 @@ class _Attempt:
             with contextlib.suppress(Exception):
                 self._seen(watch, ray.get(ref, timeout=0))
         if self.core is not None:
-            self._seen(self.controllers[0][1], self.core.heartbeat())
+            self._seen(self.controllers[0][1], self.core.heartbeat(self.logged_through))
 
     def teardown(self) -> None:
         self._drain()

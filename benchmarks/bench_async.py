@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 
-def config(staleness: int, num_steps: int, partial: bool = False, learners: int = 2):
+def config(staleness: int, num_steps: int, partial: bool = False, learners: int = 1):
     import msgspec
     from yatt_apps.config import PRESETS, ControllerSpec, PlacementConfig
     from yatt_placement.types import ClusterSpec
@@ -51,7 +51,7 @@ def config(staleness: int, num_steps: int, partial: bool = False, learners: int 
     )
 
 
-def run_all(num_steps: int, partial: bool = False, learners: int = 2) -> dict[int, list[dict]]:
+def run_all(num_steps: int, partial: bool = False, learners: int = 1) -> dict[int, list[dict]]:
     import ray
     from yatt_apps.grpo import JOB
     from yatt_apps.launch import ENV, run_job

@@ -19,8 +19,8 @@ YATT runs the real app: `yatt_apps.launch.run_job` with the `tiny_cpu` preset mi
 each layout of `--layouts` (`2c2d`: two parallel controllers on two logical devices, a learner rank each over
 gloo DDP; `1c1d`: one controller, one device), all in one Ray session; per device a policy learner rank with
 its reference, an HF rollout engine and a reward worker. A logical device is an equal share of the machine's
-cores (`placement.cpus_per_device` = cores / devices: the torch threads of each role on it). The engines keep their weights between steps
-(`placement.sleep_level=0`: a CPU has no device memory to hand over). Its step time is the lead controller's
+cores (`placement.cpus_per_device` = cores / devices: the torch threads of each role on it). The engines keep
+their weights between steps (`placement.sleep_level=0`: a CPU has no device memory to hand over). Its step time is the lead controller's
 `time/step` (data, rollout, reward, advantages, train with the reference forward, weight sync; not
 checkpoints, which are off). TRL runs `GRPOTrainer(use_cpu=True, use_vllm=False)` in this process at each
 thread count of `--threads` (default 1 and one per core; on a busy 2-core machine two OpenMP threads can be

@@ -224,9 +224,8 @@ def test_critic_worker_fits_returns_and_round_trips_its_state(tmp_path):
     from yatt_controller.types import WorkerInfo
 
     cfg = PRESETS["tiny_cpu_ppo"]()
-    cold = msgspec.structs.replace(
-        cfg.model, warm_start="none", warm_start_steps=0
-    )  # (a warm start: 20 s more)
+    # a cold policy: a warm start would add 20 s and is not what this test is about
+    cold = msgspec.structs.replace(cfg.model, warm_start="none", warm_start_steps=0)
     model_dir = str(prepare_model(cold, tmp_path / "policy", ["1 + 2 = 3", "2 + 2 = 4", "7 - 1 = 6"]))
     info = WorkerInfo(role="critic", dp_rank=0, dp_size=1)
     critic = CriticWorker(cfg, model_dir, 0, worker_info=info)

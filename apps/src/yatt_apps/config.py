@@ -338,9 +338,8 @@ def _known_arch(spec: ModelSpec) -> dict[str, int]:
     return {k: v for k, v in known.items() if isinstance(v, int)}
 
 
-MEGATRON_CPU_SHIM = (
-    "YATT_TEST_MEGATRON_CPU_SHIM"  # the test-only CPU shim (yatt_algos.learner.megatron_cpu_shim)
-)
+# the test-only CPU shim (yatt_algos.learner.megatron_cpu_shim)
+MEGATRON_CPU_SHIM = "YATT_TEST_MEGATRON_CPU_SHIM"
 MEGATRON_NEEDS_CUDA = (
     "learner.backend='megatron' needs CUDA devices and none is visible here (ray.address is empty, so the job "
     "runs on this machine); use learner.backend=ddp or fsdp2 on CPU"

@@ -54,11 +54,9 @@ class StepLogger:
                 bar_format=bar_format,
             )
 
-    def metrics(
-        self, reports: list[Any], now: float, first: bool | None = None
-    ) -> tuple[dict[str, float], float]:
+    def metrics(self, reports: list[Any], now: float, first: bool) -> tuple[dict[str, float], float]:
         """(one step's metrics from the controllers' reports (the lead's), the step's seconds without
-        start-up), start-up split off the first step."""
+        start-up), start-up split off when it is the attempt's `first` step."""
         lead = reports[0]
         timings = {f"time/{k}": v for k, v in lead.timings_s.items()}
         phases = sum(v for k, v in lead.timings_s.items() if k != "step")
@@ -66,7 +64,7 @@ class StepLogger:
         idle = max(step_s - phases, 0.0)
         metrics = {**lead.metrics, **timings, "time/idle": idle}
         busy = step_s
-        if self.first if first is None else first:
+        if first:
             before = 0.0 if self.started_at is None else max(now - step_s - self.started_at, 0.0)
             metrics["time/startup"], metrics["time/idle"], busy = before + idle, 0.0, step_s - idle
         metrics["throughput/tokens_per_s"] = metrics.get("rollout/response_tokens", 0.0) / max(busy, 1e-9)
@@ -80,7 +78,7 @@ class StepLogger:
                 self.run.log(step, self.metrics(reports, time.perf_counter(), first=False)[0])
             return
         now = time.perf_counter()
-        metrics, busy = self.metrics(reports, now)
+        metrics, busy = self.metrics(reports, now, self.first)
         # after the first step, the wall time between reports (checkpoints and driver overhead included)
         self.durations.append(busy if self.previous is None else now - self.previous)
         self.previous, self.first = now, False

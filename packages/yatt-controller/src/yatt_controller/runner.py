@@ -380,16 +380,18 @@ class _Attempt:
     def _expected(self) -> int:
         return 1 if self.spec.mode == "single" else self.spec.num_controllers
 
-    def _take(self, report: StepReport) -> None:
+    def _take(self, report: StepReport) -> bool:
+        """Record a report; when it completes its step, log the step (`on_step`). Whether it completed it."""
         by_rank = self.reports.setdefault(report.step, {})
         by_rank[report.controller_rank] = report
         if len(by_rank) != self._expected():
-            return
+            return False
         if self.job.on_step is not None:
             self.job.on_step(report.step, [by_rank[r] for r in sorted(by_rank)])
         self._complete.add(report.step)
         while self.logged_through + 1 in self._complete:
             self.logged_through += 1
+        return True
 
     def _seen(self, watch: _Watch, value: Any) -> None:
         if isinstance(value, Heartbeat):  # a host's ping
@@ -404,8 +406,7 @@ class _Attempt:
         self._busy[beat.actor] = (f"step {beat.step}, phase {beat.phase!r}", beat.time_unix)
         for report in reports:
             self.report_bytes += len(msgspec.msgpack.encode(report))
-            self._take(report)
-            if len(self.reports[report.step]) == self._expected() and self.replacer is not None:
+            if self._take(report) and self.replacer is not None:
                 self.replacer.after_step(report.step)
 
     def _node(self, label: str) -> str:

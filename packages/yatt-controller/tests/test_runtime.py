@@ -104,9 +104,13 @@ def test_parallel_carries_no_samples_through_the_driver(cluster):
     job = dataclasses.replace(
         _job(), on_step=lambda step, reports: seen.append((step, [r.controller_rank for r in reports]))
     )
-    parallel = run(ControllerSpec(num_controllers=2, heartbeat_interval_s=0.5), job, cluster)
+    parallel = run(
+        ControllerSpec(num_controllers=2, heartbeat_interval_s=0.5, count_driver_bytes=True), job, cluster
+    )
     assert seen == [(0, [0, 1]), (1, [0, 1]), (2, [0, 1])]
-    single = run(ControllerSpec(mode="single", heartbeat_interval_s=0.5), _job(), cluster)
+    single = run(
+        ControllerSpec(mode="single", heartbeat_interval_s=0.5, count_driver_bytes=True), _job(), cluster
+    )
     assert parallel.restarts == 0 and single.restarts == 0
     # single mode fetches every sample's media and sends it again to the learners: 2 x 8 x 4096 x 3 steps,
     # plus prompts, small fields, the learners' totals, host pings and launch arguments (each well under 1 kB)
@@ -129,18 +133,24 @@ def test_parallel_carries_no_samples_through_the_driver(cluster):
 def test_driver_bytes_count_what_a_driver_side_step_fetches(cluster):
     # single mode runs the step in the driver: its plain ray.get of a 10 MiB array is counted, twice
     job = dataclasses.replace(_job(num_steps=2), step_fn=doubles.blob_step)
-    single = run(ControllerSpec(mode="single", heartbeat_interval_s=0.5), job, cluster)
+    single = run(
+        ControllerSpec(mode="single", heartbeat_interval_s=0.5, count_driver_bytes=True), job, cluster
+    )
     assert [r[0].metrics["blob_bytes"] for r in single.reports.values()] == [doubles.BLOB_BYTES] * 2
     assert 2 * doubles.BLOB_BYTES <= single.driver_bytes <= 2 * doubles.BLOB_BYTES + 128 * 1024
     # parallel: each controller fetches it in its own process; the driver sees reports only
-    parallel = run(ControllerSpec(num_controllers=2, heartbeat_interval_s=0.5), job, cluster)
+    parallel = run(
+        ControllerSpec(num_controllers=2, heartbeat_interval_s=0.5, count_driver_bytes=True), job, cluster
+    )
     assert 0 < parallel.driver_bytes < 200 * 1024
 
 
 def test_driver_bytes_in_parallel_mode_are_report_sized(cluster):
     # 8 samples x 256 KiB of media a step move controller -> engine -> controller -> learner, 3 steps: 12 MiB
     job = _job(num_steps=3, engine_kwargs={"media_bytes": 2**18})
-    result = run(ControllerSpec(num_controllers=2, heartbeat_interval_s=0.5), job, cluster)
+    result = run(
+        ControllerSpec(num_controllers=2, heartbeat_interval_s=0.5, count_driver_bytes=True), job, cluster
+    )
     assert result.reports[2][0].metrics["learner_total"] > 8 * 2**18 * 3  # the media did reach the learners
     assert 0 < result.driver_bytes < 200 * 1024
     assert result.driver_bytes > result.report_bytes / 4  # the report bytes are among what was counted
@@ -163,6 +173,7 @@ def test_driver_byte_counter_restores_ray_even_on_error(cluster):
 def test_crash_mid_checkpoint_resumes_with_identical_batches(cluster, tmp_path):
     spec = ControllerSpec(num_controllers=2, heartbeat_interval_s=0.5, checkpoint_every=2, keep_checkpoints=2)
     baseline = run(spec, _job(tmp_path / "a", num_steps=6), cluster)
+    assert baseline.driver_bytes is None  # counting is opt-in (ControllerSpec.count_driver_bytes)
     # learner rank processes die inside their 2nd checkpoint write (after step 3); steps 2-3 rerun from step 1
     learner_kwargs = {"crash_in_checkpoint": 2, "marker": str(tmp_path / "fired")}
     crashed = run(spec, _job(tmp_path / "b", num_steps=6, learner_kwargs=learner_kwargs), cluster)
@@ -289,7 +300,9 @@ def test_checkpointed_service_must_exist(cluster, tmp_path):
     with pytest.raises(
         ValueError, match=r"Services.checkpointed names \['critic'\], not among \['actor', 'rollout'\]"
     ):
-        run(ControllerSpec(num_controllers=2, heartbeat_interval_s=0.5), job, cluster)
+        run(
+            ControllerSpec(num_controllers=2, heartbeat_interval_s=0.5, count_driver_bytes=True), job, cluster
+        )
 
 
 def test_a_checkpoint_carries_the_reports_a_dead_driver_never_logged(cluster, tmp_path):

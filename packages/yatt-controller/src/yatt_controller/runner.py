@@ -80,7 +80,7 @@ class RunResult:
     failures: list[str]
     # every payload byte the driver sent or received through Ray during the run (remote-call arguments, puts,
     # gets: step reports and heartbeats included); `ledger.count_driver_ray_bytes`
-    driver_bytes: int
+    driver_bytes: int | None  # None unless `ControllerSpec.count_driver_bytes`
     report_bytes: int  # msgpack size of the step reports the driver received
     next_step: int = 0
     moves: list[tuple[int, Any]] = field(default_factory=list)  # (first step under it, plan) per live move
@@ -107,11 +107,12 @@ def run(spec: ControllerSpec, job: Job, realized: Any, *, startup_timeout_s: flo
         raise ValueError("ControllerSpec.checkpoint_every is set but Job.checkpoint_dir is not")
     moves: list[tuple[int, Any]] = []
     replaced: list[int] = []  # per attempt
-    with count_driver_ray_bytes() as ledger:
+    with count_driver_ray_bytes() if spec.count_driver_bytes else contextlib.nullcontext() as ledger:
         reports, failures, report_bytes = _attempts(spec, job, realized, startup_timeout_s, moves, replaced)
     ordered = {step: [by_rank[r] for r in sorted(by_rank)] for step, by_rank in sorted(reports.items())}
+    driver_bytes = None if ledger is None else ledger.total
     return RunResult(
-        ordered, len(failures), failures, ledger.total, report_bytes, job.num_steps, moves, sum(replaced)
+        ordered, len(failures), failures, driver_bytes, report_bytes, job.num_steps, moves, sum(replaced)
     )
 
 

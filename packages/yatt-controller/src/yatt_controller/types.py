@@ -40,6 +40,9 @@ class ControllerSpec(_Config, kw_only=True):
     checkpoint_every: int = 0  # steps; 0 disables
     keep_checkpoints: int = 2
     max_inflight: int = 8  # bound on outstanding calls per worker group
+    # count every payload byte the driver sends or receives through Ray (wraps Ray's API for the run's
+    # duration); off by default: `RunResult.driver_bytes` is then None, never a 0 that was not counted
+    count_driver_bytes: bool = False
 
     def __post_init__(self) -> None:
         if self.num_controllers < 1:

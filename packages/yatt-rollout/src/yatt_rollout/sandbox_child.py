@@ -1,0 +1,224 @@
+"""The contained sandbox's launcher, run as a script (`python -I -S sandbox_child.py SPEC_JSON`) by `sandbox.py`.
+
+Three processes, stdlib only (this file is run by path and imports nothing of yatt):
+- the launcher (host PID namespace): `unshare(NEWNS | NEWPID | NEWNET | NEWIPC | NEWUTS)`, forks the init, writes
+  the init's host pid to `pid_path` (the parent's wall-time kill aims at it) and waits for it;
+- the init (PID 1 of the new PID namespace; dies with the launcher by PDEATHSIG): joins the call's cgroups,
+  builds the new root (a read-only tmpfs holding read-only binds of what the interpreter needs, a fresh /proc,
+  a minimal /dev, a private tmpfs `/scratch`), pivots into it and forks the worker. When the worker exits it
+  SIGKILLs everything else in the namespace, reaps it, and writes the worker's end (`exit N`, `signal N`) to
+  the status file. Anything left is killed by the kernel when PID 1 exits: setsid double forks included.
+- the worker: drops every capability from its bounding set, all groups, and becomes the call's unprivileged
+  uid/gid (which clears its capabilities), sets no_new_privs and RLIMIT_NPROC/CORE, and execs the interpreter
+  with the runner. Its stdout/stderr are the files the parent opened on the host.
+A setup failure is written as `setup <message>` to the status file (the parent raises SandboxUnavailable).
+"""
+
+import contextlib
+import ctypes
+import errno
+import json
+import os
+import platform
+import resource
+import signal
+import sys
+
+CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
+CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x1, 0x2, 0x4, 0x8
+MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 0x20, 0x1000, 0x4000, 0x40000
+MNT_DETACH = 0x2
+PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 24, 38
+# pivot_root has no glibc wrapper: its syscall number per architecture
+SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}
+DEVICES = ("null", "zero", "full", "random", "urandom")
+
+libc = ctypes.CDLL(None, use_errno=True)
+
+
+class SetupError(Exception):
+    pass
+
+
+def check(result, what):
+    if result != 0:
+        err = ctypes.get_errno()
+        raise SetupError(f"{what}: {os.strerror(err)} (errno {err})")
+
+
+def mount(source, target, fstype, flags, data=None):
+    check(
+        libc.mount(
+            source and source.encode(),
+            target.encode(),
+            fstype and fstype.encode(),
+            flags,
+            data and data.encode(),
+        ),
+        f"mount {source or fstype} on {target}",
+    )
+
+
+def bind(source, target, writable=False):
+    mount(source, target, None, MS_BIND)
+    flags = MS_BIND | MS_REMOUNT | MS_NOSUID | MS_NODEV | (0 if writable else MS_RDONLY)
+    mount(None, target, None, flags)
+
+
+def make_point(path, is_dir):
+    if is_dir:
+        os.makedirs(path, exist_ok=True)
+    else:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "a"):
+            pass
+
+
+def build_root(spec):
+    """Mount the new root at spec["root"] (host path) and everything inside it; returns nothing, raises
+    SetupError naming the step that failed."""
+    root = spec["root"]
+    mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing below propagates back to the host
+    mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
+    for kind, path, target in spec["entries"]:
+        inside = root + path
+        if kind == "symlink":
+            make_point(os.path.dirname(inside), True)
+            os.symlink(target, inside)
+        else:
+            make_point(inside, kind == "dir")
+            bind(path, inside)
+    make_point(root + "/proc", True)
+    mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    build_dev(root)
+    scratch = root + "/scratch"
+    make_point(scratch, True)
+    options = f"size={spec['scratch_bytes']},mode=700,uid={spec['uid']},gid={spec['gid']}"
+    mount("tmpfs", scratch, "tmpfs", MS_NOSUID | MS_NODEV, options)
+    if spec[
+        "tmp_is_scratch"
+    ]:  # else /tmp holds read-only binds (an interpreter under /tmp) and stays read-only
+        make_point(root + "/tmp", True)
+        bind(scratch, root + "/tmp", writable=True)
+    bind(scratch, root + "/dev/shm", writable=True)  # the same tmpfs: still one writable place
+    mount(None, root + "/dev", None, MS_REMOUNT | MS_RDONLY | MS_NOSUID)
+    mount(None, root, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    pivot(root)
+
+
+def build_dev(root):
+    dev = root + "/dev"
+    make_point(dev, True)
+    mount("tmpfs", dev, "tmpfs", MS_NOSUID, "size=64k,mode=755")
+    for name in DEVICES:
+        if os.path.exists("/dev/" + name):
+            make_point(f"{dev}/{name}", False)
+            mount("/dev/" + name, f"{dev}/{name}", None, MS_BIND)
+    for name, target in (
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+    ):
+        os.symlink(target, f"{dev}/{name}")
+    os.symlink("/proc/self/fd/2", dev + "/stderr")
+    make_point(dev + "/shm", True)
+
+
+def pivot(root):
+    """Make `root` the root and detach the old one (nothing of the host's tree stays reachable)."""
+    os.chdir(root)
+    number = SYS_PIVOT_ROOT.get(platform.machine())
+    if number is not None and libc.syscall(number, b".", b".") == 0:
+        check(libc.umount2(b".", MNT_DETACH), "umount the old root")
+    else:  # no pivot_root (e.g. a rootfs root): move the mount over / and chroot (the worker lacks CAP_SYS_CHROOT)
+        mount(root, "/", None, 0x2000)  # MS_MOVE
+        os.chroot(".")
+    os.chdir("/")
+
+
+def become_worker(spec, code_fd):
+    """In the worker: no capabilities, the call's uid, then exec the interpreter with the runner."""
+    for cap in range(64):
+        if libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 and ctypes.get_errno() == errno.EINVAL:
+            break  # past the kernel's last capability
+    os.setgroups([])
+    os.setresgid(spec["gid"], spec["gid"], spec["gid"])
+    os.setresuid(spec["uid"], spec["uid"], spec["uid"])  # leaving uid 0 clears every capability set
+    check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    # the uid is this call's alone, so the count is the whole tree's (the cgroup's pids.max where available)
+    resource.setrlimit(resource.RLIMIT_NPROC, (spec["max_processes"], spec["max_processes"]))
+    os.chdir("/scratch")
+    os.set_inheritable(code_fd, True)
+    argv = [spec["interpreter"], "-I", "-c", spec["runner"], str(code_fd), *spec["runner_args"]]
+    os.execve(spec["interpreter"], argv, spec["env"])
+
+
+def run_init(spec, code_fd, status_fd):
+    """PID 1 of the namespace: set up, run the worker, kill the rest, report the worker's end."""
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    try:
+        for procs in spec["cgroup_procs"]:
+            with open(procs, "w") as f:
+                f.write(str(os.getpid()))
+        build_root(spec)
+        check(libc.sethostname(b"sandbox", 7), "sethostname")
+    except (SetupError, OSError) as err:
+        os.write(status_fd, f"setup {err}".encode())
+        os._exit(97)
+    worker = os.fork()
+    if worker == 0:
+        os.close(status_fd)
+        try:
+            become_worker(spec, code_fd)
+        except BaseException as err:  # the worker must never return into the init's code
+            os.write(2, f"sandbox worker setup failed: {err}\n".encode())
+        os._exit(98)
+    os.close(code_fd)
+    status = wait_for(worker)
+    kill_the_rest()
+    if os.WIFSIGNALED(status):
+        os.write(status_fd, f"signal {os.WTERMSIG(status)}".encode())
+    else:
+        os.write(status_fd, f"exit {os.WEXITSTATUS(status)}".encode())
+    os._exit(0)
+
+
+def wait_for(worker):
+    while True:  # reaps orphans re-parented to PID 1 on the way
+        pid, status = os.waitpid(-1, 0)
+        if pid == worker:
+            return status
+
+
+def kill_the_rest():
+    with contextlib.suppress(ProcessLookupError):  # none left
+        os.kill(-1, signal.SIGKILL)  # every process of the namespace but PID 1
+    while True:
+        try:
+            os.waitpid(-1, 0)
+        except ChildProcessError:
+            return
+
+
+def main():
+    spec = json.loads(sys.argv[1])
+    status_fd = os.open(spec["status_path"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS
+    if libc.unshare(flags) != 0:
+        err = ctypes.get_errno()
+        os.write(status_fd, f"setup unshare of the namespaces: {os.strerror(err)} (errno {err})".encode())
+        sys.exit(97)
+    code_fd = os.open(spec["code_path"], os.O_RDONLY)
+    init = os.fork()
+    if init == 0:
+        run_init(spec, code_fd, status_fd)
+    with open(spec["pid_path"], "w") as f:
+        f.write(str(init))
+    _, status = os.waitpid(init, 0)
+    sys.exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 99)
+
+
+if __name__ == "__main__":
+    main()

@@ -50,9 +50,8 @@ class CgroupLayout(msgspec.Struct, frozen=True, kw_only=True):
         parents: dict[str, tuple[int, str]] = {}
         if "v2" in mounts:
             parent = _v2_parent(Path(mounts["v2"]), paths.get("v2", "/"))
-            if parent is not None:
-                enabled = _words(parent / "cgroup.subtree_control")
-                parents.update({c: (2, str(parent)) for c in CONTROLLERS if c in enabled})
+            if parent is not None:  # both controllers are enabled for its children
+                parents.update({c: (2, str(parent)) for c in CONTROLLERS})
         for controller in CONTROLLERS:
             if controller not in parents and controller in mounts:
                 folder = Path(mounts[controller]) / paths.get(controller, "/").lstrip("/")

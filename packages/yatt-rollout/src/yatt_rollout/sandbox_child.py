@@ -1,10 +1,10 @@
 """The contained sandbox's launcher, run as a script (`python -I -S sandbox_child.py SPEC_JSON`) by `sandbox.py`.
 
 Three processes, stdlib only (this file is run by path and imports nothing of yatt):
-- the launcher (host PID namespace): `unshare(NEWNS | NEWPID | NEWNET | NEWIPC | NEWUTS)`, forks the init, writes
+- the launcher (host PID namespace): `unshare(NEWPID | NEWNET | NEWIPC | NEWUTS)`, forks the init, writes
   the init's host pid to `pid_path` (the parent's wall-time kill aims at it) and waits for it;
 - the init (PID 1 of the new PID namespace; dies with the launcher by PDEATHSIG): joins the call's cgroups,
-  builds the new root (a read-only tmpfs holding read-only binds of what the interpreter needs, a fresh /proc,
+  unshares a mount namespace of its own, builds the new root (a read-only tmpfs holding read-only binds of what the interpreter needs, a fresh /proc,
   a minimal /dev, a private tmpfs `/scratch`), pivots into it and forks the worker. When the worker exits it
   SIGKILLs everything else in the namespace, reaps it, and writes the worker's end (`exit N`, `signal N`) to
   the status file. Anything left is killed by the kernel when PID 1 exits: setsid double forks included.
@@ -19,7 +19,6 @@ import ctypes
 import errno
 import json
 import os
-import platform
 import resource
 import signal
 import sys
@@ -128,7 +127,7 @@ def build_dev(root):
 def pivot(root):
     """Make `root` the root and detach the old one (nothing of the host's tree stays reachable)."""
     os.chdir(root)
-    number = SYS_PIVOT_ROOT.get(platform.machine())
+    number = SYS_PIVOT_ROOT.get(os.uname().machine)
     if number is not None and libc.syscall(number, b".", b".") == 0:
         check(libc.umount2(b".", MNT_DETACH), "umount the old root")
     else:  # no pivot_root (e.g. a rootfs root): move the mount over / and chroot (the worker lacks CAP_SYS_CHROOT)
@@ -162,6 +161,7 @@ def run_init(spec, code_fd, status_fd):
         for procs in spec["cgroup_procs"]:
             with open(procs, "w") as f:
                 f.write(str(os.getpid()))
+        check(libc.unshare(CLONE_NEWNS), "unshare of the mount namespace")
         build_root(spec)
         check(libc.sethostname(b"sandbox", 7), "sethostname")
     except (SetupError, OSError) as err:
@@ -205,7 +205,9 @@ def kill_the_rest():
 def main():
     spec = json.loads(sys.argv[1])
     status_fd = os.open(spec["status_path"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS
+    # the mount namespace is the init's alone (below): pivot_root moves the root of every process of the
+    # namespace, and the launcher must keep the host's to write the init's pid
+    flags = CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS
     if libc.unshare(flags) != 0:
         err = ctypes.get_errno()
         os.write(status_fd, f"setup unshare of the namespaces: {os.strerror(err)} (errno {err})".encode())

@@ -91,11 +91,6 @@ def run_python(
     if containment not in ("auto", "namespaces", "none"):
         raise ValueError(f"containment must be 'auto', 'namespaces' or 'none', got {containment!r}")
     interpreter = interpreter or sys.executable
-    if containment != "none" and os.geteuid() != 0:
-        raise SandboxUnavailable(
-            "the contained sandbox needs root (to make the namespaces and switch to an unprivileged uid); "
-            "run as root or pass containment='none' to accept the uncontained sandbox"
-        )
     root = Path(tempfile.mkdtemp(prefix="yatt-sandbox-"))
     try:
         if containment == "none":
@@ -115,7 +110,10 @@ def _run_contained(root: Path, code: str, limits: SandboxLimits, interpreter: st
         raise SandboxUnavailable(f"no root for the interpreter {interpreter}: {err}") from err
     (root / "code.py").write_text(code)
     (root / "newroot").mkdir()
-    ident = secrets.randbelow(UID_SPAN)
+    # root of the host: a fresh uid per call; anyone else (or root inside a user namespace): a user namespace
+    # whose uid 0 is the caller's own uid outside, without capabilities
+    userns = not _host_root()
+    ident = 0 if userns else UID_BASE + secrets.randbelow(UID_SPAN)
     # the init and the worker count against pids.max: the code's own tree gets max_processes
     cgroup = CgroupLayout.detect().create(root.name, limits.memory_bytes, limits.max_processes + 1)
     spec = {
@@ -126,8 +124,11 @@ def _run_contained(root: Path, code: str, limits: SandboxLimits, interpreter: st
         "status_path": str(root / "status"),
         "pid_path": str(root / "init.pid"),
         "cgroup_procs": cgroup.procs_files(),
-        "uid": UID_BASE + ident,
-        "gid": UID_BASE + ident,
+        "userns": userns,
+        "outer_uid": os.geteuid(),
+        "outer_gid": os.getegid(),
+        "uid": ident,
+        "gid": ident,
         "scratch_bytes": limits.scratch_bytes,
         "max_processes": limits.max_processes,
         "interpreter": interpreter,
@@ -143,13 +144,26 @@ def _run_contained(root: Path, code: str, limits: SandboxLimits, interpreter: st
         cgroup.kill_all_and_remove()
     status_text = (root / "status").read_text() if (root / "status").is_file() else ""
     if status_text.startswith("setup "):
-        raise SandboxUnavailable(f"the contained sandbox could not be set up: {status_text[6:]}")
+        raise SandboxUnavailable(
+            f"the contained sandbox could not be set up here: {status_text[6:]}; it needs Linux namespaces (as "
+            "root, or user namespaces for other users); pass containment='none' to accept the uncontained sandbox"
+        )
     kind, _, value = status_text.partition(" ")
     if kind == "exit":
         returncode = int(value)
     elif kind == "signal":
         returncode = -int(value)
     return _result(root, limits, returncode, timed_out, wall, "namespace", oom_kills)
+
+
+def _host_root() -> bool:
+    """Root of the initial user namespace (which alone may switch to any uid), not root of a user namespace."""
+    if os.geteuid() != 0:
+        return False
+    try:
+        return Path("/proc/self/uid_map").read_text().split() == ["0", "0", "4294967295"]
+    except OSError:
+        return False
 
 
 def _launch(root: Path, argv: list[str], wall_s: float, cgroup: SandboxCgroup) -> tuple[int, bool, float]:

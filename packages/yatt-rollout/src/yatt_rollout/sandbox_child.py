@@ -24,7 +24,7 @@ import signal
 import sys
 
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
-CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
+CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x1, 0x2, 0x4, 0x8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 0x20, 0x1000, 0x4000, 0x40000
 MNT_DETACH = 0x2
@@ -59,10 +59,15 @@ def mount(source, target, fstype, flags, data=None):
     )
 
 
+# statvfs's ST_* flags that are also MS_* flags (same bits): noexec and the atime flags of the source mount are
+# locked in a user namespace, and a remount that drops them is refused
+KEPT_FLAGS = MS_NOEXEC | 1024 | 2048 | 4096  # | MS_NOATIME | MS_NODIRATIME | MS_RELATIME
+
+
 def bind(source, target, writable=False):
     mount(source, target, None, MS_BIND)
     flags = MS_BIND | MS_REMOUNT | MS_NOSUID | MS_NODEV | (0 if writable else MS_RDONLY)
-    mount(None, target, None, flags)
+    mount(None, target, None, flags | (os.statvfs(target).f_flag & KEPT_FLAGS))
 
 
 def make_point(path, is_dir):
@@ -141,13 +146,18 @@ def become_worker(spec, code_fd):
     for cap in range(64):
         if libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 and ctypes.get_errno() == errno.EINVAL:
             break  # past the kernel's last capability
-    os.setgroups([])
-    os.setresgid(spec["gid"], spec["gid"], spec["gid"])
-    os.setresuid(spec["uid"], spec["uid"], spec["uid"])  # leaving uid 0 clears every capability set
+    if not spec["userns"]:  # a user namespace maps one uid (the caller's) and denies setgroups
+        os.setgroups([])
+        os.setresgid(spec["gid"], spec["gid"], spec["gid"])
+        os.setresuid(spec["uid"], spec["uid"], spec["uid"])  # leaving uid 0 clears every capability set
+    # in a user namespace the worker stays its uid 0 (the caller's uid outside): the exec below gives it no
+    # capabilities, since its bounding and inheritable sets are empty
     check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    # the uid is this call's alone, so the count is the whole tree's (the cgroup's pids.max where available)
-    resource.setrlimit(resource.RLIMIT_NPROC, (spec["max_processes"], spec["max_processes"]))
+    # the uid is this call's alone, so the count is the whole tree's (the cgroup's pids.max where available); in
+    # a user namespace the launcher and the init are that uid too (the kernel counts per namespace and uid)
+    nproc = spec["max_processes"] + (2 if spec["userns"] else 0)
+    resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
     os.chdir("/scratch")
     os.set_inheritable(code_fd, True)
     argv = [spec["interpreter"], "-I", "-c", spec["runner"], str(code_fd), *spec["runner_args"]]
@@ -169,16 +179,17 @@ def run_init(spec, code_fd, status_fd):
         os._exit(97)
     worker = os.fork()
     if worker == 0:
-        os.close(status_fd)
         try:
-            become_worker(spec, code_fd)
+            become_worker(spec, code_fd)  # the status fd closes on its exec
         except BaseException as err:  # the worker must never return into the init's code
-            os.write(2, f"sandbox worker setup failed: {err}\n".encode())
+            os.write(status_fd, f"setup the worker: {err}".encode())
         os._exit(98)
     os.close(code_fd)
     status = wait_for(worker)
     kill_the_rest()
-    if os.WIFSIGNALED(status):
+    if os.fstat(status_fd).st_size:
+        pass  # the worker's setup failure is the news
+    elif os.WIFSIGNALED(status):
         os.write(status_fd, f"signal {os.WTERMSIG(status)}".encode())
     else:
         os.write(status_fd, f"exit {os.WEXITSTATUS(status)}".encode())
@@ -202,15 +213,27 @@ def kill_the_rest():
             return
 
 
+def map_ids(uid, gid):
+    """Map uid/gid 0 of the new user namespace to the caller's own ids (the only ones it may map)."""
+    for name, text in (("uid_map", f"0 {uid} 1"), ("setgroups", "deny"), ("gid_map", f"0 {gid} 1")):
+        with open(f"/proc/self/{name}", "w") as f:
+            f.write(text)
+
+
 def main():
     spec = json.loads(sys.argv[1])
     status_fd = os.open(spec["status_path"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     # the mount namespace is the init's alone (below): pivot_root moves the root of every process of the
     # namespace, and the launcher must keep the host's to write the init's pid
-    flags = CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS
-    if libc.unshare(flags) != 0:
-        err = ctypes.get_errno()
-        os.write(status_fd, f"setup unshare of the namespaces: {os.strerror(err)} (errno {err})".encode())
+    flags = (
+        CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | (CLONE_NEWUSER if spec["userns"] else 0)
+    )
+    try:
+        check(libc.unshare(flags), "unshare of the namespaces")
+        if spec["userns"]:
+            map_ids(spec["outer_uid"], spec["outer_gid"])
+    except (SetupError, OSError) as err:
+        os.write(status_fd, f"setup {err}".encode())
         sys.exit(97)
     code_fd = os.open(spec["code_path"], os.O_RDONLY)
     init = os.fork()

@@ -45,6 +45,9 @@ try:
     seen["kill"] = 0
 except OSError as err:
     seen["kill"] = err.errno
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+seen["nested_userns"] = ctypes.get_errno() if libc.unshare(0x10000000) else 0
 try:
     socket.create_connection(("127.0.0.1", 9), timeout=2)
 except OSError as err:
@@ -115,6 +118,7 @@ def _expected(uid: int) -> dict:
         "usr": errno.EROFS,
         "kill": errno.ESRCH,
         "net": errno.ENETUNREACH,
+        "nested_userns": errno.ENOSPC,  # max_user_namespaces is 0 inside
         # 8 processes: the code's own, the setsid grandchild (alive until the call ends) and 6 children
         "forks": [6, errno.EAGAIN],
         "pids": 9,  # and the namespace's init

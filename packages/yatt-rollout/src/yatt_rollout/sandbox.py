@@ -1,16 +1,17 @@
 """Run untrusted Python (a model's tool call) contained: `run_python(code) -> SandboxResult`.
 
-Contained (the default, `containment="auto"`): the code runs in a fresh interpreter (`python -I`) as a per-call
-unprivileged uid/gid without capabilities (no_new_privs), in its own PID, mount, IPC, UTS and network
-namespaces, inside a new root: a read-only tmpfs with read-only binds of what the interpreter needs
-(`sandbox_root`), a fresh /proc of its PID namespace, a minimal /dev, and one writable place, the call's
-private tmpfs `/scratch` (its cwd, HOME and TMPDIR; /tmp and /dev/shm are the same tmpfs). The namespace's
-init kills every descendant when the code's process ends (setsid double forks included), and the wall-time
-kill ends the init, so nothing outlives `run_python`. The whole tree's memory and process count are limited by
-a cgroup (`sandbox_cgroup`: v2 or v1, where this process may create one) and by rlimits (RLIMIT_AS per
-process, RLIMIT_NPROC on the call's own uid). Built with Python and the kernel only (`sandbox_child`); it needs
-root (CI runs as root in a VM). Without namespaces it raises `SandboxUnavailable`, never a weaker run, unless
-the caller asks for `containment="none"`.
+Contained (the default, `containment="auto"`): the code runs in a fresh interpreter (`python -I`) without
+capabilities (no_new_privs) in its own PID, mount, IPC, UTS and network namespaces, inside a new root: a
+read-only tmpfs with read-only binds of what the interpreter needs (`sandbox_root`), a fresh /proc of its PID
+namespace, a minimal /dev, and one writable place, the call's private tmpfs `/scratch` (its cwd, HOME and
+TMPDIR; /tmp and /dev/shm are the same tmpfs). Host root runs it as a per-call unprivileged uid/gid; any other
+caller (or root of a user namespace) inside a user namespace whose uid 0 is the caller's own uid. The
+namespace's init kills every descendant when the code's process ends (setsid double forks included), and the
+wall-time kill ends the init, so nothing outlives `run_python`. The whole tree's memory and process count are
+limited by a cgroup (`sandbox_cgroup`: v2 or v1, where this process may create one) and by rlimits (RLIMIT_AS
+per process, RLIMIT_NPROC on the call's own uid). Built with Python and the kernel only (`sandbox_child`).
+Where the namespaces cannot be made it raises `SandboxUnavailable`, never a weaker run, unless the caller
+asks for `containment="none"`. The package README lists what this guarantees and what it does not.
 
 `containment="none"`: the earlier, weaker sandbox: a `python -I` child in its own session and a throwaway
 folder, the network cut by a namespace where allowed (else a socket patch), the same rlimits and limits on
@@ -50,7 +51,7 @@ Containment = Literal["auto", "namespaces", "none"]
 
 
 class SandboxUnavailable(RuntimeError):
-    """The contained sandbox cannot run here (no namespaces, not root, no pivot): nothing was run."""
+    """The contained sandbox cannot run here (no namespaces, no mounts, no new root): nothing was run."""
 
 
 class SandboxLimits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -13,11 +13,13 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
 from yatt_rollout.sandbox import UID_BASE, SandboxLimits, run_python
 from yatt_rollout.sandbox_cgroup import CgroupLayout
+from yatt_rollout.sandbox_root import root_entries, tmp_is_scratch
 
 LIMITS = SandboxLimits(cpu_s=5, memory_bytes=256 << 20, output_bytes=8192, wall_s=20.0)
 
@@ -265,12 +267,18 @@ for path in ("/new.txt", "/usr/new.txt", "/dev/new.txt", "/proc/new.txt"):
         print(err.errno)
 print(os.getuid())
 """
+    if not tmp_is_scratch(root_entries(sys.executable)):
+        # this interpreter lives under /tmp (a clone under /tmp): /tmp holds its read-only binds instead
+        code = code.replace('open("/tmp/b.txt", "w")', 'open("/scratch/b.txt", "w")')
+        assert run_python('open("/tmp/b.txt", "w")', LIMITS).stderr.endswith(
+            "OSError: [Errno 30] Read-only file system: '/tmp/b.txt'\n"
+        )
     first = run_ok(code).splitlines()
     second = run_ok(code).splitlines()
     for lines in (first, second):
         assert lines[0] == "/scratch /scratch /scratch []"  # the second call does not see the first's files
         assert lines[1] == "0o700 True"
-        assert lines[2] == "['a.txt', 'b.txt']"  # /tmp is the same private tmpfs
+        assert lines[2] == "['a.txt', 'b.txt']"  # /tmp is the same private tmpfs (where it is the scratch)
         assert lines[3:6] == [str(errno.EROFS)] * 3
         assert lines[6] in (str(errno.EACCES), str(errno.ENOENT))
         assert int(lines[7]) >= UID_BASE
@@ -307,3 +315,29 @@ def test_an_interpreter_under_tmp_runs_contained(venv_under_tmp):
 def test_an_unknown_containment_is_refused():
     with pytest.raises(ValueError, match=r"containment must be 'auto', 'namespaces' or 'none', got 'bwrap'"):
         run_python("print(1)", LIMITS, containment="bwrap")  # type: ignore[arg-type]
+
+
+def test_a_killed_caller_takes_the_sandbox_with_it():
+    marker = f"yatt-sandbox-marker-{secrets.token_hex(6)}"
+    code = DOUBLE_FORK.format(marker=marker) + "time.sleep(60)\n"
+    caller = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"from yatt_rollout.sandbox import SandboxLimits, run_python\nrun_python({code!r})",
+        ]
+    )
+    try:
+        for _ in range(3000):  # until the grandchild runs (the caller starts and builds the sandbox first)
+            if _processes_with(marker):
+                break
+            time.sleep(0.01)
+        assert len(_processes_with(marker)) == 1
+    finally:
+        caller.kill()
+        caller.wait()
+    for _ in range(3000):  # the kernel ends the namespace asynchronously after the launcher's death
+        if not _processes_with(marker):
+            break
+        time.sleep(0.01)
+    assert _processes_with(marker) == []

@@ -125,6 +125,7 @@ def _run_contained(root: Path, code: str, limits: SandboxLimits, interpreter: st
         "status_path": str(root / "status"),
         "pid_path": str(root / "init.pid"),
         "cgroup_procs": cgroup.procs_files(),
+        "caller_pid": os.getpid(),
         "userns": userns,
         "outer_uid": os.geteuid(),
         "outer_gid": os.getegid(),

@@ -226,6 +226,9 @@ def map_ids(uid, gid):
 
 def main():
     spec = json.loads(sys.argv[1])
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # a killed caller takes the sandbox with it
+    if os.getppid() != spec["caller_pid"]:
+        sys.exit(99)  # the caller died before the line above
     status_fd = os.open(spec["status_path"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     # the mount namespace is the init's alone (below): pivot_root moves the root of every process of the
     # namespace, and the launcher must keep the host's to write the init's pid

@@ -324,7 +324,7 @@ def test_a_killed_caller_takes_the_sandbox_with_it():
         [
             sys.executable,
             "-c",
-            f"from yatt_rollout.sandbox import SandboxLimits, run_python\nrun_python({code!r})",
+            f"from yatt_rollout.sandbox import SandboxLimits, run_python\nrun_python({code!r}, SandboxLimits(wall_s=60.0))",
         ]
     )
     try:

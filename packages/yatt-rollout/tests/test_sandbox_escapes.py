@@ -341,3 +341,13 @@ def test_a_killed_caller_takes_the_sandbox_with_it():
             break
         time.sleep(0.01)
     assert _processes_with(marker) == []
+
+
+def test_the_code_sees_none_of_the_callers_environment(monkeypatch):
+    monkeypatch.setenv("YATT_TEST_SECRET_TOKEN", "s3cret")
+    keys = ["HOME", "LC_CTYPE", "OMP_NUM_THREADS", "PATH", "PYTHONDONTWRITEBYTECODE", "TMPDIR"]
+    code = "import os\nprint(sorted(os.environ), 's3cret' in open('/proc/1/environ', 'rb').read().decode())"
+    result = run_python(code, LIMITS)
+    # its own variables only (LC_CTYPE: the interpreter's locale coercion); the init's are not readable
+    assert result.stdout == "" and "PermissionError: [Errno 13]" in result.stderr
+    assert run_ok("import os\nprint(sorted(os.environ))") == f"{keys}\n"

@@ -173,8 +173,10 @@ def _launch(root: Path, argv: list[str], wall_s: float, cgroup: SandboxCgroup) -
     process of the namespace with it) before reaping the launcher."""
     started = time.perf_counter()
     with open(root / "stdout", "wb") as out, open(root / "stderr", "wb") as err:
+        # the launcher gets none of the caller's environment (tokens, keys); the code gets spec["env"]
+        env = {"PATH": "/usr/bin:/bin"}
         proc = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True
+            argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True
         )
         timed_out = not _wait(proc, wall_s)
         if timed_out:

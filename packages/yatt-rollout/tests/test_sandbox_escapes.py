@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
-from yatt_rollout.sandbox import UID_BASE, SandboxLimits, run_python
+from yatt_rollout import sandbox
+from yatt_rollout.sandbox import UID_BASE, SandboxLimits, SandboxUnavailable, run_python
 from yatt_rollout.sandbox_cgroup import CgroupLayout
 from yatt_rollout.sandbox_root import root_entries, tmp_is_scratch
 
@@ -351,3 +352,16 @@ def test_the_code_sees_none_of_the_callers_environment(monkeypatch):
     # its own variables only (LC_CTYPE: the interpreter's locale coercion); the init's are not readable
     assert result.stdout == "" and "PermissionError: [Errno 13]" in result.stderr
     assert run_ok("import os\nprint(sorted(os.environ))") == f"{keys}\n"
+
+
+def test_a_failing_launcher_or_interpreter_is_unavailable_never_the_codes_crash(tmp_path, monkeypatch):
+    with pytest.raises(SandboxUnavailable, match=r"no root for the interpreter /nonexistent/python: "):
+        run_python("print(1)", LIMITS, interpreter="/nonexistent/python")
+    here = Path(sandbox.__file__).parent
+    shutil.copy(here / "sandbox_runner.py", tmp_path)
+    (tmp_path / "sandbox_child.py").write_text("raise SystemExit('launcher broke')\n")
+    monkeypatch.setattr(sandbox, "_HERE", tmp_path)
+    with pytest.raises(
+        SandboxUnavailable, match=r"^the sandbox's launcher failed \(exit 1\): launcher broke\n$"
+    ):
+        run_python("print(1)", LIMITS)

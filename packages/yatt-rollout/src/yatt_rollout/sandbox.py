@@ -111,13 +111,43 @@ def _run_contained(root: Path, code: str, limits: SandboxLimits, interpreter: st
         raise SandboxUnavailable(f"no root for the interpreter {interpreter}: {err}") from err
     (root / "code.py").write_text(code)
     (root / "newroot").mkdir()
+    # the init counts against pids.max too: the code's own tree gets max_processes
+    cgroup = CgroupLayout.detect().create(root.name, limits.memory_bytes, limits.max_processes + 1)
+    spec = _spec(root, entries, cgroup, limits, interpreter)
+    argv = [sys.executable, "-I", "-S", str(_HERE / "sandbox_child.py"), msgspec.json.encode(spec).decode()]
+    try:
+        returncode, timed_out, wall = _launch(root, argv, limits.wall_s)
+        oom_kills = cgroup.oom_kills()
+    finally:
+        cgroup.kill_all_and_remove()
+    status_text = (root / "status").read_text() if (root / "status").is_file() else ""
+    kind, _, value = status_text.partition(" ")
+    if kind == "setup":
+        raise SandboxUnavailable(
+            f"the contained sandbox could not be set up here: {value}; it needs Linux namespaces (as root, or "
+            "user namespaces for other users); pass containment='none' to accept the uncontained sandbox"
+        )
+    if kind == "exit":
+        returncode = int(value)
+    elif kind == "signal":
+        returncode = -int(value)
+    elif not timed_out and not oom_kills:  # the launcher itself failed: never report that as the code's crash
+        tail = _read(root / "stderr", limits.output_bytes)[-2000:]
+        raise SandboxUnavailable(f"the sandbox's launcher failed (exit {returncode}): {tail}")
+    elif oom_kills:
+        returncode = -signal.SIGKILL  # the OOM kill took the init (and so the namespace)
+    return _result(root, limits, returncode, timed_out, wall, "namespace", oom_kills)
+
+
+def _spec(
+    root: Path, entries: list, cgroup: SandboxCgroup, limits: SandboxLimits, interpreter: str
+) -> dict[str, object]:
+    """What `sandbox_child.py` needs, as JSON-able data."""
     # root of the host: a fresh uid per call; anyone else (or root inside a user namespace): a user namespace
     # whose uid 0 is the caller's own uid outside, without capabilities
     userns = not _host_root()
     ident = 0 if userns else UID_BASE + secrets.randbelow(UID_SPAN)
-    # the init and the worker count against pids.max: the code's own tree gets max_processes
-    cgroup = CgroupLayout.detect().create(root.name, limits.memory_bytes, limits.max_processes + 1)
-    spec = {
+    return {
         "root": str(root / "newroot"),
         "entries": entries,
         "tmp_is_scratch": tmp_is_scratch(entries),
@@ -138,24 +168,6 @@ def _run_contained(root: Path, code: str, limits: SandboxLimits, interpreter: st
         "runner_args": [str(limits.cpu_s), str(limits.memory_bytes), str(limits.output_bytes), "0", "-"],
         "env": _child_env("/scratch"),
     }
-    argv = [sys.executable, "-I", "-S", str(_HERE / "sandbox_child.py"), msgspec.json.encode(spec).decode()]
-    try:
-        returncode, timed_out, wall = _launch(root, argv, limits.wall_s, cgroup)
-        oom_kills = cgroup.oom_kills()
-    finally:
-        cgroup.kill_all_and_remove()
-    status_text = (root / "status").read_text() if (root / "status").is_file() else ""
-    if status_text.startswith("setup "):
-        raise SandboxUnavailable(
-            f"the contained sandbox could not be set up here: {status_text[6:]}; it needs Linux namespaces (as "
-            "root, or user namespaces for other users); pass containment='none' to accept the uncontained sandbox"
-        )
-    kind, _, value = status_text.partition(" ")
-    if kind == "exit":
-        returncode = int(value)
-    elif kind == "signal":
-        returncode = -int(value)
-    return _result(root, limits, returncode, timed_out, wall, "namespace", oom_kills)
 
 
 def _host_root() -> bool:
@@ -168,7 +180,7 @@ def _host_root() -> bool:
         return False
 
 
-def _launch(root: Path, argv: list[str], wall_s: float, cgroup: SandboxCgroup) -> tuple[int, bool, float]:
+def _launch(root: Path, argv: list[str], wall_s: float) -> tuple[int, bool, float]:
     """Start the launcher, wait at most `wall_s`, and on timeout kill the namespace's init (which takes every
     process of the namespace with it) before reaping the launcher."""
     started = time.perf_counter()

@@ -70,6 +70,11 @@ def bind(source, target, writable=False):
     mount(None, target, None, flags | (os.statvfs(target).f_flag & KEPT_FLAGS))
 
 
+def write(path, text):
+    with open(path, "w") as f:
+        f.write(text)
+
+
 def make_point(path, is_dir):
     if is_dir:
         os.makedirs(path, exist_ok=True)
@@ -100,9 +105,8 @@ def build_root(spec):
     make_point(scratch, True)
     options = f"size={spec['scratch_bytes']},mode=700,uid={spec['uid']},gid={spec['gid']}"
     mount("tmpfs", scratch, "tmpfs", MS_NOSUID | MS_NODEV, options)
-    if spec[
-        "tmp_is_scratch"
-    ]:  # else /tmp holds read-only binds (an interpreter under /tmp) and stays read-only
+    # /tmp is the scratch too, unless it holds read-only binds (an interpreter under /tmp): then it stays read-only
+    if spec["tmp_is_scratch"]:
         make_point(root + "/tmp", True)
         bind(scratch, root + "/tmp", writable=True)
     bind(scratch, root + "/dev/shm", writable=True)  # the same tmpfs: still one writable place
@@ -143,6 +147,9 @@ def pivot(root):
 
 def become_worker(spec, code_fd):
     """In the worker: no capabilities, the call's uid, then exec the interpreter with the runner."""
+    with open("/proc/self/oom_score_adj") as f:
+        if int(f.read()) < 0:  # the init's -1000 is not the code's (raising is always allowed)
+            write("/proc/self/oom_score_adj", "0")
     for cap in range(64):
         if libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 and ctypes.get_errno() == errno.EINVAL:
             break  # past the kernel's last capability
@@ -167,6 +174,10 @@ def become_worker(spec, code_fd):
 def run_init(spec, code_fd, status_fd):
     """PID 1 of the namespace: set up, run the worker, kill the rest, report the worker's end."""
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    # the tree's OOM kill should take the code's processes, not the init (whose death ends them all anyway);
+    # lowering needs host root, so elsewhere the init just stays the smallest process
+    with contextlib.suppress(OSError):
+        write("/proc/self/oom_score_adj", "-1000")
     try:
         for procs in spec["cgroup_procs"]:
             with open(procs, "w") as f:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import resource
+import tempfile
 from fractions import Fraction
 
 import pytest
@@ -34,9 +35,11 @@ def host_unharmed():
 def test_ok_prints_and_uses_a_throwaway_dir():
     result = run_python("import os\nopen('f.txt', 'w').write('hi')\nprint(6 * 7, os.listdir('.'))", LIMITS)
     assert (result.status, result.exit_code, result.stdout) == ("ok", 0, "42 ['f.txt']\n")
-    assert result.network_isolation in ("namespace", "patched")
-    first_dir = run_python("import os; print(os.getcwd())", LIMITS).stdout.strip()
-    assert not os.path.exists(first_dir)  # removed after the run
+    assert result.network_isolation == "namespace"
+    # contained: the call's own tmpfs; uncontained: a host folder, removed after the run
+    assert run_python("import os; print(os.getcwd())", LIMITS).stdout == "/scratch\n"
+    first_dir = run_python("import os; print(os.getcwd())", LIMITS, containment="none").stdout.strip()
+    assert first_dir.startswith(tempfile.gettempdir()) and not os.path.exists(first_dir)
 
 
 def test_infinite_loop_is_a_timeout_by_cpu_limit():

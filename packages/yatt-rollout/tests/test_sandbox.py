@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import resource
+import tempfile
 from fractions import Fraction
 
 import pytest
@@ -34,9 +35,11 @@ def host_unharmed():
 def test_ok_prints_and_uses_a_throwaway_dir():
     result = run_python("import os\nopen('f.txt', 'w').write('hi')\nprint(6 * 7, os.listdir('.'))", LIMITS)
     assert (result.status, result.exit_code, result.stdout) == ("ok", 0, "42 ['f.txt']\n")
-    assert result.network_isolation in ("namespace", "patched")
-    first_dir = run_python("import os; print(os.getcwd())", LIMITS).stdout.strip()
-    assert not os.path.exists(first_dir)  # removed after the run
+    assert result.network_isolation == "namespace"
+    # contained: the call's own tmpfs; uncontained: a host folder, removed after the run
+    assert run_python("import os; print(os.getcwd())", LIMITS).stdout == "/scratch\n"
+    first_dir = run_python("import os; print(os.getcwd())", LIMITS, containment="none").stdout.strip()
+    assert first_dir.startswith(tempfile.gettempdir()) and not os.path.exists(first_dir)
 
 
 def test_infinite_loop_is_a_timeout_by_cpu_limit():
@@ -61,20 +64,22 @@ def test_memory_bomb_is_memory():
 @pytest.mark.parametrize("network", ["auto", "patch"])
 def test_network_call_fails(network):
     limits = SandboxLimits(cpu_s=2, wall_s=5.0, output_bytes=4096, network=network)
+    # the socket patch is the uncontained sandbox's fallback; a contained call always has its own namespace
+    containment = "none" if network == "patch" else "auto"
     code = "import socket\nsocket.create_connection(('127.0.0.1', 9), timeout=2)\nprint('connected')"
-    result = run_python(code, limits)
+    result = run_python(code, limits, containment=containment)
     assert result.status == "network" and "connected" not in result.stdout
     if network == "patch":
         assert result.network_isolation == "patched" and "network access is disabled" in result.stderr
     # name resolution and urllib fail the same way
     code = "import urllib.request\nurllib.request.urlopen('http://example.com', timeout=2)"
-    assert run_python(code, limits).status == "network"
+    assert run_python(code, limits, containment=containment).status == "network"
     # code that catches the error itself still gets no connection
     caught = (
         "import socket\ntry:\n    socket.create_connection(('1.1.1.1', 80), timeout=2)\n    print('open')\n"
     )
     caught += "except OSError as err:\n    print('refused')"
-    assert run_python(caught, limits).stdout == "refused\n"
+    assert run_python(caught, limits, containment=containment).stdout == "refused\n"
 
 
 def test_huge_print_is_output_limit():

@@ -1,27 +1,32 @@
-"""Run untrusted Python (a model's tool call) in a separate, limited process: `run_python(code) -> SandboxResult`.
+"""Run untrusted Python (a model's tool call) contained: `run_python(code) -> SandboxResult`.
 
-The child is a fresh interpreter (`python -I`, its own session) in a throwaway working directory, started by a
-fixed runner script that, before it compiles the user's code:
-- cuts the network: `unshare(CLONE_NEWNET)` into a new, empty network namespace (with `CLONE_NEWUSER` when
-  unprivileged); where the kernel refuses both, it replaces `socket.socket`, `socket.create_connection`,
-  `socket.getaddrinfo` and `_socket.socket` with functions that raise. `SandboxResult.network_isolation`
-  says which one the run got ("namespace" or "patched"; the patch binds Python code only, not C extensions);
-- sets RLIMIT_CPU (SIGXCPU, then SIGKILL one second later), RLIMIT_AS (allocations fail: MemoryError),
-  RLIMIT_FSIZE (stdout and stderr are files: writing past the cap fails with EFBIG, so a huge print costs
-  at most the cap) and no core files;
-- in the user namespace even a root host's child lacks CAP_SYS_RESOURCE, so the code cannot raise its hard
-  limits (with CLONE_NEWNET alone, as root, it could; the wall-time kill still holds).
-The parent kills the whole session at the wall-time limit and removes the directory afterwards.
+Contained (the default, `containment="auto"`): the code runs in a fresh interpreter (`python -I`) without
+capabilities (no_new_privs) in its own PID, mount, IPC, UTS and network namespaces, inside a new root: a
+read-only tmpfs with read-only binds of what the interpreter needs (`sandbox_root`), a fresh /proc of its PID
+namespace, a minimal /dev, and one writable place, the call's private tmpfs `/scratch` (its cwd, HOME and
+TMPDIR; /tmp and /dev/shm are the same tmpfs). Host root runs it as a per-call unprivileged uid/gid; any other
+caller (or root of a user namespace) inside a user namespace whose uid 0 is the caller's own uid. The
+namespace's init kills every descendant when the code's process ends (setsid double forks included), and the
+wall-time kill ends the init, so nothing outlives `run_python`. The whole tree's memory and process count are
+limited by a cgroup (`sandbox_cgroup`: v2 or v1, where this process may create one) and by rlimits (RLIMIT_AS
+per process, RLIMIT_NPROC on the call's own uid). Built with Python and the kernel only (`sandbox_child`).
+Where the namespaces cannot be made it raises `SandboxUnavailable`, never a weaker run, unless the caller
+asks for `containment="none"`. The package README lists what this guarantees and what it does not.
 
-Statuses: ok, timeout (wall or CPU), memory, crash (an uncaught exception or a fatal signal), output_limit,
-network (an uncaught network error), malformed (the code does not compile). The host process is never
-touched: the child is a different process, and every failure comes back as data.
+`containment="none"`: the earlier, weaker sandbox: a `python -I` child in its own session and a throwaway
+folder, the network cut by a namespace where allowed (else a socket patch), the same rlimits and limits on
+CPU, wall time and output, but the host's files, processes and Unix sockets within its reach.
+
+Statuses: ok, timeout (wall or CPU), memory (MemoryError or the tree's OOM kill), crash (an uncaught exception
+or a fatal signal), output_limit, network (an uncaught network error), malformed (the code does not compile).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import secrets
+import select
 import shutil
 import signal
 import subprocess
@@ -33,165 +38,207 @@ from typing import Literal
 
 import msgspec
 
-from yatt_rollout.types import SandboxResult
+from yatt_rollout.sandbox_cgroup import CgroupLayout, SandboxCgroup
+from yatt_rollout.sandbox_root import RootLayoutError, root_entries, tmp_is_scratch
+from yatt_rollout.types import SandboxResult, ToolStatus
 
-# exit codes of the runner for failures it classifies itself
-_EXIT_STATUS = {91: "memory", 92: "malformed", 93: "network", 94: "output_limit"}
+# exit codes of the runner for failures it classifies itself (sandbox_runner.py)
+_EXIT_STATUS: dict[int, ToolStatus] = {91: "memory", 92: "malformed", 93: "network", 94: "output_limit"}
+_HERE = Path(__file__).parent
+# per-call uids and gids are drawn from here: far above any real account's id
+UID_BASE, UID_SPAN = 0x60000000, 1 << 24
+Containment = Literal["auto", "namespaces", "none"]
 
-_RUNNER = r"""
-import ctypes, errno, os, resource, sys
-code_path, meta_path = sys.argv[1], sys.argv[2]
-cpu_s, mem_bytes, out_bytes, allow_unshare = (int(a) for a in sys.argv[3:7])
 
-class NetworkDisabled(OSError):
-    pass
-
-def _blocked(*args, **kwargs):
-    raise NetworkDisabled(errno.EACCES, "network access is disabled in the sandbox")
-
-def isolate():
-    libc = ctypes.CDLL(None, use_errno=True)
-    # CLONE_NEWUSER | CLONE_NEWNET: an empty network namespace, and a user namespace in which even root has
-    # no CAP_SYS_RESOURCE over the host (hard limits stay); CLONE_NEWNET alone where user namespaces are off
-    for flags in (0x40000000 | 0x10000000, 0x40000000):
-        if allow_unshare and libc.unshare(flags) == 0:
-            return "namespace"
-    import _socket, socket
-    class BlockedSocket(_socket.socket):  # a class still: other modules subclass socket.socket
-        def __init__(self, *args, **kwargs):
-            _blocked()
-    socket.socket = _socket.socket = BlockedSocket
-    socket.create_connection = socket.getaddrinfo = _socket.getaddrinfo = _blocked
-    return "patched"
-
-def is_network_error(err):
-    unreachable = (errno.ENETUNREACH, errno.EHOSTUNREACH, errno.EADDRNOTAVAIL, errno.ENETDOWN)
-    for _ in range(8):  # the error or what it wraps (urllib's URLError holds the socket error)
-        if isinstance(err, (NetworkDisabled, socket.gaierror)) or (
-                isinstance(err, OSError) and err.errno in unreachable):
-            return True
-        err = getattr(err, "reason", None) or err.__cause__ or err.__context__
-        if not isinstance(err, BaseException):
-            return False
-    return False
-
-isolation = isolate()
-with open(code_path) as f:
-    source = f.read()
-with open(meta_path, "w") as f:
-    f.write(isolation)
-import socket, traceback  # imported before the limits: the error paths below need them
-resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
-resource.setrlimit(resource.RLIMIT_FSIZE, (out_bytes, out_bytes))
-resource.setrlimit(resource.RLIMIT_AS, (mem_bytes, mem_bytes))
-try:
-    code = compile(source, "<sandbox>", "exec")
-except (SyntaxError, ValueError) as err:
-    sys.stderr.write(f"{type(err).__name__}: {err}\n"); sys.stderr.flush()
-    os._exit(92)
-status = 0
-try:
-    exec(code, {"__name__": "__main__"})
-    sys.stdout.flush()
-except SystemExit as err:
-    status = 0 if err.code in (None, 0) else 1
-except MemoryError:
-    status = 91
-except BaseException as err:
-    if isinstance(err, OSError) and err.errno == errno.EFBIG:
-        status = 94
-    elif is_network_error(err):
-        status = 93
-    else:
-        status = 1
-    try:
-        traceback.print_exc()
-    except BaseException:
-        pass
-try:
-    sys.stdout.flush(); sys.stderr.flush()
-except OSError as err:
-    status = 94 if err.errno == errno.EFBIG else status
-os._exit(status)
-"""
+class SandboxUnavailable(RuntimeError):
+    """The contained sandbox cannot run here (no namespaces, no mounts, no new root): nothing was run."""
 
 
 class SandboxLimits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Limits of one run: CPU seconds, address space, stdout/stderr bytes each, wall seconds."""
+    """Limits of one run: CPU seconds (per process), memory bytes (per process, and the whole tree's where a
+    cgroup is available), stdout/stderr bytes each, wall seconds, processes of the tree (the code's own
+    included), and the scratch tmpfs's size (counted in the tree's memory too)."""
 
     cpu_s: int = 2
     memory_bytes: int = 256 << 20
     output_bytes: int = 64 << 10
     wall_s: float = 5.0
     # "auto": a network namespace where the kernel allows it, else the socket patch; "patch": the patch only
+    # (containment="none" only: a contained call always has its own network namespace)
     network: Literal["auto", "patch"] = "auto"
+    max_processes: int = 32
+    scratch_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
-        for name in ("cpu_s", "memory_bytes", "output_bytes", "wall_s"):
+        for name in ("cpu_s", "memory_bytes", "output_bytes", "wall_s", "max_processes", "scratch_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"SandboxLimits.{name} must be > 0, got {getattr(self, name)}")
 
 
-def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxResult:
+def run_python(
+    code: str,
+    limits: SandboxLimits | None = None,
+    *,
+    containment: Containment = "auto",
+    interpreter: str | None = None,
+) -> SandboxResult:
     """Run `code` in a fresh sandboxed interpreter and classify how it ended (never raises for the code's
-    sake). stdout/stderr come back decoded (invalid UTF-8 replaced), at most `limits.output_bytes` each."""
+    sake). stdout/stderr come back decoded (invalid UTF-8 replaced), at most `limits.output_bytes` each.
+
+    `containment`: "auto" / "namespaces" contain the code (see the module docstring) or raise
+    `SandboxUnavailable`; "none" runs the weaker, uncontained sandbox. `interpreter`: the Python to run the code
+    with (default: this one, `sys.executable`); its prefixes are bound read-only into the new root."""
     limits = limits or SandboxLimits()
+    if containment not in ("auto", "namespaces", "none"):
+        raise ValueError(f"containment must be 'auto', 'namespaces' or 'none', got {containment!r}")
+    interpreter = interpreter or sys.executable
     root = Path(tempfile.mkdtemp(prefix="yatt-sandbox-"))
     try:
-        return _run_in(root, code, limits)
+        if containment == "none":
+            return _run_uncontained(root, code, limits, interpreter)
+        return _run_contained(root, code, limits, interpreter)
     finally:
-        shutil.rmtree(root, ignore_errors=True)
+        _remove(root)
 
 
-def _run_in(root: Path, code: str, limits: SandboxLimits) -> SandboxResult:
+# ---- contained ----------------------------------------------------------------------------------------------
+
+
+def _run_contained(root: Path, code: str, limits: SandboxLimits, interpreter: str) -> SandboxResult:
+    try:
+        entries = root_entries(interpreter)
+    except (RootLayoutError, OSError, subprocess.CalledProcessError) as err:
+        raise SandboxUnavailable(f"no root for the interpreter {interpreter}: {err}") from err
+    (root / "code.py").write_text(code)
+    (root / "newroot").mkdir()
+    # the init counts against pids.max too: the code's own tree gets max_processes
+    cgroup = CgroupLayout.detect().create(root.name, limits.memory_bytes, limits.max_processes + 1)
+    spec = _spec(root, entries, cgroup, limits, interpreter)
+    argv = [sys.executable, "-I", "-S", str(_HERE / "sandbox_child.py"), msgspec.json.encode(spec).decode()]
+    try:
+        returncode, timed_out, wall = _launch(root, argv, limits.wall_s)
+        oom_kills = cgroup.oom_kills()
+    finally:
+        cgroup.kill_all_and_remove()
+    status_text = (root / "status").read_text() if (root / "status").is_file() else ""
+    kind, _, value = status_text.partition(" ")
+    if kind == "setup":
+        raise SandboxUnavailable(
+            f"the contained sandbox could not be set up here: {value}; it needs Linux namespaces (as root, or "
+            "user namespaces for other users); pass containment='none' to accept the uncontained sandbox"
+        )
+    if kind == "exit":
+        returncode = int(value)
+    elif kind == "signal":
+        returncode = -int(value)
+    elif not timed_out and not oom_kills:  # the launcher itself failed: never report that as the code's crash
+        tail = _read(root / "stderr", limits.output_bytes)[-2000:]
+        raise SandboxUnavailable(f"the sandbox's launcher failed (exit {returncode}): {tail}")
+    elif oom_kills:
+        returncode = -signal.SIGKILL  # the OOM kill took the init (and so the namespace)
+    return _result(root, limits, returncode, timed_out, wall, "namespace", oom_kills)
+
+
+def _spec(
+    root: Path, entries: list, cgroup: SandboxCgroup, limits: SandboxLimits, interpreter: str
+) -> dict[str, object]:
+    """What `sandbox_child.py` needs, as JSON-able data."""
+    # root of the host: a fresh uid per call; anyone else (or root inside a user namespace): a user namespace
+    # whose uid 0 is the caller's own uid outside, without capabilities
+    userns = not _host_root()
+    ident = 0 if userns else UID_BASE + secrets.randbelow(UID_SPAN)
+    return {
+        "root": str(root / "newroot"),
+        "entries": entries,
+        "tmp_is_scratch": tmp_is_scratch(entries),
+        "code_path": str(root / "code.py"),
+        "status_path": str(root / "status"),
+        "pid_path": str(root / "init.pid"),
+        "cgroup_procs": cgroup.procs_files(),
+        "caller_pid": os.getpid(),
+        "userns": userns,
+        "outer_uid": os.geteuid(),
+        "outer_gid": os.getegid(),
+        "uid": ident,
+        "gid": ident,
+        "scratch_bytes": limits.scratch_bytes,
+        "max_processes": limits.max_processes,
+        "interpreter": interpreter,
+        "runner": (_HERE / "sandbox_runner.py").read_text(),
+        "runner_args": [str(limits.cpu_s), str(limits.memory_bytes), str(limits.output_bytes), "0", "-"],
+        "env": _child_env("/scratch"),
+    }
+
+
+def _host_root() -> bool:
+    """Root of the initial user namespace (which alone may switch to any uid), not root of a user namespace."""
+    if os.geteuid() != 0:
+        return False
+    try:
+        return Path("/proc/self/uid_map").read_text().split() == ["0", "0", "4294967295"]
+    except OSError:
+        return False
+
+
+def _launch(root: Path, argv: list[str], wall_s: float) -> tuple[int, bool, float]:
+    """Start the launcher, wait at most `wall_s`, and on timeout kill the namespace's init (which takes every
+    process of the namespace with it) before reaping the launcher."""
+    started = time.perf_counter()
+    with open(root / "stdout", "wb") as out, open(root / "stderr", "wb") as err:
+        # the launcher gets none of the caller's environment (tokens, keys); the code gets spec["env"]
+        env = {"PATH": "/usr/bin:/bin"}
+        proc = subprocess.Popen(
+            argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True
+        )
+        timed_out = not _wait(proc, wall_s)
+        if timed_out:
+            _kill_init(root / "init.pid", proc)
+        proc.wait()
+    return proc.returncode, timed_out, time.perf_counter() - started
+
+
+def _kill_init(pid_path: Path, proc: subprocess.Popen) -> None:
+    """SIGKILL the init (the launcher's waitpid returns once the whole namespace is gone); before the launcher
+    has written its pid, its process group (the init is in it, and dies with the launcher by PDEATHSIG)."""
+    with contextlib.suppress(OSError, ValueError):
+        os.kill(int(pid_path.read_text()), signal.SIGKILL)
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+# ---- uncontained (containment="none") -----------------------------------------------------------------------
+
+
+def _run_uncontained(root: Path, code: str, limits: SandboxLimits, interpreter: str) -> SandboxResult:
     work, code_path, meta = root / "work", root / "code.py", root / "meta"
     work.mkdir()
     code_path.write_text(code)
-    argv = [
-        sys.executable,
-        "-I",
-        "-c",
-        _RUNNER,
-        str(code_path),
-        str(meta),
-        str(limits.cpu_s),
-        str(limits.memory_bytes),
-        str(limits.output_bytes),
-        str(int(limits.network != "patch")),
-    ]
-    env = {
-        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-        "HOME": str(work),
-        "TMPDIR": str(work),
-        "OMP_NUM_THREADS": "1",
-        "PYTHONDONTWRITEBYTECODE": "1",
-    }
+    code_fd = os.open(code_path, os.O_RDONLY)
+    runner = (_HERE / "sandbox_runner.py").read_text()
+    isolate = "2" if limits.network == "patch" else "1"
+    limit_args = [str(limits.cpu_s), str(limits.memory_bytes), str(limits.output_bytes), isolate, str(meta)]
+    argv = [interpreter, "-I", "-c", runner, str(code_fd), *limit_args]
     started = time.perf_counter()
-    with open(root / "stdout", "wb") as out, open(root / "stderr", "wb") as err:
-        proc = subprocess.Popen(
-            argv, cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True
-        )
-        timed_out = False
-        try:
-            proc.wait(timeout=limits.wall_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-        _kill_session(proc)
+    try:
+        with open(root / "stdout", "wb") as out, open(root / "stderr", "wb") as err:
+            proc = subprocess.Popen(
+                argv,
+                cwd=work,
+                env=_child_env(str(work)),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                start_new_session=True,
+                pass_fds=(code_fd,),
+            )
+            timed_out = not _wait(proc, limits.wall_s)
+            _kill_session(proc)
+    finally:
+        os.close(code_fd)
     wall = time.perf_counter() - started
-    stdout, stderr = (_read(root / name, limits.output_bytes) for name in ("stdout", "stderr"))
-    status = _status(proc.returncode, timed_out, root, limits)
     isolation = meta.read_text() if meta.is_file() else ""
-    if timed_out:
-        stderr += f"\nkilled: ran past the {limits.wall_s:g} s wall-time limit"
-    return SandboxResult(
-        status=status,
-        stdout=stdout,
-        stderr=stderr,
-        exit_code=proc.returncode,
-        wall_s=wall,
-        network_isolation=isolation,
-    )
+    return _result(root, limits, proc.returncode, timed_out, wall, isolation, 0)
 
 
 def _kill_session(proc: subprocess.Popen) -> None:
@@ -201,9 +248,68 @@ def _kill_session(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def _status(code: int, timed_out: bool, root: Path, limits: SandboxLimits) -> str:
-    if timed_out or code in (-signal.SIGXCPU, -signal.SIGKILL):
-        return "timeout"  # the wall limit, or RLIMIT_CPU's SIGXCPU / SIGKILL
+# ---- shared -------------------------------------------------------------------------------------------------
+
+
+def _wait(proc: subprocess.Popen, timeout_s: float) -> bool:
+    """Whether `proc` ended within `timeout_s` (not reaped). A pidfd wakes the moment it ends;
+    `Popen.wait(timeout)` polls with sleeps of up to 50 ms, which was most of a short call's time."""
+    try:
+        pidfd = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):  # no pidfd (kernel < 5.3): Popen's polling
+        try:
+            proc.wait(timeout=timeout_s)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+    try:
+        return bool(select.select([pidfd], [], [], timeout_s)[0])
+    finally:
+        os.close(pidfd)
+
+
+def _child_env(home: str) -> dict[str, str]:
+    return {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "HOME": home,
+        "TMPDIR": home,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONDONTWRITEBYTECODE": "1",
+    }
+
+
+def _result(
+    root: Path,
+    limits: SandboxLimits,
+    returncode: int,
+    timed_out: bool,
+    wall: float,
+    isolation: str,
+    oom_kills: int,
+) -> SandboxResult:
+    stdout, stderr = (_read(root / name, limits.output_bytes) for name in ("stdout", "stderr"))
+    status = _status(returncode, timed_out, root, limits, oom_kills)
+    if timed_out:
+        stderr += f"\nkilled: ran past the {limits.wall_s:g} s wall-time limit"
+    elif status == "memory" and returncode == -signal.SIGKILL:
+        stderr += f"\nkilled: the process tree went past its {limits.memory_bytes} byte memory limit"
+    return SandboxResult(
+        status=status,
+        stdout=stdout,
+        stderr=stderr,
+        exit_code=returncode,
+        wall_s=wall,
+        network_isolation=isolation,
+    )
+
+
+def _status(code: int, timed_out: bool, root: Path, limits: SandboxLimits, oom_kills: int) -> ToolStatus:
+    if timed_out:
+        return "timeout"
+    if code == -signal.SIGKILL and oom_kills:
+        return "memory"  # the tree's OOM kill took the code's own process
+    if code in (-signal.SIGXCPU, -signal.SIGKILL):
+        return "timeout"  # RLIMIT_CPU's SIGXCPU / SIGKILL
     if code in _EXIT_STATUS:
         return _EXIT_STATUS[code]
     if any((root / name).stat().st_size >= limits.output_bytes for name in ("stdout", "stderr")):
@@ -214,3 +320,8 @@ def _status(code: int, timed_out: bool, root: Path, limits: SandboxLimits) -> st
 def _read(path: Path, cap: int) -> str:
     with open(path, "rb") as f:
         return f.read(cap).decode("utf-8", errors="replace")
+
+
+def _remove(root: Path) -> None:
+    """Remove the call's folder (the new root's mount point lived only in the call's mount namespace)."""
+    shutil.rmtree(root, ignore_errors=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import msgspec
 from yatt_rollout.types import GenerateRequest, Generator, MediaRef, Prompt, SamplingParams
 
 from yatt_multimodal.judge_calls import JudgeCall, sample_judgements
@@ -36,7 +37,6 @@ def judge_key(request: RewardRequest) -> JudgeKey:
 
 def judge_sampling(spec: JudgeSpec, seed: int | None = None) -> SamplingParams:
     """The engine's sampling of one judge prompt: K samples, and `spec.choices` as a constrained choice."""
-    constrained = {"choices": list(spec.choices)} if spec.choices else {}  # UNSET and [] are falsy
     return SamplingParams(
         n=spec.num_samples,
         temperature=spec.temperature,
@@ -44,7 +44,7 @@ def judge_sampling(spec: JudgeSpec, seed: int | None = None) -> SamplingParams:
         max_new_tokens=spec.max_new_tokens,
         seed=seed,
         logprobs=False,
-        **constrained,
+        choices=list(spec.choices) if spec.choices else msgspec.UNSET,  # UNSET and [] are falsy
     )
 
 
@@ -114,7 +114,9 @@ class GenRMJudge:
 
     async def score(self, requests: Sequence[RewardRequest]) -> RewardBatch:
         groups = self._groups(requests)  # one judge prompt per group of identical requests
-        to_send, prepared, quoted = [], {}, {}
+        to_send: list[GenerateRequest] = []
+        prepared: dict[str, Reward] = {}
+        quoted: dict[str, tuple[str, str]] = {}
         for gid, members in groups.items():
             try:
                 prompt = self.build_prompt(requests[members[0]])
@@ -132,10 +134,8 @@ class GenRMJudge:
         metrics = RewardMetrics(num_judged=len(to_send))
         for gid, call in calls.items():
             prepared[gid] = self._reward(requests[groups[gid][0]], call, metrics, quoted[gid])
-        rewards: list[Reward | None] = [None] * len(requests)
-        for gid, members in groups.items():
-            for i in members:
-                rewards[i] = _for_request(prepared[gid], requests[i].request_id)
+        group_of = {i: gid for gid, members in groups.items() for i in members}
+        rewards = [_for_request(prepared[group_of[i]], r.request_id) for i, r in enumerate(requests)]
         return RewardBatch(rewards, count_statuses(rewards, metrics))
 
     def _groups(self, requests: Sequence[RewardRequest]) -> dict[str, list[int]]:

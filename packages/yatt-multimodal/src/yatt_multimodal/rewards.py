@@ -197,7 +197,8 @@ class CombinedReward:
         return merged
 
     def _combine(self, request: RewardRequest, parts: list[Reward]) -> Reward:
-        score, components, errors, status = 0.0, {}, [], "ok"
+        score, components, errors = 0.0, {}, []
+        status: RewardStatus = "ok"
         token_scores: list[float] | None = None
         for (weight, fn), part in zip(self.terms, parts, strict=True):
             assert part.request_id == request.request_id, "a term returned rewards out of order"

@@ -14,13 +14,13 @@ import unicodedata
 from collections.abc import Callable
 from functools import partial
 
-from yatt_multimodal.math_answers import extract_boxed, verify_math
+from yatt_multimodal.math_answers import MathBackend, extract_boxed, verify_math
 from yatt_multimodal.rewards import RuleReward
 from yatt_multimodal.rule_workers import RuleWorkerPool
 from yatt_multimodal.types import RewardRequest, RewardSpec
 
 
-def math_reward(request: RewardRequest, *, backend: str = "auto") -> float:
+def math_reward(request: RewardRequest, *, backend: MathBackend = "auto") -> float:
     """1.0 when the response's final answer equals `request.reference` mathematically."""
     return float(verify_math(request.response, request.reference, backend=backend))
 

@@ -5,6 +5,7 @@ pools are objects that close their processes."""
 import asyncio
 import logging
 import os
+import time
 from functools import partial
 
 import pytest
@@ -105,3 +106,46 @@ def test_pool_arguments_are_checked():
         RuleWorkerPool(memory_limit_mb=10)
     with RuleWorkerPool(1) as pool, pytest.raises(ValueError, match="deadline_s must be > 0, got 0"):
         pool.submit(regex_reward, _req("5", "a"), 0)
+
+
+CALLER = """
+import sys
+import time
+from yatt_multimodal.rule_workers import RuleWorkerPool
+from yatt_multimodal.rules import math_reward
+from yatt_multimodal.types import RewardRequest
+
+pool = RuleWorkerPool(num_workers=2)
+pool.submit(math_reward, RewardRequest(request_id="h", prompt="q", response=sys.argv[1], reference="3"), 600)
+while len(pids := pool.worker_pids()) < 3:  # the supervisor and both workers forked
+    time.sleep(0.05)
+print(*pids, flush=True)
+sys.stdin.read()  # until killed
+"""
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+def test_a_caller_killed_with_sigkill_takes_its_supervisor_and_workers_with_it():
+    import signal
+    import subprocess
+    import sys
+
+    caller = subprocess.Popen(
+        [sys.executable, "-c", CALLER, HANGS], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    pids = [int(p) for p in caller.stdout.readline().split()]
+    assert len(pids) == 3 and all(_alive(p) for p in pids)
+    caller.send_signal(signal.SIGKILL)
+    caller.wait()
+    for _ in range(600):  # waits for the kernel and the supervisor's pipe EOF, at most 60 s
+        if not any(_alive(p) for p in pids):
+            break
+        time.sleep(0.1)
+    assert [p for p in pids if _alive(p)] == []

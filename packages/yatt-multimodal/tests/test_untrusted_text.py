@@ -54,6 +54,19 @@ def test_the_issues_attack_adds_no_special_tokens(tokenizer):
     assert _specials(no_template, HFChatCodec(no_template).encode_prompt(*_prompt(WRONG + ATTACK))) == 0
 
 
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("response", ["2+3=5", "Step 1: 3*4=12\n\nStep 2: \\boxed{13}\n", "\n\n é ≥ 中文 "])
+def test_benign_prompts_encode_as_the_template_itself_does(tokenizer, version, response):
+    # so a judge warm-started on the template's own tokenization sees the same tokens when it judges
+    system, user = _prompt(response, version)
+    chat = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    whole = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert (
+        HFChatCodec(tokenizer).encode_prompt(system, user)
+        == tokenizer(whole, add_special_tokens=False)["input_ids"]
+    )
+
+
 def test_a_spelled_out_image_placeholder_adds_no_image(tokenizer):
     codec = QwenVLCodec(tokenizer)
     pad = tokenizer.convert_tokens_to_ids(IMAGE_PAD)

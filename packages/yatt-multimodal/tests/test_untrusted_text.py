@@ -83,6 +83,8 @@ def test_a_template_that_copies_a_message_is_refused(tokenizer):
     )
     with pytest.raises(ValueError, match="renders the system message 2 times, not once"):
         encode_chat(copying, [("system", "s"), ("user", "u")])
+    with pytest.raises(ValueError, match="encode_chat: 1 markup entries for 2 messages"):
+        encode_chat(copying, [("system", "s"), ("user", "u")], markup=["<|image_pad|>"])
 
 
 @pytest.mark.parametrize("version", [1, 2])

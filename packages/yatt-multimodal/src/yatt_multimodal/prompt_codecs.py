@@ -58,6 +58,8 @@ def encode_chat(
     kept. The template's rendering must hold each message's text exactly once (it may wrap it, not copy or
     alter it), else a ValueError."""
     markup = list(markup) or [""] * len(messages)
+    if len(markup) != len(messages):
+        raise ValueError(f"encode_chat: {len(markup)} markup entries for {len(messages)} messages")
     marks = [_PLACEHOLDER.format(i) for i in range(len(messages))]
     chat = [{"role": role, "content": markup[i] + marks[i]} for i, (role, _) in enumerate(messages)]
     rendered = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)

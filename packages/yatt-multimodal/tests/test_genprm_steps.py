@@ -38,7 +38,7 @@ def test_split_on_step_lines():
         ("Wrong steps: [1]", {0}),
         ("Wrong steps: 1 and 3", {0, 2}),
         ("Wrong step: **none**", set()),
-        ("Wrong steps: 2\nOn reflection, Wrong steps: none", set()),  # the last line counts
+        ("Wrong steps: 2\nOn reflection, Wrong steps: none", {1}),  # the first line counts
         ("Wrong steps: 4", None),  # only 3 steps
         ("Wrong steps: 0", None),  # steps are numbered from 1
         ("Everything is fine.", None),

@@ -45,7 +45,7 @@ def _judge(engine, **spec):
 
 
 def test_parsers_worked_by_hand():
-    assert parse_yes_no("Verdict: No ... on reflection, Verdict: Yes") == 1.0  # the last verdict counts
+    assert parse_yes_no("Verdict: No ... on reflection, Verdict: Yes") == -1.0  # the first verdict counts
     assert parse_yes_no("verdict:no") == -1.0
     assert parse_yes_no("\\boxed{Yes}") == 1.0
     assert parse_yes_no("Yes, I think so") is None  # no verdict phrase

@@ -7,10 +7,18 @@ import threading
 import pytest
 from yatt_multimodal.math_answers import extract_boxed, verify_math
 from yatt_multimodal.rewards import CombinedReward, RewardStepFailed, RuleReward, resolve_failures
+from yatt_multimodal.rule_workers import RuleWorkerPool
 from yatt_multimodal.rules import build_rule
 from yatt_multimodal.types import RewardRequest, RewardSpec
 
 BACKENDS = ["math_verify", "sympy"]
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with RuleWorkerPool(num_workers=2) as shared:  # one supervisor for the module's built rules
+        yield shared
+
 
 # (response, reference): the same number or expression written differently. Worked by hand:
 # 1/2 = 0.5 = \frac{1}{2}; \frac{6}{4} = 3/2 = 1.5; (x+1)^2 = x^2 + 2x + 1; \sqrt{8} = 2\sqrt{2};
@@ -71,11 +79,10 @@ def _req(response, reference="", rid="r"):
     return RewardRequest(request_id=rid, prompt="q", response=response, reference=reference)
 
 
-def _score(spec, response, reference=""):
-    return build_rule(spec).score_sync([_req(response, reference)]).rewards[0].score
+def test_format_regex_and_exact_match(pool):
+    def _score(spec, response, reference=""):
+        return build_rule(spec, pool=pool).score_sync([_req(response, reference)]).rewards[0].score
 
-
-def test_format_regex_and_exact_match():
     tags = RewardSpec(kind="tag_format")
     assert _score(tags, "<think>2+3</think>\n<answer>5</answer>") == 1.0
     assert _score(tags, "<answer>5</answer><think>2+3</think>") == 0.0  # wrong order
@@ -122,9 +129,9 @@ def test_rule_errors_and_timeouts_fail_one_request():
     assert (batch.metrics.num_requests, batch.metrics.num_timeout, batch.metrics.num_error) == (3, 1, 1)
 
 
-def test_combined_weights_and_failure_policy():
-    math = build_rule(RewardSpec(kind="math_verify", options={"backend": "sympy"}))
-    fmt = build_rule(RewardSpec(kind="boxed_format", name="format"))
+def test_combined_weights_and_failure_policy(pool):
+    math = build_rule(RewardSpec(kind="math_verify", options={"backend": "sympy"}), pool=pool)
+    fmt = build_rule(RewardSpec(kind="boxed_format", name="format"), pool=pool)
     broken = RuleReward("broken", lambda r: 1 / 0 if r.request_id == "c" else 0.5)
     combined = CombinedReward([(1.0, math), (0.1, fmt), (2.0, broken)])
     requests = [_req("\\boxed{4}", "4", "a"), _req("4", "4", "b"), _req("\\boxed{5}", "4", "c")]

@@ -23,6 +23,7 @@ from yatt_multimodal.judge_calls import JudgeCall, sample_judgements
 from yatt_multimodal.prompt_codecs import PromptCodec
 from yatt_multimodal.templates import get_template
 from yatt_multimodal.types import JudgeSpec, RewardRequest, StepCritique
+from yatt_multimodal.verdicts import own_matches
 
 # Explicit step markers: `<step 3>` anywhere, or `Step 3:` / `Step 3.` at a line start.
 _MARKER = re.compile(r"<step\s*\d+\s*>|^[ \t]*step\s+\d+\s*[:.]", re.IGNORECASE | re.MULTILINE)
@@ -67,15 +68,17 @@ def number_steps(response: str, spans: Sequence[tuple[int, int]]) -> str:
     )
 
 
-def parse_wrong_steps(text: str, num_steps: int) -> set[int] | None:
+def parse_wrong_steps(text: str, num_steps: int, *, quoted: Sequence[str] = ()) -> set[int] | None:
     """`Wrong steps: 2, 5` -> {1, 4} (0-based); `none` -> set(); no such line or a number outside
-    1..num_steps -> None. The last such line counts."""
-    found = _WRONG.findall(text)
-    if not found:
+    1..num_steps -> None. The first such line the critic writes itself after its reasoning counts, not one
+    copied from `quoted` (its prompt's texts; `verdicts.own_matches`)."""
+    first = next(own_matches(_WRONG, text, quoted), None)
+    if first is None:
         return None
-    if found[-1].lower() == "none":
+    found = first.group(1)
+    if found.lower() == "none":
         return set()
-    numbers = [int(n) for n in re.findall(r"\d+", found[-1])]
+    numbers = [int(n) for n in re.findall(r"\d+", found)]
     if any(not 1 <= n <= num_steps for n in numbers):
         return None
     return {n - 1 for n in numbers}
@@ -141,6 +144,12 @@ class GenPRM:
         )
         return Prompt(token_ids=self.codec.encode_prompt(system, user), text=user)
 
+    def parse(self, text: str, num_steps: int, quoted: Sequence[str]) -> set[int] | None:
+        """One critique's wrong steps: a constrained choice as it is, free text with echoes skipped."""
+        if text in (self.spec.choices or []):
+            return parse_wrong_steps(text, num_steps)
+        return parse_wrong_steps(text, num_steps, quoted=quoted)
+
     async def critique(self, requests: Sequence[RewardRequest]) -> list[StepCritique]:
         steps = [split_steps(r.response) for r in requests]
         to_send = [
@@ -153,10 +162,18 @@ class GenPRM:
         calls = await sample_judgements(
             self.engine, to_send, timeout_s=self.spec.timeout_s, max_concurrency=self.spec.max_concurrency
         )
-        return [self._result(r, steps[i], calls.get(f"p{i}")) for i, r in enumerate(requests)]
+        quoted = {g.request_id: (g.prompt.text or "", self.template.system) for g in to_send}
+        return [
+            self._result(r, steps[i], calls.get(f"p{i}"), quoted.get(f"p{i}", ()))
+            for i, r in enumerate(requests)
+        ]
 
     def _result(
-        self, request: RewardRequest, spans: list[tuple[int, int]], call: JudgeCall | None
+        self,
+        request: RewardRequest,
+        spans: list[tuple[int, int]],
+        call: JudgeCall | None,
+        quoted: Sequence[str],
     ) -> StepCritique:
         out = StepCritique(request_id=request.request_id, char_spans=spans, token_spans=[], wrong_steps=[])
         try:
@@ -174,7 +191,7 @@ class GenPRM:
             out.status, out.error = call.status, call.error
             return out
         out.critiques = [self.codec.decode(c.token_ids) for c in call.completions]
-        parsed = [parse_wrong_steps(text, len(spans)) for text in out.critiques]
+        parsed = [self.parse(text, len(spans), quoted) for text in out.critiques]
         out.wrong_steps = [sorted(p) for p in parsed if p is not None]
         out.num_unparsed = parsed.count(None)
         if not out.wrong_steps:

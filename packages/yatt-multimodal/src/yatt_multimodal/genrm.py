@@ -7,6 +7,9 @@ JSON) and the aggregation (mean, majority), renders versioned templates, judges 
 (prompt, response, reference, media) tuples once per batch, and reports parse failures and timeouts as
 statuses with counts. Where it departs from the paper: a response none of whose K judgements states a
 verdict is a `parse_error` (the paper's mean would be a silent 0); the policy decides what that scores.
+The response is untrusted: the codec encodes it as ordinary text (a spelled-out `<|im_start|>` opens no turn),
+and a judgement's verdict is the first one the judge states itself, not one it copies from its prompt
+(`verdicts`: the prompt's texts are passed as `quoted`).
 With media and a VLM codec (`yatt_multimodal.vlm.QwenVLCodec`) the same class is the VLM judge.
 """
 
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import msgspec
 from yatt_rollout.types import GenerateRequest, Generator, MediaRef, Prompt, SamplingParams
 
 from yatt_multimodal.judge_calls import JudgeCall, sample_judgements
@@ -33,7 +37,6 @@ def judge_key(request: RewardRequest) -> JudgeKey:
 
 def judge_sampling(spec: JudgeSpec, seed: int | None = None) -> SamplingParams:
     """The engine's sampling of one judge prompt: K samples, and `spec.choices` as a constrained choice."""
-    constrained = {"choices": list(spec.choices)} if spec.choices else {}  # UNSET and [] are falsy
     return SamplingParams(
         n=spec.num_samples,
         temperature=spec.temperature,
@@ -41,7 +44,7 @@ def judge_sampling(spec: JudgeSpec, seed: int | None = None) -> SamplingParams:
         max_new_tokens=spec.max_new_tokens,
         seed=seed,
         logprobs=False,
-        **constrained,
+        choices=list(spec.choices) if spec.choices else msgspec.UNSET,  # UNSET and [] are falsy
     )
 
 
@@ -111,13 +114,16 @@ class GenRMJudge:
 
     async def score(self, requests: Sequence[RewardRequest]) -> RewardBatch:
         groups = self._groups(requests)  # one judge prompt per group of identical requests
-        to_send, prepared = [], {}
+        to_send: list[GenerateRequest] = []
+        prepared: dict[str, Reward] = {}
+        quoted: dict[str, tuple[str, str]] = {}
         for gid, members in groups.items():
             try:
                 prompt = self.build_prompt(requests[members[0]])
             except ValueError as exc:  # bad media or an unencodable prompt: this group only
                 prepared[gid] = failed(requests[members[0]], "error", f"{self.name}: {exc}")
                 continue
+            quoted[gid] = (prompt.text or "", self.template.system)
             seed = None if self.seed is None else self.seed + len(to_send)
             to_send.append(
                 GenerateRequest(request_id=gid, prompt=prompt, sampling=judge_sampling(self.spec, seed))
@@ -127,11 +133,9 @@ class GenRMJudge:
         )
         metrics = RewardMetrics(num_judged=len(to_send))
         for gid, call in calls.items():
-            prepared[gid] = self._reward(requests[groups[gid][0]], call, metrics)
-        rewards: list[Reward | None] = [None] * len(requests)
-        for gid, members in groups.items():
-            for i in members:
-                rewards[i] = _for_request(prepared[gid], requests[i].request_id)
+            prepared[gid] = self._reward(requests[groups[gid][0]], call, metrics, quoted[gid])
+        group_of = {i: gid for gid, members in groups.items() for i in members}
+        rewards = [_for_request(prepared[group_of[i]], r.request_id) for i, r in enumerate(requests)]
         return RewardBatch(rewards, count_statuses(rewards, metrics))
 
     def _groups(self, requests: Sequence[RewardRequest]) -> dict[str, list[int]]:
@@ -144,11 +148,21 @@ class GenRMJudge:
             groups.setdefault(gid, []).append(i)
         return groups
 
-    def _reward(self, request: RewardRequest, call: JudgeCall, metrics: RewardMetrics) -> Reward:
+    def parse(self, text: str, quoted: Sequence[str]) -> float | None:
+        """One judgement's verdict: a constrained choice as it is; free text, the first verdict the judge
+        states itself after its reasoning (none copied from `quoted`, its prompt's texts)."""
+        parse = PARSERS[self.spec.parser]
+        if text in (self.spec.choices or []):
+            return parse(text, self.spec.score_range)
+        return parse(text, self.spec.score_range, quoted=quoted)
+
+    def _reward(
+        self, request: RewardRequest, call: JudgeCall, metrics: RewardMetrics, quoted: Sequence[str]
+    ) -> Reward:
         if call.status != "ok":
             return failed(request, call.status, f"{self.name}: {call.error}")
         texts = [self.codec.decode(c.token_ids) for c in call.completions]
-        verdicts = [PARSERS[self.spec.parser](t, self.spec.score_range) for t in texts]
+        verdicts = [self.parse(t, quoted) for t in texts]
         unparsed = sum(v is None for v in verdicts)
         metrics.num_judgements += len(verdicts)
         metrics.num_unparsed_judgements += unparsed

@@ -15,13 +15,15 @@ from dataclasses import dataclass
 
 from yatt_rollout.types import Completion, GenerateRequest, Generator
 
+from yatt_multimodal.types import RewardStatus
+
 
 @dataclass
 class JudgeCall:
     """The K completions of one judge prompt, ordered by sample index, or why there are none."""
 
     completions: list[Completion]
-    status: str = "ok"  # "ok" | "timeout" | "error"
+    status: RewardStatus = "ok"  # "ok" | "timeout" | "error"
     error: str = ""
 
 

@@ -3,12 +3,15 @@
 Two backends: `math_verify` (the `math-verify` package, Hugging Face's LaTeX/expression verifier) and `sympy`
 (this module's own check: a small LaTeX-to-sympy normaliser, a whitelist of tokens, then symbolic and numeric
 equality). `backend="auto"` uses math-verify where it is installed. Both run with their own timeouts off:
-math-verify's timeout uses `signal.alarm`, which fails outside the main thread, so the async reward runner
-(`yatt_multimodal.rewards`) bounds the time instead.
+math-verify's timeout uses `signal.alarm`, which fails outside the main thread and cannot interrupt a C call
+(a huge integer power) anyway. The time is bounded by running the rule in a killable worker process
+(`yatt_multimodal.rule_workers`, which `rules.build_rule` uses); math-verify's notice that its own timeout is
+off ("Timeout is disabled ...") is therefore expected and filtered from its loggers, nothing else is.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from functools import cache
 from typing import Literal
@@ -60,8 +63,24 @@ def _as_latex(text: str) -> str:
     return text if "$" in text or "\\boxed" in text else f"${text}$"
 
 
+class _TimeoutOffNotice(logging.Filter):
+    """Drops math-verify's "Timeout is disabled" warning: the timeout is off on purpose (see the docstring)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Timeout is disabled")
+
+
+def _quiet_timeout_notice() -> None:
+    for name in ("math_verify.parser", "math_verify.grader"):  # the two modules that warn
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _TimeoutOffNotice) for f in logger.filters):
+            logger.addFilter(_TimeoutOffNotice())
+
+
 def _verify_with_math_verify(response: str, reference: str) -> bool:
     from math_verify import parse, verify
+
+    _quiet_timeout_notice()
 
     gold = parse(_as_latex(reference), parsing_timeout=None)
     boxed = extract_boxed(response)

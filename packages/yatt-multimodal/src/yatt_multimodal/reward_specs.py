@@ -1,7 +1,8 @@
 """From configs to rewards: `build_reward(spec, **resources)` for every registered kind, and `build_combined`
 for a weighted list of specs (the app's `rewards:` section).
 
-Rules need nothing; "genrm" needs `engine` (a yatt-rollout `Generator`) and `codec` (a `PromptCodec`), and
+Rules take `rule_pool` (a `RuleWorkerPool` the caller holds; `build_combined` makes one for all its rule
+terms when none is given, owned and closed by the combined reward); "genrm" needs `engine` (a yatt-rollout `Generator`) and `codec` (a `PromptCodec`), and
 takes `media_check` for VLM judges and `seed` for reproducible judgements; "reward_model" needs `rm_model` and `rm_tokenizer` and reads the options
 `batch_size`, `max_length`, `sigmoid`. A missing resource is a ValueError naming the spec and the resource.
 """
@@ -12,6 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from yatt_multimodal.rewards import CombinedReward, RewardFunction
+from yatt_multimodal.rule_workers import RuleWorkerPool
 from yatt_multimodal.rules import RULES, build_rule
 from yatt_multimodal.types import JudgeSpec, RewardSpec
 
@@ -58,7 +60,7 @@ def _reward_model(spec: RewardSpec, resources: dict[str, Any]) -> RewardFunction
 
 
 BUILDERS: dict[str, Callable[[RewardSpec, dict[str, Any]], RewardFunction]] = {
-    **{kind: (lambda spec, resources: build_rule(spec)) for kind in RULES},
+    **{kind: (lambda spec, resources: build_rule(spec, pool=resources.get("rule_pool"))) for kind in RULES},
     "genrm": _genrm,
     "reward_model": _reward_model,
 }
@@ -71,5 +73,10 @@ def build_reward(spec: RewardSpec, **resources: Any) -> RewardFunction:
 
 
 def build_combined(specs: Sequence[RewardSpec], **resources: Any) -> CombinedReward:
-    """`sum_i spec_i.weight * score_i`, each term under `spec.name or spec.kind` in `Reward.components`."""
-    return CombinedReward([(spec.weight, build_reward(spec, **resources)) for spec in specs])
+    """`sum_i spec_i.weight * score_i`, each term under `spec.name or spec.kind` in `Reward.components`.
+    Its rule terms share `resources["rule_pool"]`, or one pool of 4 workers it owns (`close()` closes it)."""
+    owns: list[RuleWorkerPool] = []
+    if resources.get("rule_pool") is None and any(spec.kind in RULES for spec in specs):
+        owns.append(RuleWorkerPool(num_workers=4))
+        resources = {**resources, "rule_pool": owns[0]}
+    return CombinedReward([(spec.weight, build_reward(spec, **resources)) for spec in specs], owns=owns)

@@ -1,8 +1,9 @@
 """The reward interface: a batch of `RewardRequest`s -> a `RewardBatch` of `Reward`s plus counts, async.
 
 Every reward (rule, reward model, judge) implements `RewardFunction.score`. Rules are plain functions
-`(RewardRequest) -> float` wrapped by `RuleReward`, which runs them off the event loop with a per-request
-timeout and a concurrency limit. `CombinedReward` sums weighted terms. Failures are statuses, never silent
+`(RewardRequest) -> float` wrapped by `RuleReward`, which runs them with a per-request deadline: in the
+killable worker processes of a `RuleWorkerPool` (`yatt_multimodal.rule_workers`; every rule built from a
+`RewardSpec` runs there), or, for a rule known to be finite, in threads. `CombinedReward` sums weighted terms. Failures are statuses, never silent
 zeros: `resolve_failures` applies the configured policy (score zero, drop the sample, fail the step).
 `score_stream` scores requests as they arrive (rollout streaming finished samples to a judge).
 """
@@ -13,9 +14,12 @@ import asyncio
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from yatt_multimodal.types import OnFailure, Reward, RewardMetrics, RewardRequest, RewardStatus
+
+if TYPE_CHECKING:
+    from yatt_multimodal.rule_workers import RuleOutcome, RuleWorkerPool
 
 # What `resolve_failures` does with each failure status unless told otherwise: the rest of the batch is scored.
 DEFAULT_POLICY: dict[str, OnFailure] = {"parse_error": "zero", "timeout": "drop", "error": "drop"}
@@ -61,9 +65,11 @@ def failed(request: RewardRequest, status: RewardStatus, error: str) -> Reward:
 
 
 class RuleReward:
-    """A rule `(RewardRequest) -> float` run in its own `max_concurrency` worker threads, each call bounded by
-    `timeout_s`. A rule that raises gets status "error" with the message; one that overruns gets "timeout"
-    (its thread is abandoned, not killed: Python cannot stop a thread, so rules must be finite)."""
+    """A rule `(RewardRequest) -> float`, each call bounded by `timeout_s`. A rule that raises gets status
+    "error" with the message; one that overruns gets "timeout". With a `pool` (a `RuleWorkerPool`) the rule
+    runs in its worker processes and an overrunning call is killed there; `owns_pool` makes `close()` close
+    it. Without one it runs in `max_concurrency` threads of its own, where an overrunning call is abandoned,
+    not killed (Python cannot stop a thread): only for rules known to be finite on any input."""
 
     def __init__(
         self,
@@ -72,27 +78,43 @@ class RuleReward:
         *,
         timeout_s: float = 10.0,
         max_concurrency: int = 8,
+        pool: RuleWorkerPool | None = None,
+        owns_pool: bool = False,
     ):
         if timeout_s <= 0:
             raise ValueError(f"RuleReward({name!r}): timeout_s must be > 0, got {timeout_s}")
         if max_concurrency < 1:
             raise ValueError(f"RuleReward({name!r}): max_concurrency must be >= 1, got {max_concurrency}")
         self.name, self.fn, self.timeout_s, self.max_concurrency = name, fn, timeout_s, max_concurrency
+        self.pool, self.owns_pool = pool, owns_pool and pool is not None
         # Its own threads: an overrunning rule holds one of these, never the event loop's default executor
         # (which `asyncio.run` joins on exit).
-        self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix=f"rule-{name}")
+        self._threads = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix=f"rule-{name}")
+
+    def close(self) -> None:
+        """Close the worker pool if this reward owns it."""
+        if self.owns_pool and self.pool is not None:
+            self.pool.close()
 
     def score_sync(self, requests: Sequence[RewardRequest]) -> RewardBatch:
-        """The same rule in the calling thread, without timeouts: for offline scoring and benchmarks."""
-        return self._batch([self._call(r) for r in requests])
+        """The batch from synchronous code (offline scoring, validation, benchmarks): through the pool, with
+        its deadlines, when there is one; else in the calling thread without timeouts."""
+        if self.pool is None:
+            return self._batch([self._call(r) for r in requests])
+        futures = [self.pool.submit(self.fn, r, self.timeout_s) for r in requests]
+        return self._batch([self._outcome(r, f.result()) for r, f in zip(requests, futures, strict=True)])
 
     async def score(self, requests: Sequence[RewardRequest]) -> RewardBatch:
+        if self.pool is not None:
+            futures = [asyncio.wrap_future(self.pool.submit(self.fn, r, self.timeout_s)) for r in requests]
+            outcomes = await asyncio.gather(*futures)
+            return self._batch([self._outcome(r, o) for r, o in zip(requests, outcomes, strict=True)])
         limit = asyncio.Semaphore(self.max_concurrency)
 
         async def one(request: RewardRequest) -> Reward:
             async with limit:
                 try:
-                    job = asyncio.get_running_loop().run_in_executor(self._pool, self._call, request)
+                    job = asyncio.get_running_loop().run_in_executor(self._threads, self._call, request)
                     return await asyncio.wait_for(job, self.timeout_s)
                 except TimeoutError:
                     return failed(request, "timeout", f"{self.name}: no result within {self.timeout_s}s")
@@ -106,6 +128,17 @@ class RuleReward:
             return failed(request, "error", f"{self.name}: {type(exc).__name__}: {exc}")
         return Reward(request_id=request.request_id, score=value, components={self.name: value})
 
+    def _outcome(self, request: RewardRequest, outcome: RuleOutcome) -> Reward:
+        if outcome.status == "timeout":
+            return failed(
+                request, "timeout", f"{self.name}: no result within {self.timeout_s}s ({outcome.error})"
+            )
+        if outcome.status != "ok":
+            return failed(request, "error", f"{self.name}: {outcome.error}")
+        return Reward(
+            request_id=request.request_id, score=outcome.value, components={self.name: outcome.value}
+        )
+
     def _batch(self, rewards: list[Reward]) -> RewardBatch:
         return RewardBatch(rewards, count_statuses(rewards))
 
@@ -116,13 +149,28 @@ class CombinedReward:
     error; the failed term contributes nothing to `score`. Per-token scores, where terms give them, are
     combined with the same weights."""
 
-    def __init__(self, terms: Sequence[tuple[float, RewardFunction]], *, name: str = "reward"):
+    def __init__(
+        self,
+        terms: Sequence[tuple[float, RewardFunction]],
+        *,
+        name: str = "reward",
+        owns: Sequence[RuleWorkerPool] = (),
+    ):
         if not terms:
             raise ValueError("CombinedReward: terms is empty")
         names = [fn.name for _, fn in terms]
         if len(set(names)) != len(names):
             raise ValueError(f"CombinedReward: term names must be unique, got {names}")
-        self.terms, self.name = list(terms), name
+        self.terms, self.name, self.owns = list(terms), name, list(owns)
+
+    def close(self) -> None:
+        """Close the terms that can be closed and the pools this reward owns (`build_combined`'s rule pool)."""
+        for _, fn in self.terms:
+            close = getattr(fn, "close", None)
+            if close is not None:
+                close()
+        for pool in self.owns:
+            pool.close()
 
     async def score(self, requests: Sequence[RewardRequest]) -> RewardBatch:
         batches = await asyncio.gather(*(fn.score(requests) for _, fn in self.terms))
@@ -149,7 +197,8 @@ class CombinedReward:
         return merged
 
     def _combine(self, request: RewardRequest, parts: list[Reward]) -> Reward:
-        score, components, errors, status = 0.0, {}, [], "ok"
+        score, components, errors = 0.0, {}, []
+        status: RewardStatus = "ok"
         token_scores: list[float] | None = None
         for (weight, fn), part in zip(self.terms, parts, strict=True):
             assert part.request_id == request.request_id, "a term returned rewards out of order"

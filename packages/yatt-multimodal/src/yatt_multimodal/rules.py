@@ -1,7 +1,9 @@
 """Rule rewards: math answer verification, boxed-answer format, tag format, regex, exact match.
 
 Each rule is a pure function `(RewardRequest, **options) -> float` in {0.0, 1.0}; `RULES` is the explicit
-registry that `build_rule(spec)` reads, turning a `RewardSpec` (kind + string options) into a `RuleReward`.
+registry that `build_rule(spec)` reads, turning a `RewardSpec` (kind + string options) into a `RuleReward`
+that runs in the killable worker processes of a `RuleWorkerPool`: every rule here reads policy output, and
+math verification or a user's regex can run unbounded on it.
 """
 
 from __future__ import annotations
@@ -12,12 +14,13 @@ import unicodedata
 from collections.abc import Callable
 from functools import partial
 
-from yatt_multimodal.math_answers import extract_boxed, verify_math
+from yatt_multimodal.math_answers import MathBackend, extract_boxed, verify_math
 from yatt_multimodal.rewards import RuleReward
+from yatt_multimodal.rule_workers import RuleWorkerPool
 from yatt_multimodal.types import RewardRequest, RewardSpec
 
 
-def math_reward(request: RewardRequest, *, backend: str = "auto") -> float:
+def math_reward(request: RewardRequest, *, backend: MathBackend = "auto") -> float:
     """1.0 when the response's final answer equals `request.reference` mathematically."""
     return float(verify_math(request.response, request.reference, backend=backend))
 
@@ -68,8 +71,16 @@ RULES: dict[str, Callable[..., float]] = {
 }
 
 
-def build_rule(spec: RewardSpec, *, timeout_s: float = 10.0, max_concurrency: int = 8) -> RuleReward:
-    """The `RuleReward` a spec names; `spec.options` are passed to the rule as keyword arguments."""
+def build_rule(
+    spec: RewardSpec,
+    *,
+    timeout_s: float = 10.0,
+    max_concurrency: int = 8,
+    pool: RuleWorkerPool | None = None,
+) -> RuleReward:
+    """The `RuleReward` a spec names; `spec.options` are passed to the rule as keyword arguments. It runs in
+    `pool`, each request with a `timeout_s` deadline; without one it gets a pool of its own (at most
+    `max_concurrency` and 4 workers), closed by its `close()`."""
     if spec.kind not in RULES:
         raise ValueError(f"RewardSpec.kind {spec.kind!r} is not a rule; rules are {sorted(RULES)}")
     rule = RULES[spec.kind]
@@ -80,4 +91,13 @@ def build_rule(spec: RewardSpec, *, timeout_s: float = 10.0, max_concurrency: in
     except (TypeError, re.error) as exc:
         raise ValueError(f"RewardSpec.options for {spec.kind!r}: {exc}") from exc
     fn = partial(rule, **spec.options)
-    return RuleReward(spec.name or spec.kind, fn, timeout_s=timeout_s, max_concurrency=max_concurrency)
+    owns = pool is None
+    pool = pool or RuleWorkerPool(num_workers=min(max_concurrency, 4))
+    return RuleReward(
+        spec.name or spec.kind,
+        fn,
+        timeout_s=timeout_s,
+        max_concurrency=max_concurrency,
+        pool=pool,
+        owns_pool=owns,
+    )

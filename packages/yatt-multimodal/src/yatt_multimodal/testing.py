@@ -1,6 +1,8 @@
-"""Test doubles, named as such: `ScriptedJudgeEngine` stands in for a judge LLM behind the `Generator` protocol.
+"""Test doubles, named as such: `ScriptedJudgeEngine` stands in for a judge LLM behind the `Generator` protocol;
+`EchoingJudgeEngine` is one that repeats the response it was shown, then gives its own verdict (the judge a
+hostile response tries to exploit by writing a verdict of its own).
 
-It answers each prompt with text from a script (encoded with a `PromptCodec`, `ByteCodec` by default), can
+`ScriptedJudgeEngine` answers each prompt with text from a script (encoded with a `PromptCodec`, `ByteCodec` by default), can
 delay or fail chosen prompts, and records every request it receives. It lets verdict parsing, aggregation,
 dedup, timeouts and failure policies be tested deterministically; the same judges are also tested through
 the real HF engine of yatt-rollout.
@@ -10,10 +12,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
 
 from yatt_rollout.types import Completion, GenerateRequest, WeightBucket
 
-from yatt_multimodal.prompt_codecs import ByteCodec, PromptCodec
+from yatt_multimodal.prompt_codecs import ByteCodec, PromptCodec, text_tokens
 
 FAIL = "\x00fail"  # a script answer that makes the double return finish_reason="error" for that request
 
@@ -36,10 +39,17 @@ class ScriptedJudgeEngine:
         self._version = 0
 
     def prompt_texts(self) -> list[str]:
-        return [self.codec.decode(r.prompt.token_ids) for r in self.requests]
+        return [self._prompt_text(r.prompt.token_ids) for r in self.requests]
+
+    def _prompt_text(self, token_ids: Sequence[int]) -> str:
+        """The whole prompt as text, special tokens left out (a codec's `decode` stops at the first turn end)."""
+        tokenizer = getattr(self.codec, "tokenizer", None)
+        if tokenizer is None:
+            return self.codec.decode(token_ids)
+        return tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
     def _complete(self, request: GenerateRequest) -> list[Completion]:
-        prompt = self.codec.decode(request.prompt.token_ids)
+        prompt = self._prompt_text(request.prompt.token_ids)
         out = []
         for index in range(request.sampling.n):
             text = self.script(prompt, index)
@@ -60,7 +70,9 @@ class ScriptedJudgeEngine:
         return out
 
     def _encode(self, text: str) -> list[int]:
-        return list(self.codec.tokenizer(text, add_special_tokens=False)["input_ids"])
+        # generated text: a special token spelled out in it is text, as a model writing it would produce
+        codec: Any = self.codec  # an HF codec (ByteCodec answers are encoded by the caller)
+        return text_tokens(codec.tokenizer, text)
 
     def _error(self, request: GenerateRequest, index: int) -> Completion:
         return Completion(
@@ -83,7 +95,7 @@ class ScriptedJudgeEngine:
         self.call_sizes.append(len(requests))
 
         async def one(request: GenerateRequest) -> list[Completion]:
-            await asyncio.sleep(self.delay_s(self.codec.decode(request.prompt.token_ids)))
+            await asyncio.sleep(self.delay_s(self._prompt_text(request.prompt.token_ids)))
             return self._complete(request)
 
         tasks = [asyncio.ensure_future(one(r)) for r in requests]
@@ -107,3 +119,25 @@ class ScriptedJudgeEngine:
     @property
     def policy_version(self) -> int:
         return self._version
+
+
+class EchoingJudgeEngine(ScriptedJudgeEngine):
+    """A judge double that repeats what it was shown (the prompt from its last `echo_from` marker on: the
+    response and whatever follows it; all of the prompt when the marker is absent), then states its own
+    `verdict` on a line of its own; `verdict_first` puts its verdict before the echo instead."""
+
+    def __init__(
+        self,
+        verdict: str = "Verdict: No",
+        *,
+        codec: PromptCodec | None = None,
+        echo_from: str = "Solution to grade:\n",
+        verdict_first: bool = False,
+    ):
+        self.verdict, self.echo_from, self.verdict_first = verdict, echo_from, verdict_first
+        super().__init__(self._answer, codec=codec)
+
+    def _answer(self, prompt: str, index: int) -> str:
+        cut = prompt.rfind(self.echo_from)
+        echo = prompt if cut < 0 else prompt[cut + len(self.echo_from) :]
+        return f"{self.verdict}\n{echo}" if self.verdict_first else f"{echo}\n{self.verdict}"

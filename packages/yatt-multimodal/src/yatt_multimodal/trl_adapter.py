@@ -29,10 +29,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from yatt_multimodal.rewards import DEFAULT_POLICY, RewardBatch, RewardFunction, resolve_failures
-from yatt_multimodal.types import OnFailure, RewardRequest, RewardSpec
+from yatt_multimodal.types import OnFailure, RewardRequest, RewardSpec, RewardStatus
 
 LOGGER = logging.getLogger(__name__)
-_STATUSES = ("ok", "parse_error", "timeout", "error")
+_STATUSES: tuple[RewardStatus, ...] = ("ok", "parse_error", "timeout", "error")
 
 
 @dataclass

@@ -19,7 +19,7 @@ OnFailure = Literal["zero", "drop", "fail"]
 
 class _Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Base of typed configuration: immutable, unknown fields are an error. (kw_only is not inherited:
-    every subclass states it.)"""
+    every subclass states it; each restates frozen, which mypy's dataclass view does not inherit.)"""
 
 
 class _Wire(msgspec.Struct, omit_defaults=True):
@@ -60,7 +60,7 @@ class Reward(_Wire, kw_only=True):
     error: str = ""
 
 
-class JudgeSpec(_Config, kw_only=True):
+class JudgeSpec(_Config, frozen=True, kw_only=True):
     """A generative reward model: template, sampling of K judgements, parsing and aggregation.
 
     Producer: the app's config. Consumer: the GenRM judge, which renders `template_name`@`template_version`,
@@ -100,7 +100,7 @@ class JudgeSpec(_Config, kw_only=True):
             raise ValueError(f"JudgeSpec.choices must be non-empty strings, got {self.choices}")
 
 
-class RewardSpec(_Config, kw_only=True):
+class RewardSpec(_Config, frozen=True, kw_only=True):
     """One term of a combined reward: `kind` names a registered reward (e.g. "math_verify", "format", "genrm").
 
     Producer: the app's config. Consumer: the reward combiner, which sums `weight * score` over terms.
@@ -113,7 +113,7 @@ class RewardSpec(_Config, kw_only=True):
     options: dict[str, str] = {}
 
 
-class MediaLimits(_Config, kw_only=True):
+class MediaLimits(_Config, frozen=True, kw_only=True):
     """What a `MediaRef` may point at before it is decoded: formats, bytes, pixels, and whether remote URLs
     are fetched at all (off by default: a dataset row must not make a trainer reach the network).
 

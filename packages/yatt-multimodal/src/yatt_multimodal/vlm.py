@@ -12,13 +12,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from yatt_multimodal.prompt_codecs import encode_chat, own_turn
+
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 IMAGE_PAD = "<|image_pad|>"
 
 
 class QwenVLCodec:
     """A `PromptCodec` for Qwen2-VL judges: the tokenizer's chat template, the user turn opening with one
-    image placeholder per image (unexpanded), generation prompt added."""
+    image placeholder per image (unexpanded), generation prompt added. The texts are ordinary tokens
+    (`prompt_codecs.encode_chat`): a response spelling out `<|image_pad|>` or `<|im_start|>` adds none."""
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
@@ -26,15 +29,14 @@ class QwenVLCodec:
             raise ValueError(f"QwenVLCodec: the tokenizer has no {IMAGE_PAD} token")
 
     def encode_prompt(self, system: str, user: str, num_images: int = 0) -> list[int]:
-        messages = [
-            {"role": "system", "content": system},
-            {"role": "user", "content": IMAGE_PLACEHOLDER * num_images + user},
-        ]
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return encode_chat(
+            self.tokenizer,
+            [("system", system), ("user", user)],
+            markup=["", IMAGE_PLACEHOLDER * num_images],
+        )
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+        return self.tokenizer.decode(own_turn(self.tokenizer, token_ids), skip_special_tokens=True)
 
 
 def expand_image_pads(token_ids: Sequence[int], pad_id: int, counts: Sequence[int]) -> list[int]:

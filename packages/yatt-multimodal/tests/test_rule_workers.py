@@ -1,0 +1,151 @@
+"""Rule rewards with hard limits: a math answer that hangs sympy gets status "timeout" from a killed and
+replaced worker while the rest of the batch scores; errors stay per request; no "Timeout is disabled" notice;
+pools are objects that close their processes."""
+
+import asyncio
+import logging
+import os
+import time
+from functools import partial
+
+import pytest
+from yatt_multimodal.reward_specs import build_combined
+from yatt_multimodal.rewards import RuleReward
+from yatt_multimodal.rule_workers import RuleWorkerPool
+from yatt_multimodal.rules import build_rule, regex_reward
+from yatt_multimodal.types import RewardRequest, RewardSpec
+
+pytest.importorskip("math_verify")
+
+HANGS = "\\boxed{9^{9^{9^{9}}}}"  # sympy evaluates the power: minutes inside one C call holding the GIL
+
+
+def _req(response, rid, reference="5"):
+    return RewardRequest(request_id=rid, prompt="What is 2+3?", response=response, reference=reference)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with RuleWorkerPool(num_workers=2) as shared:
+        yield shared
+
+
+def test_a_hanging_answer_times_out_and_the_pool_serves_the_next_request(pool):
+    reward = build_rule(RewardSpec(kind="math_verify"), timeout_s=2.0, pool=pool)
+    restarts = pool.restarts
+    requests = [_req(HANGS, "hostile"), _req("so \\boxed{5}", "right"), _req("\\boxed{4}", "wrong")]
+    batch = asyncio.run(reward.score(requests))
+    assert [(r.request_id, r.status, r.score) for r in batch.rewards] == [
+        ("hostile", "timeout", 0.0),
+        ("right", "ok", 1.0),
+        ("wrong", "ok", 0.0),
+    ]
+    assert batch.rewards[0].error.startswith("math_verify: no result within 2.0s")
+    assert (batch.metrics.num_requests, batch.metrics.num_timeout, batch.metrics.num_error) == (3, 1, 0)
+    assert pool.restarts == restarts + 1  # the stuck worker was killed and replaced
+    # the pool still serves, with both workers: two more requests in one synchronous batch
+    after = reward.score_sync([_req("\\boxed{\\frac{10}{2}}", "a"), _req("\\boxed{6}", "b")])
+    assert [(r.status, r.score) for r in after.rewards] == [("ok", 1.0), ("ok", 0.0)]
+    assert len(pool.worker_pids()) == 1 + 2  # the supervisor and its two workers
+
+
+def test_math_verify_prints_no_timeout_disabled_notice(pool, capfd, caplog):
+    import math_verify.grader
+    import math_verify.parser
+
+    # math-verify warns once per process; make this process warn again if the notice is not filtered
+    math_verify.parser.TIMEOUT_WARNING_SHOWN = math_verify.grader.TIMEOUT_WARNING_SHOWN = False
+    with caplog.at_level(logging.WARNING):
+        in_process = build_rule(RewardSpec(kind="math_verify"))  # no pool given: its own, closed below
+        assert in_process.score_sync([_req("\\boxed{5}", "a")]).rewards[0].score == 1.0
+        in_process.close()
+        from yatt_multimodal.math_answers import verify_math
+
+        assert verify_math("\\boxed{5}", "5") is True  # in this process, math_verify's timeouts off
+    shared = build_rule(RewardSpec(kind="math_verify"), pool=pool).score_sync([_req("\\boxed{4}", "b")])
+    assert shared.rewards[0].score == 0.0
+    assert not [r for r in caplog.records if "Timeout is disabled" in r.getMessage()]
+    out, err = capfd.readouterr()  # the workers' stderr is this process's fd 2
+    assert "Timeout is disabled" not in out + err
+
+
+def test_rule_errors_and_unsendable_rules_fail_their_request_only(pool):
+    bad_mode = build_rule(RewardSpec(kind="regex", options={"pattern": "5", "mode": "everywhere"}), pool=pool)
+    batch = bad_mode.score_sync([_req("5", "a")])
+    assert (batch.rewards[0].status, batch.metrics.num_error) == ("error", 1)
+    assert batch.rewards[0].error == (
+        "regex: ValueError: regex_reward: option 'mode' must be search or fullmatch, got 'everywhere'"
+    )
+    unsendable = RuleReward("closure", lambda request: float(request.response == "5"), pool=pool)
+    reward = unsendable.score_sync([_req("5", "b")]).rewards[0]
+    assert reward.status == "error" and "cannot be sent to a worker" in reward.error
+    sendable = RuleReward("partial", partial(regex_reward, pattern="^5$"), pool=pool)
+    assert sendable.score_sync([_req("5", "c")]).rewards[0].score == 1.0
+
+
+def test_build_combined_shares_one_pool_and_close_stops_its_processes():
+    combined = build_combined([RewardSpec(kind="math_verify"), RewardSpec(kind="boxed_format", weight=0.5)])
+    (pool,) = combined.owns
+    assert all(term.pool is pool for _, term in combined.terms)
+    batch = asyncio.run(combined.score([_req("\\boxed{5}", "a"), _req("\\boxed{4}", "b")]))
+    assert [r.score for r in batch.rewards] == [1.5, 0.5]  # 1 + 0.5 * 1 (boxed); 0 + 0.5 * 1
+    pids = pool.worker_pids()
+    assert len(pids) == 1 + 4
+    combined.close()
+    for pid in pids:  # the supervisor waited for its workers before exiting, and was waited for
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    with pytest.raises(RuntimeError, match=r"RuleWorkerPool\.submit after close"):
+        pool.submit(combined.terms[0][1].fn, _req("\\boxed{5}", "c"), 1.0)
+
+
+def test_pool_arguments_are_checked():
+    with pytest.raises(ValueError, match="num_workers must be >= 1, got 0"):
+        RuleWorkerPool(num_workers=0)
+    with pytest.raises(ValueError, match="memory_limit_mb must be >= 256 or None, got 10"):
+        RuleWorkerPool(memory_limit_mb=10)
+    with RuleWorkerPool(1) as pool, pytest.raises(ValueError, match="deadline_s must be > 0, got 0"):
+        pool.submit(regex_reward, _req("5", "a"), 0)
+
+
+CALLER = """
+import sys
+import time
+from yatt_multimodal.rule_workers import RuleWorkerPool
+from yatt_multimodal.rules import math_reward
+from yatt_multimodal.types import RewardRequest
+
+pool = RuleWorkerPool(num_workers=2)
+pool.submit(math_reward, RewardRequest(request_id="h", prompt="q", response=sys.argv[1], reference="3"), 600)
+while len(pids := pool.worker_pids()) < 3:  # the supervisor and both workers forked
+    time.sleep(0.05)
+print(*pids, flush=True)
+sys.stdin.read()  # until killed
+"""
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+def test_a_caller_killed_with_sigkill_takes_its_supervisor_and_workers_with_it():
+    import signal
+    import subprocess
+    import sys
+
+    caller = subprocess.Popen(
+        [sys.executable, "-c", CALLER, HANGS], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    pids = [int(p) for p in caller.stdout.readline().split()]
+    assert len(pids) == 3 and all(_alive(p) for p in pids)
+    caller.send_signal(signal.SIGKILL)
+    caller.wait()
+    for _ in range(600):  # waits for the kernel and the supervisor's pipe EOF, at most 60 s
+        if not any(_alive(p) for p in pids):
+            break
+        time.sleep(0.1)
+    assert [p for p in pids if _alive(p)] == []

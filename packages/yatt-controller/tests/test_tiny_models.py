@@ -60,8 +60,11 @@ def _prompts() -> list[list[int]]:
 @pytest.mark.slow
 def test_two_controllers_train_tiny_models_with_broadcast_weight_sync(cluster):
     job = Job(build=_build, step_fn=tiny.rl_step, dataset=_prompts, batch_size=8, num_steps=2)
-    result = run(ControllerSpec(num_controllers=2, heartbeat_interval_s=0.5), job, cluster)
-    assert result.driver_bytes < 200 * 1024 and result.restarts == 0  # reports and heartbeats only
+    spec = ControllerSpec(num_controllers=2, heartbeat_interval_s=0.5, count_driver_bytes=True)  # asserted
+    result = run(spec, job, cluster)
+    assert (
+        result.driver_bytes is not None and result.driver_bytes < 200 * 1024 and result.restarts == 0
+    )  # reports and heartbeats only
     assert sorted(result.reports) == [0, 1]
     for step, reports in result.reports.items():
         assert [r.controller_rank for r in reports] == [0, 1]

@@ -48,7 +48,14 @@ def test_a_replan_may_move_services_only():
         ]
         return PlacementPlan(mode="partial", num_devices=4, roles=roles)
 
-    start, frozen = plan([[0], [1]], [[2], [3]]), {("actor", ""): "the learner"}
+    from yatt_controller.roster import Roster
+
+    class _Group:  # a stand-in for a WorkerGroup: only role and name are read
+        def __init__(self, role: str, name: str = "") -> None:
+            self.role, self.name = role, name
+
+    groups = {"actor": _Group("actor"), "rollout": _Group("rollout"), "judge": _Group("reward", "judge")}
+    start, frozen = plan([[0], [1]], [[2], [3]]), Roster(groups, learner="actor")  # type: ignore[arg-type]
     assert changed_roles(start, plan([[0], [1], [2]], [[3]]), frozen) == [
         ("rollout", ""),
         ("reward", "judge"),

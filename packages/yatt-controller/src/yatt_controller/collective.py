@@ -10,12 +10,12 @@ fails naming the ranks that never arrived: never a silent hang.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
 
-REDUCE_OPS = {
+REDUCE_OPS: dict[str, Callable[[list[float]], float]] = {
     "sum": sum,
     "mean": lambda xs: sum(xs) / len(xs),
     "max": max,

@@ -20,15 +20,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import ray
 
-from yatt_controller import checkpoint
 from yatt_controller.collective import Collective
-from yatt_controller.dispatch import fetch
+from yatt_controller.controller_checkpoint import ControllerCheckpoint
+from yatt_controller.controller_checkpoint import saved_reports as saved_reports  # re-exported
+from yatt_controller.dispatch import Dispatcher
+from yatt_controller.roster import Roster
 from yatt_controller.sync import WeightSync, check_versions
 from yatt_controller.types import Heartbeat, StepReport
-from yatt_controller.worker_group import WorkerGroup, routed_views
+from yatt_controller.worker_group import WorkerGroup
 
 StepFn = Callable[["StepContext", list], dict[str, float]]
 
@@ -54,15 +55,15 @@ class ControllerPlan:
     collective_timeout_s: float = 600.0
     # other stateful services (a PPO critic): name -> this controller's view; checkpointed like the learner
     checkpointed: dict[str, WorkerGroup] = field(default_factory=dict)
-    # live re-placement (Job.replan): the run's Directory actor, the driver's host pool, the unrouted groups
-    # and how to route them again (replace.py)
-    directory: Any = None
-    pool: Any = None
-    full_groups: dict[str, WorkerGroup] = field(default_factory=dict)
+    # the run's RosterBook actor and the roster it started from (roster.py): service replicas replaced by a
+    # live move or a repair; `movable`: the job re-plans (rank 0 applies posted plans, reports placement/*)
+    book: Any = None
+    roster: Roster | None = None
+    movable: bool = False
+    pool: Any = None  # the driver's host pool (a copy here in parallel mode; its own in single mode)
     learner_name: str | None = None
     max_inflight: int = 8
     single: bool = False
-    repairs: Any = None  # the attempt's Repairs actor: dead service replicas replaced mid-step (faults.py)
 
     def stateful(self) -> list[tuple[str, WorkerGroup]]:
         """(file prefix, view) of every group whose workers' state goes into a checkpoint."""
@@ -88,6 +89,7 @@ class StepContext:
     on_progress: Callable[[str], None] = lambda phase: None
     next_rows: Callable[[], list] | None = None  # the controller's own sampler (set by ControllerCore)
     before_push: Callable[[], None] = lambda: None  # rank 0: re-form the sync around replaced replicas
+    dispatcher: Dispatcher = field(default_factory=Dispatcher)  # this controller's fetches and resends
 
     @property
     def own_learner(self) -> WorkerGroup | None:
@@ -106,8 +108,10 @@ class StepContext:
         return self.next_rows()
 
     def get(self, refs: Any) -> Any:
-        """Values of object refs (counted against the driver when this controller is the driver)."""
-        values = fetch(refs)
+        """Values of object refs, fetched through this controller's dispatcher: a tracked call whose replica
+        died is sent again to its replacement (counted against the driver when this controller is the
+        driver). Streamed phases pass it on: `run_stream(..., fetch=ctx.get)`."""
+        values = self.dispatcher.fetch(refs)
         self.on_progress("")
         return values
 
@@ -175,43 +179,40 @@ class ControllerCore:
         self._lock = threading.Lock()
         self._beat = (0, "start", time.time())
         self._reports: list[StepReport] = []  # finished, not yet handed to a heartbeat
-        # finished and not yet logged by the driver (its heartbeat says how far it has logged): a checkpoint
-        # carries them, so a run resumed after the driver died logs the steps it had not (saved_reports)
-        self._unlogged: list[StepReport] = []
-        self.moves = 0  # live re-placements applied (rank 0 counts them in its reports)
-        services = [n for n in plan.services if n != plan.learner_name and n not in plan.checkpointed]
-        # replicas that can be replaced exist: a learner-only job reports no fault count
-        self.healer = self._healer() if plan.repairs is not None and services else None
+        self.checkpoint = ControllerCheckpoint(plan, self.ctx, self.sampler, self._lock)
+        self.replacements = self._replacements()
 
-    def _healer(self) -> Any:
-        """Replacement of dead service replicas for this controller's service views (faults.py)."""
-        from yatt_controller.faults import Healer, frozen_hosts
+    def _replacements(self) -> Any:
+        """This controller's side of the roster (replicas.py), when the run has replaceable service groups
+        (a learner-only job reports no fault count): its views track calls for resending."""
+        from yatt_controller.replicas import Replacements, controller_routes
 
-        plan = self.plan
-        frozen = [*([plan.learner_name] if plan.learner_name else []), *plan.checkpointed]
-        groups = plan.full_groups or dict(plan.services)
-        healer = Healer(
-            repairs=plan.repairs,
-            pool=plan.pool,
-            groups=groups,
-            views=plan.services,
-            frozen=frozen_hosts(groups, frozen),
-            learner=plan.learner,
-            weight_sync=plan.weight_sync,
-            version=lambda: self.ctx.policy_version,
-            timeout_s=plan.collective_timeout_s,
-            progress=self._progress,
+        plan, roster = self.plan, self.plan.roster
+        if plan.book is None or roster is None:
+            return None
+        views = {name: view for name, view in plan.services.items() if roster.replaceable(name)}
+        if not views:
+            return None
+        route = controller_routes(
+            plan.learner_name, plan.rank, plan.world_size, plan.max_inflight, plan.single
         )
-        self._attach(healer)
+        keeper = Replacements(
+            plan.book,
+            roster,
+            plan.pool,
+            views,
+            plan.learner,
+            route,
+            plan.weight_sync,
+            plan.collective_timeout_s,
+        )
+        keeper.version, keeper.progress = (lambda: self.ctx.policy_version), self._progress
+        self.ctx.dispatcher.repair = keeper.repair
+        for view in views.values():
+            view.traffic.dispatcher = self.ctx.dispatcher
         if plan.rank == 0:
-            self.ctx.before_push = healer.heal_sync
-        return healer
-
-    def _attach(self, healer: Any) -> None:
-        """The healer on every service view that is neither the learner nor checkpointed."""
-        for name, view in self.plan.services.items():
-            if name != self.plan.learner_name and name not in self.plan.checkpointed:
-                view.healer = healer
+            self.ctx.before_push = keeper.before_push
+        return keeper
 
     def _next_rows(self) -> list:
         return [self.rows[i] for i in self.sampler.next()]
@@ -226,7 +227,7 @@ class ControllerCore:
         with self._lock:
             step, phase, when = self._beat
             reports, self._reports = self._reports, []
-            self._unlogged = [r for r in self._unlogged if r.step > logged_through]
+            self.checkpoint.logged(logged_through)
         node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
         return Heartbeat(actor=self.label, node_id=node, step=step, phase=phase, time_unix=when), reports
 
@@ -235,11 +236,9 @@ class ControllerCore:
             self.ctx.step, self.ctx.timings_s = step, {}
             self._progress("data")
             started = time.perf_counter()
-            if self.plan.directory is not None:
-                self._progress("placement")
-                self._maybe_move(step)
-            if self.healer is not None:  # replicas other controllers replaced: no call goes to a dead host
-                self.healer.adopt()
+            if self.replacements is not None:  # a posted move, and replicas others replaced: no call goes
+                self._progress("placement")  # to a dead host
+                self.replacements.start_step(step, self.ctx.collective, self.plan.rank, self.plan.movable)
             batch = self._next_rows()
             metrics = self.plan.step_fn(self.ctx, batch)
             self.ctx.timings_s["step"] = time.perf_counter() - started
@@ -247,19 +246,14 @@ class ControllerCore:
                 raise ValueError(
                     f"step_fn must return a dict of metrics, got {type(metrics).__name__} at step {step}"
                 )
-            if self.plan.directory is not None and self.plan.rank == 0:
-                metrics = {**metrics, **self._placement_metrics()}
-            if self.healer is not None and self.plan.rank == 0:
-                metrics = {**metrics, "faults/replicas_replaced": float(self.healer.replaced())}
             report = StepReport(
                 step=step,
                 controller_rank=self.plan.rank,
-                metrics={k: float(v) for k, v in metrics.items()},
+                metrics={k: float(v) for k, v in {**metrics, **self._roster_metrics()}.items()},
                 timings_s=dict(self.ctx.timings_s),
                 num_samples=len(batch),
             )
-            with self._lock:
-                self._unlogged.append(report)
+            self.checkpoint.unlogged(report)
             every = self.plan.checkpoint_every
             # every k steps, and the last step of the run (what export and a finished run's resume read)
             if self.plan.checkpoint_dir and every and ((step + 1) % every == 0 or step == end_step - 1):
@@ -270,122 +264,36 @@ class ControllerCore:
                 self._beat = (step + 1, "step done", time.time())
         return end_step
 
-    def _placement_metrics(self) -> dict[str, float]:
-        """Live placement: moves so far and the devices each service group holds now
-        (`placement/<group>_devices`, e.g. placement/rollout_devices)."""
-        devices = {
-            f"placement/{name}_devices": float(sum(len(r) for r in group.replicas()))
-            for name, group in (self.plan.full_groups or {}).items()
-        }
-        return {"placement/moves": float(self.moves), **devices}
-
-    def _maybe_move(self, step: int) -> None:
-        """Apply a posted plan, all controllers at this same step (a weight-sync boundary)."""
-        plan, col = self.plan, self.ctx.collective
-        pending = ray.get(plan.directory.take.remote()) if plan.rank == 0 else None
-        pending = col.all_gather(pending)[0]  # rank 0's decision, seen by every controller
-        if pending is None:
-            return
-        if plan.rank == 0:
-            from yatt_controller.replace import apply_move
-
-            groups, hosts = apply_move(
-                plan.pool, plan.full_groups, pending, plan.weight_sync, self.ctx.policy_version
-            )
-            ray.get(plan.directory.publish.remote(step, pending, groups, hosts))
-        col.barrier()  # the moved groups are published and hold the current weights
-        plan.full_groups = ray.get(plan.directory.groups.remote())
-        views = routed_views(
-            plan.full_groups,
-            plan.learner_name,
-            plan.rank,
-            plan.world_size,
-            plan.max_inflight,
-            single=plan.single,
-            uneven=True,
-        )
-        for name, view in views.items():
-            if name != plan.learner_name and name not in plan.checkpointed:
-                self.ctx.services[name] = view
-        if self.healer is not None:  # the moved groups are what a dead host's replicas are looked up in
-            self.healer.groups = plan.full_groups
-            self._attach(self.healer)
-        self.moves += 1
-
-    def _state_bytes(self) -> bytes:
-        version, internal, gauss = self.ctx.rng.getstate()
-        state = {
-            "policy_version": self.ctx.policy_version,
-            "sampler": self.sampler.state(),
-            "rng": [version, list(internal), gauss],
-            "state": self.ctx.state,
-        }
-        with self._lock:  # this controller's reports the driver may not have logged, this step's included
-            state["reports"] = list(self._unlogged)
-        return msgspec.msgpack.encode(state)
+    def _roster_metrics(self) -> dict[str, float]:
+        """Rank 0: replicas replaced so far (`faults/replicas_replaced`) and, when the job re-plans, the moves
+        so far and the devices each group holds now (`placement/<group>_devices`)."""
+        if self.replacements is None or self.plan.rank != 0:
+            return {}
+        roster = self.replacements.adopt()
+        out = {"faults/replicas_replaced": float(roster.replicas_replaced)}
+        if self.plan.movable:
+            out["placement/moves"] = float(len(roster.moves))
+            for name, group in roster.groups.items():
+                out[f"placement/{name}_devices"] = float(sum(len(r) for r in group.replicas()))
+        return out
 
     def save(self, step: int) -> None:
-        """A collective checkpoint: rank 0 opens the staging directory, every controller writes its part
-        (its own state and its learner ranks'), rank 0 writes the manifest and renames."""
-        root, col = self.plan.checkpoint_dir, self.ctx.collective
-        if self.plan.rank == 0:
-            checkpoint.begin(root, step)
-        col.barrier()
-        staging = checkpoint.staging_dir(root, step)
-        files = {
-            f"controller-{self.plan.rank}.msgpack": checkpoint.write_file(
-                staging, f"controller-{self.plan.rank}.msgpack", self._state_bytes()
-            )
-        }
-        for prefix, group in self.plan.stateful():
-            parts = fetch(group.broadcast("checkpoint_state"))
-            for worker, data in zip(group.workers, parts, strict=True):
-                if data:
-                    name = f"{prefix}-{worker.group_dp_rank}.{worker.tp_rank}.bin"
-                    files[name] = checkpoint.write_file(staging, name, data)
-        everything = {k: v for part in col.all_gather(files) for k, v in part.items()}
-        if self.plan.rank == 0:
-            checkpoint.commit(
-                root,
-                step,
-                everything,
-                policy_version=self.ctx.policy_version,
-                keep=self.plan.keep_checkpoints,
-            )
-        col.barrier()
+        """A collective checkpoint of this controller and its learner ranks (controller_checkpoint.py)."""
+        self.checkpoint.save(step)
 
     def prepare(self, path: Path | None) -> int:
         """Resume from a verified checkpoint (or start fresh); the engines then get the learner's weights.
         Returns the step to run next."""
-        next_step = 0 if path is None else self._restore(path)
+        next_step = 0 if path is None else self.checkpoint.restore(path)
         self.ctx.collective.barrier()  # every learner rank holds its restored state
         if self.plan.rank == 0 and self.plan.weight_sync is not None:
             self.plan.weight_sync.push(self.ctx.policy_version)
         self.ctx.collective.barrier()
         return next_step
 
-    def _restore(self, path: Path) -> int:
-        manifest = checkpoint.verify(path)
-        name = f"controller-{self.plan.rank}.msgpack"
-        if name not in manifest.files:
-            raise ValueError(f"{path} holds no {name}: it was written by a different number of controllers")
-        state = msgspec.msgpack.decode((path / name).read_bytes())
-        self.ctx.policy_version = state["policy_version"]
-        self.sampler.load_state(state["sampler"])
-        version, internal, gauss = state["rng"]
-        self.ctx.rng.setstate((version, tuple(internal), gauss))
-        self.ctx.state = state["state"]
-        loads = []
-        for prefix, group in self.plan.stateful():
-            for worker in group.workers:
-                part = f"{prefix}-{worker.group_dp_rank}.{worker.tp_rank}.bin"
-                data = (path / part).read_bytes() if part in manifest.files else b""
-                loads.append(worker.submit("load_checkpoint_state", (data,), {}))
-        ray.get(loads)
-        return manifest.step + 1
 
-
-@ray.remote(concurrency_groups={"health": 1})
+# ray's stubs lack the actor option concurrency_groups (what gives `heartbeat` its own thread)
+@ray.remote(concurrency_groups={"health": 1})  # type: ignore[call-overload]
 class ControllerActor:
     """A parallel controller: a `ControllerCore` in its own process; `heartbeat` has its own thread."""
 
@@ -401,18 +309,3 @@ class ControllerActor:
     @ray.method(concurrency_group="health")
     def heartbeat(self, logged_through: int = -1) -> tuple[Heartbeat, list[StepReport]]:
         return self.core.heartbeat(logged_through)
-
-
-def saved_reports(path: str | Path) -> list[StepReport]:
-    """The step reports a verified checkpoint carries: each controller's reports that the driver had not
-    logged (as far as its last heartbeat told) when the checkpoint was written, this checkpoint's step
-    included. A run resumed from it logs the steps of these that its log lacks (checkpoints written before
-    reports were saved carry none)."""
-    path = Path(path)
-    manifest = checkpoint.verify(path)
-    out: list[StepReport] = []
-    for name in sorted(manifest.files):
-        if name.startswith("controller-") and name.endswith(".msgpack"):
-            state = msgspec.msgpack.decode((path / name).read_bytes())
-            out += [msgspec.convert(r, StepReport) for r in state.get("reports", [])]
-    return out

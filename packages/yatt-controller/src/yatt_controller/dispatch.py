@@ -2,7 +2,7 @@
 
 A worker group is a list of workers, each with a data-parallel rank (`dp_rank`) and a rank inside its
 model-parallel group (`tp_rank`). Every dispatch function returns object refs, in worker order; only a
-controller turns refs into values (`fetch`), and the in-flight window bounds how much work is outstanding.
+controller turns refs into values (its `Dispatcher.fetch`), and the in-flight window bounds how much work is outstanding.
 
 - broadcast: the same arguments to every worker.
 - scatter:   a list split into `dp_size` contiguous chunks; the model-parallel peers of one data-parallel
@@ -17,6 +17,7 @@ controller turns refs into values (`fetch`), and the in-flight window bounds how
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -126,12 +127,12 @@ def shard_rows(
     rank (its tp_rank-0 worker's), in rank order."""
     dp_size = 1 + max(w.dp_rank for w in workers)
     chunks = split_rows(batch, dp_size)
-    refs: list[ray.ObjectRef | None] = [None] * dp_size
+    refs: dict[int, ray.ObjectRef] = {}
     for w in workers:
         ref = _send(w, method, (chunks[w.dp_rank],), kwargs)
         if w.tp_rank == 0:
             refs[w.dp_rank] = ref
-    return refs
+    return [refs[rank] for rank in range(dp_size)]
 
 
 def to_rank(workers: Sequence[Worker], dp_rank: int, method: str, args: tuple, kwargs: dict) -> ray.ObjectRef:
@@ -159,47 +160,73 @@ DISPATCH: dict[str, Callable[..., list[ray.ObjectRef]]] = {
 }
 
 
-# ref id -> how to send that call again after its worker's process died (`WorkerGroup.call_one` registers;
-# `fetch` consumes). Bounded: the oldest entries (refs fetched some other way) are dropped first.
-_RESEND: OrderedDict[bytes, Callable[[BaseException], ray.ObjectRef]] = OrderedDict()
-MAX_RESENDS = 10_000
+MAX_RESENDS = 10_000  # calls remembered per controller; the oldest (fetched some other way) go first
 MAX_TRIES = 3  # sends of one call: the first and two after replacements
 
 
-def on_death(ref: ray.ObjectRef, resend: Callable[[BaseException], ray.ObjectRef]) -> None:
-    """Register `resend(error)`: called by `fetch` when `ref`'s worker died; returns the ref sent again."""
-    _RESEND[ref.binary()] = resend
-    while len(_RESEND) > MAX_RESENDS:
-        _RESEND.popitem(last=False)
+class Dispatcher:
+    """One controller's fetching of results: the resend map of its replaceable calls, held by the controller
+    (`ctx.get` fetches through it), never by the module. `WorkerGroup.call_one` on a view whose traffic has
+    this dispatcher registers how to send the call again (`track`); `fetch` resends a call whose worker's
+    process died after `repair(view, dp_rank, error)` replaced the replica (it re-raises `error` when the
+    replica may not be replaced). Thread-safe: an async producer's threads call services too."""
 
+    def __init__(self, repair: Callable[[Any, int, BaseException], None] | None = None) -> None:
+        self.repair = repair
+        self._resend: OrderedDict[bytes, Callable[[BaseException], ray.ObjectRef]] = OrderedDict()
+        self._lock = threading.Lock()
 
-def fetch(refs: ray.ObjectRef | Sequence[ray.ObjectRef], *, timeout: float | None = None) -> Any:
-    """`ray.get` of refs (in the driver, `ledger.count_driver_ray_bytes` counts what it receives). A ref whose
-    worker's process died is sent again, after its replica is replaced, when its call registered how
-    (`on_death`); otherwise the death is raised."""
-    single = isinstance(refs, ray.ObjectRef)
-    try:
-        values = ray.get(refs, timeout=timeout)
-    except ray.exceptions.RayActorError:
-        values = _again(refs, timeout) if single else [_again(ref, timeout) for ref in refs]
-    for ref in [refs] if single else refs:
-        _RESEND.pop(ref.binary(), None)
-    return values
+    def __reduce__(self) -> tuple:
+        return (Dispatcher, ())  # a resend map belongs to the process that sent the calls
 
+    def track(
+        self, group: Any, rank: int, ref: ray.ObjectRef, method: str, args: tuple, kwargs: dict
+    ) -> None:
+        """Remember how to send `group.call_one(method, ...)` (sent to dp rank `rank`) again."""
+        if self.repair is None:
+            return
+        repair = self.repair
 
-def _again(ref: ray.ObjectRef, timeout: float | None) -> Any:
-    """The value of `ref`, sent again (at most MAX_TRIES sends in all) while its worker dies."""
-    for tries in range(1, MAX_TRIES + 1):
+        def resend(error: BaseException) -> ray.ObjectRef:
+            repair(group, rank, error)  # re-raises `error` when the replica cannot be replaced
+            return group.call_one(method, *args, **kwargs)
+
+        with self._lock:
+            self._resend[ref.binary()] = resend
+            while len(self._resend) > MAX_RESENDS:
+                self._resend.popitem(last=False)
+
+    def _pop(self, ref: ray.ObjectRef) -> Callable[[BaseException], ray.ObjectRef] | None:
+        with self._lock:
+            return self._resend.pop(ref.binary(), None)
+
+    def fetch(self, refs: Any, *, timeout: float | None = None) -> Any:
+        """`ray.get` of one ref or a list of refs. A ref whose worker's process died is sent again, after its
+        replica is replaced, when its call was tracked; otherwise the death is raised."""
+        single = isinstance(refs, ray.ObjectRef)
+        listed: list[ray.ObjectRef] = [refs] if single else list(refs)
         try:
-            value = ray.get(ref, timeout=timeout)
-            _RESEND.pop(ref.binary(), None)
-            return value
-        except ray.exceptions.RayActorError as exc:
-            resend = _RESEND.pop(ref.binary(), None)
-            if resend is None or tries == MAX_TRIES:
-                raise
-            ref = resend(exc)
-    raise AssertionError("unreachable")
+            values = ray.get(refs, timeout=timeout)
+        except ray.exceptions.RayActorError:
+            again = [self._again(ref, timeout) for ref in listed]
+            values = again[0] if single else again
+        for ref in listed:
+            self._pop(ref)
+        return values
+
+    def _again(self, ref: ray.ObjectRef, timeout: float | None) -> Any:
+        """The value of `ref`, sent again (at most MAX_TRIES sends in all) while its worker dies."""
+        for tries in range(1, MAX_TRIES + 1):
+            try:
+                value = ray.get(ref, timeout=timeout)
+                self._pop(ref)
+                return value
+            except ray.exceptions.RayActorError as exc:
+                resend = self._pop(ref)
+                if resend is None or tries == MAX_TRIES:
+                    raise
+                ref = resend(exc)
+        raise AssertionError("unreachable")
 
 
 class InflightWindow:
@@ -226,3 +253,33 @@ class InflightWindow:
     @property
     def num_pending(self) -> int:
         return len(self._pending)
+
+
+class Traffic:
+    """One worker group view's calls in this process: its in-flight window, `call_one`'s count of unfinished
+    calls per data-parallel rank (least-loaded choice, ties round-robin), and the controller's `Dispatcher`
+    when the view's replicas may be replaced. Pickles as a fresh, empty one (pending refs and the resend map
+    stay with the process that made them); the workers of a view share its one instance."""
+
+    def __init__(self, max_inflight: int, dispatcher: Dispatcher | None = None) -> None:
+        self.window = InflightWindow(max_inflight)
+        self.dispatcher = dispatcher
+        self._outstanding: dict[int, list[ray.ObjectRef]] = {}  # dp rank -> call_one refs not seen done
+        self._next_rank = 0
+        self._choosing = threading.Lock()
+
+    def __reduce__(self) -> tuple:
+        return (Traffic, (self.window.max_inflight,))
+
+    def least_loaded(self, size: int, send: Callable[[int], ray.ObjectRef]) -> tuple[int, ray.ObjectRef]:
+        """`send(rank)` to the rank of [0, size) with the fewest unfinished calls; (rank, its ref)."""
+        with self._choosing:  # shared by every thread calling this view
+            for rank, refs in self._outstanding.items():
+                if refs:
+                    _, self._outstanding[rank] = ray.wait(refs, num_returns=len(refs), timeout=0)
+            order = [(self._next_rank + i) % size for i in range(size)]
+            rank = min(order, key=lambda r: len(self._outstanding.get(r, ())))  # min keeps the first of ties
+            self._next_rank = (rank + 1) % size
+            ref = send(rank)
+            self._outstanding.setdefault(rank, []).append(ref)
+        return rank, ref

@@ -129,7 +129,7 @@ def count_driver_ray_bytes() -> Iterator[ByteLedger]:
         ledger.count_sent(value)
         return original_put(value, *args, **kwargs)
 
-    owners = [ray.actor.ActorMethod, ray.actor.ActorClass, ray.remote_function.RemoteFunction]
+    owners: list[Any] = [ray.actor.ActorMethod, ray.actor.ActorClass, ray.remote_function.RemoteFunction]
     saved = [(owner, owner.__dict__["_remote"]) for owner in owners]
     try:
         ray.get, ray.put = get, put

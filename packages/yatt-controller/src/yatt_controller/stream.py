@@ -18,8 +18,6 @@ from typing import Any
 
 import ray
 
-from yatt_controller.dispatch import fetch as _fetch
-
 
 @dataclass
 class Stage:
@@ -67,14 +65,17 @@ def run_stream(
     stages: Sequence[Stage],
     *,
     max_inflight: int = 8,
-    fetch: Callable[[Any], Any] = _fetch,
+    fetch: Callable[[Any], Any] | None = None,
 ) -> StreamResult:
     """Run every item through every stage in order, each as soon as its previous stage's value is fetched.
-    The first error (a failed call, or an error raised by a stage's `call`) is raised."""
+    The first error (a failed call, or an error raised by a stage's `call`) is raised. `fetch` turns a ref
+    into its value (default `ray.get`); a step passes `ctx.get`, so a call whose replica died is sent again
+    to its replacement (the controller's `Dispatcher`)."""
     if not stages:
         raise ValueError("run_stream needs at least one stage")
     if max_inflight < 1:
         raise ValueError(f"run_stream: max_inflight must be >= 1, got {max_inflight}")
+    get = ray.get if fetch is None else fetch
     names = [s.name for s in stages]
     if len(set(names)) != len(names):
         raise ValueError(f"run_stream: stage names must be distinct, got {names}")
@@ -101,7 +102,7 @@ def run_stream(
         done = time.perf_counter()
         i, k, submitted = pending.pop(ref)
         inflight[k] -= 1
-        result.values[i][k] = fetch(ref)  # raises the call's error
+        result.values[i][k] = get(ref)  # raises the call's error
         name = stages[k].name
         result.intervals[name].append((submitted, done))
         result.last_done[name] = max(result.last_done.get(name, done), done)

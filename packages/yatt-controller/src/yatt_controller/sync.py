@@ -74,7 +74,7 @@ class WeightSync:
         if self.mode == "colocated":
             self.pairs = [(self._source_on(w.device), w) for w in self.target_workers]
         elif self.mode == "auto":
-            in_host = {}
+            in_host: dict[Any, Worker] = {}
             for worker in self.source.workers:
                 in_host.setdefault(worker.host, worker)
             for w in self.target_workers:

@@ -23,7 +23,7 @@ class _Wire(msgspec.Struct, omit_defaults=True):
     """Base of messages: unknown fields are ignored, defaults are not sent."""
 
 
-class ControllerSpec(_Config, kw_only=True):
+class ControllerSpec(_Config, kw_only=True, frozen=True):
     """How the driver runs the job's controllers.
 
     Producer: the app's config. Consumer: the driver, which launches `num_controllers` controllers

@@ -120,7 +120,8 @@ def join_group(
     if backend == "gloo":
         groups[group] = dist.ProcessGroupGloo(prefixed, rank, world, DEFAULT_TIMEOUT)
     else:
-        groups[group] = dist.ProcessGroupNCCL(prefixed, rank, world)
+        # torch's stub makes `options` required; the binding defaults it (ProcessGroupNCCL::Options::create())
+        groups[group] = dist.ProcessGroupNCCL(prefixed, rank, world)  # type: ignore[call-arg]
 
 
 def _device(pg: Any) -> torch.device:

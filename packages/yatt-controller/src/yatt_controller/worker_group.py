@@ -15,7 +15,7 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import ray
@@ -31,7 +31,8 @@ HOST_THREADS = 32  # calls a host runs at once (different roles; each role's cal
 HOST_ENV = {"MALLOC_ARENA_MAX": "1"}
 
 
-@ray.remote(concurrency_groups={"health": 1})
+# ray's stubs lack the actor option concurrency_groups (documented, and what gives `ping` its own thread)
+@ray.remote(concurrency_groups={"health": 1})  # type: ignore[call-overload]
 class _Host:
     """The process of one device. Each hosted role belongs to a lock group (`WorkerGroup.create(lock=...)`):
     calls of one group run one at a time; calls of different groups run concurrently (threads). Roles in the
@@ -174,7 +175,7 @@ class HostPool:
     def host(self, device: int, role_label: str) -> HostRecord:
         if device not in self.hosts:
             label = f"{self.label_prefix}device-{device}"
-            handle = _Host.options(
+            handle = _Host.options(  # type: ignore[attr-defined]  # a ray.remote class: stubs lack it
                 num_cpus=self.num_cpus_per_host,
                 num_gpus=_device_share(self.realized, device),
                 scheduling_strategy=self.realized.scheduling_strategy(device),
@@ -205,16 +206,17 @@ class Worker:
     device: int
     label: str  # e.g. "rollout-1.0 on device-3": how failures name it
     group_dp_rank: int = -1  # dp rank in the whole group; a view renumbers dp_rank, never this
-    window: dispatch.InflightWindow | None = None
+    traffic: dispatch.Traffic | None = None  # its view's window and call counts (pickles fresh)
+
+    @property
+    def window(self) -> dispatch.InflightWindow | None:
+        return None if self.traffic is None else self.traffic.window
 
     def submit(self, method: str, args: tuple, kwargs: dict) -> ray.ObjectRef:
         def go() -> ray.ObjectRef:
             return self.host.call.remote(self.key, method, args, kwargs)
 
-        return self.window.admit(go) if self.window is not None else go()
-
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "window": None}  # pending refs stay with the process that made them
+        return self.traffic.window.admit(go) if self.traffic is not None else go()
 
 
 @dataclass(frozen=True)
@@ -259,7 +261,9 @@ def start_replica(
 
 
 class WorkerGroup:
-    """One role of the plan hosted as workers: `WorkerGroup.create(pool, "rollout", MyEngine, ...)`."""
+    """One role of the plan hosted as workers: `WorkerGroup.create(pool, "rollout", MyEngine, ...)`. Its
+    workers may be swapped in place (`rebind`) when the roster replaces replicas: a step holding the view
+    sends its next call to the new replicas."""
 
     def __init__(
         self,
@@ -272,13 +276,13 @@ class WorkerGroup:
         if not workers:
             raise ValueError(f"WorkerGroup {role!r} needs at least one worker")
         self.role, self.name, self.max_inflight, self.spawn = role, name, max_inflight, spawn
-        self.workers = list(workers)
-        self._bind_window()
+        self.key = f"{role}:{name}" if name else role  # its workers' hosted key (also its busy-time key)
+        self.traffic = dispatch.Traffic(max_inflight)
+        self.rebind(workers)
 
-    @property
-    def key(self) -> str:
-        """The key its workers are hosted under (also its busy-time key): "role" or "role:name"."""
-        return f"{self.role}:{self.name}" if self.name else self.role
+    def rebind(self, workers: Sequence[Worker]) -> None:
+        """These workers, on this view's own traffic (window, call counts, dispatcher)."""
+        self.workers = [replace(w, traffic=self.traffic) for w in workers]
 
     def replicas(self) -> list[list[int]]:
         """Devices of each data-parallel rank, in rank order (tp order inside)."""
@@ -286,22 +290,6 @@ class WorkerGroup:
         for w in self.workers:
             by_rank.setdefault(w.dp_rank, []).append(w)
         return [[w.device for w in sorted(by_rank[r], key=lambda w: w.tp_rank)] for r in sorted(by_rank)]
-
-    def _bind_window(self) -> None:
-        window = dispatch.InflightWindow(self.max_inflight)
-        self.workers = [Worker(**{**w.__dict__, "window": window}) for w in self.workers]
-        self._outstanding: dict[int, list[ray.ObjectRef]] = {}  # dp rank -> call_one refs not seen done
-        self._next_rank = 0  # round-robin start among equally loaded ranks
-        self.healer: Any = None  # set by a controller on its service views: replaces dead replicas
-        self._choosing = threading.Lock()  # call_one from several threads (the async producer's scoring)
-
-    def __getstate__(self) -> dict:
-        skip = ("_outstanding", "_next_rank", "healer", "_choosing")
-        return {k: v for k, v in self.__dict__.items() if k not in skip}
-
-    def __setstate__(self, state: dict) -> None:  # unpickled in a controller: a fresh window there
-        self.__dict__.update(state)
-        self._bind_window()
 
     @classmethod
     def create(
@@ -345,11 +333,7 @@ class WorkerGroup:
         if not ranks or any(not 0 <= r < self.dp_size for r in ranks):
             raise ValueError(f"view of {self.role!r} needs dp ranks in [0, {self.dp_size}), got {ranks}")
         renumber = {r: i for i, r in enumerate(ranks)}
-        picked = [
-            Worker(**{**w.__dict__, "dp_rank": renumber[w.dp_rank]})
-            for w in self.workers
-            if w.dp_rank in renumber
-        ]
+        picked = [replace(w, dp_rank=renumber[w.dp_rank]) for w in self.workers if w.dp_rank in renumber]
         return WorkerGroup(self.role, self.name, picked, max_inflight or self.max_inflight, self.spawn)
 
     def broadcast(self, method: str, *args: Any, **kwargs: Any) -> list[ray.ObjectRef]:
@@ -368,25 +352,14 @@ class WorkerGroup:
     def call_one(self, method: str, *args: Any, **kwargs: Any) -> ray.ObjectRef:
         """One call to the least-loaded data-parallel rank of this view (fewest `call_one` calls not yet
         finished; ties go round-robin), sent to all its tp peers; returns the tp_rank-0 worker's ref."""
-        with self._choosing:  # the bookkeeping below is shared by every thread calling this view
-            for rank, refs in self._outstanding.items():
-                if refs:
-                    _, self._outstanding[rank] = ray.wait(refs, num_returns=len(refs), timeout=0)
-            size = self.dp_size
-            order = [(self._next_rank + i) % size for i in range(size)]
-            rank = min(order, key=lambda r: len(self._outstanding.get(r, ())))  # min keeps the first of ties
-            self._next_rank = (rank + 1) % size
-            ref = dispatch.to_rank(self.workers, rank, method, args, kwargs)
-            self._outstanding.setdefault(rank, []).append(ref)
-        if self.healer is not None:  # a dead replica is replaced and the call sent again (faults.py)
-            dispatch.on_death(ref, lambda error: self._resend(rank, method, args, kwargs, error))
+        workers = self.workers
+        rank, ref = self.traffic.least_loaded(
+            self.dp_size, lambda r: dispatch.to_rank(workers, r, method, args, kwargs)
+        )
+        dispatcher = self.traffic.dispatcher
+        if dispatcher is not None:  # a dead replica is replaced and the call sent again (replace.py)
+            dispatcher.track(self, rank, ref, method, args, kwargs)
         return ref
-
-    def _resend(
-        self, rank: int, method: str, args: tuple, kwargs: dict, error: BaseException
-    ) -> ray.ObjectRef:
-        self.healer.repair(self, rank, error)  # re-raises `error` when the replica cannot be replaced
-        return self.call_one(method, *args, **kwargs)
 
     def rank_zero(self, method: str, *args: Any, **kwargs: Any) -> ray.ObjectRef:
         """Worker 0 of this view only. Not for training calls: in single mode the other DDP ranks would never

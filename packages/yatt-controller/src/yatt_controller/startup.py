@@ -1,0 +1,112 @@
+"""Starting an attempt: the job's services checked, the roster made, one plan per controller, and the
+controllers launched (one actor per block of learner ranks in parallel mode; one core on a driver thread in
+single mode)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from yatt_controller.collective import Rendezvous
+from yatt_controller.controller import ControllerActor, ControllerCore, ControllerPlan
+from yatt_controller.health import Watch
+from yatt_controller.roster import Roster
+from yatt_controller.types import ControllerSpec
+from yatt_controller.worker_group import HostPool, WorkerGroup, routed_views
+
+if TYPE_CHECKING:
+    from yatt_controller.runner import Job, Services
+
+
+def check_services(services: Services, spec: ControllerSpec) -> None:
+    """ValueError naming the field when the services cannot run under `spec`."""
+    unknown = [name for name in services.checkpointed if name not in services.groups]
+    if unknown:
+        raise ValueError(f"Services.checkpointed names {unknown}, not among {sorted(services.groups)}")
+    if services.learner and services.learner not in services.groups:
+        raise ValueError(f"Services.learner {services.learner!r} is not one of {sorted(services.groups)}")
+    if spec.mode == "single":
+        return
+    world = spec.num_controllers
+    if services.learner:
+        size = services.groups[services.learner].dp_size
+        if size < world or size % world:
+            raise ValueError(
+                f"num_controllers is {world} but the learner has {size} data-parallel ranks: each "
+                "controller drives a whole block of learner ranks, so num_controllers must divide them"
+            )
+    for name in services.checkpointed:
+        size = services.groups[name].dp_size
+        if size < world or size % world:
+            raise ValueError(
+                f"Services.checkpointed group {name!r} has {size} data-parallel ranks; checkpointing it "
+                f"needs a whole block of ranks per controller ({world})"
+            )
+
+
+def make_roster(services: Services) -> Roster:
+    return Roster(dict(services.groups), services.learner, tuple(services.checkpointed))
+
+
+class Launcher:
+    """Builds every controller's plan and starts the controllers of one attempt."""
+
+    def __init__(
+        self, spec: ControllerSpec, job: Job, services: Services, roster: Roster, book: Any, pool: HostPool
+    ) -> None:
+        self.spec, self.job, self.services = spec, job, services
+        self.roster, self.book, self.pool = roster, book, pool
+
+    def plan(self, rank: int, world: int, groups: dict[str, WorkerGroup]) -> ControllerPlan:
+        spec, job, services = self.spec, self.job, self.services
+        return ControllerPlan(
+            rank=rank, world_size=world, step_fn=job.step_fn, dataset=job.dataset, batch_size=job.batch_size,
+            shards=[rank], num_shards=world, seed=spec.seed, services=groups,
+            learner=groups.get(services.learner) if services.learner else None,
+            weight_sync=services.weight_sync, checkpoint_dir=job.checkpoint_dir,
+            checkpoint_every=spec.checkpoint_every, keep_checkpoints=spec.keep_checkpoints,
+            collective_timeout_s=spec.hang_timeout_s,
+            checkpointed={name: groups[name] for name in services.checkpointed},
+            book=self.book, roster=self.roster, movable=job.replan is not None, pool=self.pool,
+            learner_name=services.learner, max_inflight=spec.max_inflight, single=spec.mode == "single",
+        )  # fmt: skip
+
+    def parallel(self, realized: Any) -> tuple[Any, list[tuple[Any, Watch]]]:
+        """(the rendezvous actor, one (controller actor, watch) per rank), placed next to its learner rank."""
+        world, learner = self.spec.num_controllers, self.services.learner
+        rendezvous = Rendezvous.remote(world)  # type: ignore[attr-defined]  # ray.remote class: stubs lack it
+        controllers = []
+        for rank in range(world):
+            routed = routed_views(self.services.groups, learner, rank, world, self.spec.max_inflight)
+            options: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0}
+            if learner:  # next to its (first) learner rank
+                options["scheduling_strategy"] = realized.scheduling_strategy(
+                    routed[learner].workers[0].device
+                )
+            label = f"controller-{rank}"
+            actor = ControllerActor.options(**options).remote(  # type: ignore[attr-defined]  # as above
+                self.plan(rank, world, routed), rendezvous, label
+            )
+            controllers.append((actor, Watch(label)))
+        return rendezvous, controllers
+
+
+class SingleController:
+    """Single mode: one core in the driver, on a thread of its own; its error is handed to the watcher."""
+
+    def __init__(self, launcher: Launcher, path: Path | None, num_steps: int) -> None:
+        spec, services = launcher.spec, launcher.services
+        groups = routed_views(services.groups, services.learner, 0, 1, spec.max_inflight, single=True)
+        self.core = ControllerCore(launcher.plan(0, 1, groups), label="controller-0")
+        self.error: BaseException | None = None
+        self.path, self.num_steps = path, num_steps
+        self.thread = threading.Thread(target=self._body, name="yatt-single-controller", daemon=True)
+        self.thread.start()
+
+    def _body(self) -> None:
+        try:
+            start = self.core.prepare(self.path)
+            self.core.run(start, self.num_steps)
+        except BaseException as exc:  # handed to the watching thread
+            self.error = exc

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from yatt_algos.learner.export import NamedTensors
+from yatt_algos.learner.lm_head import chunked_head, head_token_outputs, hidden_states_only
 from yatt_algos.learner.packing import Batch, as_batch, split_mini_batches
 from yatt_algos.learner.torch_engine import TorchEngine
 from yatt_algos.learner.update_loop import Normalizer, critic_objective, policy_objective
@@ -55,14 +56,45 @@ def token_outputs(
 def causal_lm_forward(
     model: torch.nn.Module, mb: Batch, *, chunk_size: int, temperature: float = 1.0, entropy: str = "none"
 ) -> dict[str, torch.Tensor]:
-    """`token_outputs` of an HF causal LM (or a Qwen2-VL style VLM, see `vision_kwargs`) on the micro-batch."""
-    out = model(
-        input_ids=mb["input_ids"],
-        attention_mask=mb["attention_mask"].long(),
-        use_cache=False,
+    """`token_outputs` of an HF causal LM (or a Qwen2-VL style VLM, see `vision_kwargs`) on the micro-batch:
+    logprobs [b, t] (and entropy [b, t]) aligned to mb["input_ids"].
+
+    The model runs to its final hidden states; the output projection, final logit transform, temperature and
+    log-softmax then run `chunk_size` tokens at a time, recomputed in backward (`lm_head.head_token_outputs`),
+    so the [b, t, V] logits never exist. A model type whose final transform is unknown takes the full logits
+    (with a warning)."""
+    kwargs = {
+        "input_ids": mb["input_ids"],
+        "attention_mask": mb["attention_mask"].long(),
+        "use_cache": False,
         **vision_kwargs(mb),
+    }
+    head = chunked_head(model)
+    if head is None:
+        out = model(**kwargs)
+        return token_outputs(out.logits, mb, chunk_size=chunk_size, temperature=temperature, entropy=entropy)
+    with hidden_states_only(head.inner) as keep:
+        model(**kwargs)
+    hidden = keep.hidden  # [b, t, H]: the input the model gave its lm_head
+    if hidden is None:
+        raise RuntimeError(f"{type(head.inner).__name__}'s forward did not call its lm_head")
+    b, t, width = hidden.shape
+    labels = mb["input_ids"][:, 1:].reshape(-1).long()  # hidden[:, i] predicts input_ids[:, i + 1]
+    flat = head_token_outputs(
+        hidden[:, :-1].reshape(b * (t - 1), width),
+        head.inner.lm_head,
+        labels,
+        transform=head.transform,
+        chunk_size=chunk_size,
+        temperature=temperature,
+        entropy=entropy != "none",
     )
-    return token_outputs(out.logits, mb, chunk_size=chunk_size, temperature=temperature, entropy=entropy)
+    mask = mb["attention_mask"]
+    if entropy == "none":
+        return {"logprobs": _shift_right(flat.view(b, t - 1), mask)}
+    flat = flat.view(b, t - 1, 2)
+    ent = flat[..., 1] if entropy == "grad" else flat[..., 1].detach()
+    return {"logprobs": _shift_right(flat[..., 0], mask), "entropy": _shift_right(ent, mask)}
 
 
 def vision_kwargs(mb: Batch) -> dict[str, torch.Tensor]:

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import torch
 
+from yatt_algos.offpolicy import bypass_mode_loss
 from yatt_algos.policy_loss_common import LOG_RATIO_CLAMP as _LOG_RATIO_CLAMP
 from yatt_algos.policy_loss_common import PolicyLossFn
 from yatt_algos.policy_loss_common import clip_frac as _clip_frac
 from yatt_algos.policy_loss_common import finish as _finish
 from yatt_algos.policy_loss_common import prepare as _prepare
 from yatt_algos.policy_loss_common import ratio_metrics as _ratio_metrics
-from yatt_algos.policy_losses_extra import clip_cov, dppo_kl, dppo_tv, gmpo, gpg, kl_cov, reinforce, sapo
+from yatt_algos.policy_losses_extra import clip_cov, dppo_kl, dppo_tv, dro, gmpo, gpg, kl_cov, reinforce, sapo
 
 
 def ppo_clip(logprobs, old_logprobs, advantages, response_mask, config, *, rollout_logprobs=None):
@@ -115,4 +116,6 @@ POLICY_LOSSES: dict[str, PolicyLossFn] = {
     "dppo_tv": dppo_tv,
     "dppo_kl": dppo_kl,
     "reinforce": reinforce,
+    "dro": dro,
+    "bypass_mode": bypass_mode_loss,
 }

@@ -127,18 +127,20 @@ def clip_cov(logprobs, old_logprobs, advantages, response_mask, config, *, rollo
 def kl_cov(logprobs, old_logprobs, advantages, response_mask, config, *, rollout_logprobs=None):
     """KL-Cov (Cui et al., arXiv 2505.22617): the unclipped surrogate -A r on every token, plus
     kl_cov_coef * |log r| on the max(1, int(kl_cov_ratio * N)) tokens of largest covariance
-    (A - mean A)(log pi - mean log pi) (N: this call's response tokens). [B, T]. No ratio clip: the KL term
+    (A - mean A)(log pi - mean log pi) (N: this call's response tokens; ranked over those N only). [B, T]. No ratio clip: the KL term
     on the high-covariance tokens is the only restraint. clip_frac: the share of penalized tokens.
     As verl's "kl_cov" (its ppo_kl_coef is kl_cov_coef here).
     """
     mask, log_ratio = prepare(logprobs, old_logprobs, advantages, response_mask, rollout_logprobs)
     loss = -advantages * log_ratio.exp()
-    cov = torch.where(mask, _covariance(logprobs, advantages, mask), -torch.inf).flatten()
-    num_tokens = int(mask.sum())
-    picked = torch.zeros_like(cov, dtype=torch.bool)
-    if num_tokens:
-        top = torch.topk(cov, max(1, int(num_tokens * config.kl_cov_ratio))).indices
-        picked = picked.index_fill_(0, top, True)
+    # top-k over the valid tokens only (their flat indices in row-major order), as verl selects: padding never
+    # enters the ranking, so ties break among valid tokens exactly as verl's topk does
+    valid = mask.flatten().nonzero(as_tuple=True)[0]  # [N]
+    cov = _covariance(logprobs, advantages, mask).flatten()[valid]
+    picked = torch.zeros(mask.numel(), dtype=torch.bool, device=mask.device)
+    if valid.numel():
+        top = torch.topk(cov, max(1, int(valid.numel() * config.kl_cov_ratio))).indices
+        picked = picked.index_fill_(0, valid[top], True)
     picked = picked.view_as(mask)
     loss = torch.where(picked, loss + config.kl_cov_coef * log_ratio.abs(), loss)
     metrics = ratio_metrics(log_ratio, mask)
@@ -192,3 +194,19 @@ def dppo_kl(logprobs, old_logprobs, advantages, response_mask, config, *, rollou
         return (kl <= config.dppo_kl_high) | (p <= p_old), (kl <= config.dppo_kl_low) | (p >= p_old)
 
     return _dppo(logprobs, old_logprobs, advantages, response_mask, config, rollout_logprobs, inside)
+
+
+def dro(logprobs, old_logprobs, advantages, response_mask, config, *, rollout_logprobs=None):
+    """DRO (direct reward optimization with a quadratic log-ratio penalty, verl's / SkyRL's "dro"):
+    loss_t = -(A_t log pi_t - dro_beta / 2 (log pi_t - log pi_old_t)^2). [B, T].
+
+    Gradient per token: -A_t + dro_beta (log pi_t - log pi_old_t) times d log pi_t; at the old policy it is
+    the REINFORCE gradient, and the penalty pulls the update back as the log-ratio grows (no clipping).
+    """
+    mask, log_ratio = prepare(logprobs, old_logprobs, advantages, response_mask, rollout_logprobs)
+    lp = _masked_logprobs(logprobs, mask)  # padding may hold inf/NaN: no gradient may flow from it
+    diff = lp - torch.where(mask, old_logprobs, 0.0).detach()
+    loss = -(torch.where(mask, advantages, 0.0) * lp - 0.5 * config.dro_beta * diff.square())
+    loss = torch.where(mask, loss, 0.0)
+    metrics = {**ratio_metrics(log_ratio, mask), "clip_frac": log_ratio.new_zeros(())}  # nothing is clipped
+    return finish(loss, mask, metrics, old_logprobs, rollout_logprobs, config)

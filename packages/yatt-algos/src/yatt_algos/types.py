@@ -23,6 +23,7 @@ AdvantageEstimator = Literal[
     "grpo_passk",
     "gdpo",
     "optimal_token_baseline",
+    "tir_optimal_token_baseline",
 ]
 PolicyLoss = Literal[
     "ppo_clip",
@@ -37,6 +38,8 @@ PolicyLoss = Literal[
     "dppo_tv",
     "dppo_kl",
     "reinforce",
+    "dro",
+    "bypass_mode",
 ]
 LossAggMode = Literal[
     "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "token-sum"
@@ -138,6 +141,14 @@ class AlgoConfig(_Config, kw_only=True):
     rollout_rs_level: RolloutISLevel = "none"
     rollout_rs_threshold: float = 2.0
     rollout_rs_threshold_lower: float = 0.0
+    # Appended in 0.4.0. DRO's quadratic log-ratio penalty coefficient (loss "dro").
+    dro_beta: float = 0.1
+    # Loss "bypass_mode" (verl): the batch's old_logprobs are the rollout's; "ppo_clip" or "reinforce" (then
+    # weighted by rollout_is_level / rollout_is_threshold); rejection by comma-chained verl criteria
+    # (offpolicy.REJECTION_CRITERIA) with verl's threshold spec, "" for none.
+    bypass_loss_type: str = "ppo_clip"
+    bypass_rs_criteria: str = ""
+    bypass_rs_threshold: str = ""
     # The optimal token baseline: past the second-longest response of a group, the longest one (if unique) has no
     # baseline (its advantage is its return); verl's handle_zero_tail, True by default since early 2026.
     otb_handle_zero_tail: bool = True

@@ -90,8 +90,15 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -
 
 
 def gae(
-    rewards, response_mask, config: AlgoConfig, *, group_ids=None, values=None, baseline_rewards=None, **_
-):
+    rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: AlgoConfig,
+    *,
+    group_ids: torch.Tensor | None = None,
+    values: torch.Tensor | None = None,
+    baseline_rewards: torch.Tensor | None = None,
+    **_: object,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalized advantage estimation (Schulman et al., arXiv 1506.02438) with config.gamma, config.lam.
 
     delta_t = r_t + gamma V_next - V_t; A_t = delta_t + gamma lam A_next, where "next" is the next unmasked
@@ -117,8 +124,15 @@ def gae(
 
 
 def grpo(
-    rewards, response_mask, config: AlgoConfig, *, group_ids=None, values=None, baseline_rewards=None, **_
-):
+    rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: AlgoConfig,
+    *,
+    group_ids: torch.Tensor | None = None,
+    values: torch.Tensor | None = None,
+    baseline_rewards: torch.Tensor | None = None,
+    **_: object,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO (Shao et al., arXiv 2402.03300): A_i = (s_i - mean_g) / (std_g + adv_eps) on every token.
 
     std is the unbiased group std (as verl and TRL). config.norm_by_std=False gives Dr.GRPO
@@ -136,22 +150,36 @@ def grpo(
 
 
 def rloo(
-    rewards, response_mask, config: AlgoConfig, *, group_ids=None, values=None, baseline_rewards=None, **_
-):
+    rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: AlgoConfig,
+    *,
+    group_ids: torch.Tensor | None = None,
+    values: torch.Tensor | None = None,
+    baseline_rewards: torch.Tensor | None = None,
+    **_: object,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """RLOO (Ahmadian et al., arXiv 2402.14740): A_i = s_i - mean_{j != i} s_j = n / (n - 1) (s_i - mean_g).
 
     A group of one sample gets A = 0. returns = score.
     """
     mask = _mask_and_check(rewards, response_mask)
     scores = _scores(rewards, mask)
-    mean, _, size = group_mean_std(scores, _require("group_ids", group_ids, "rloo"))
+    mean, _std, size = group_mean_std(scores, _require("group_ids", group_ids, "rloo"))
     adv = torch.where(size > 1, (scores - mean) * size / (size - 1).clamp(min=1), 0.0)
     return _broadcast(adv, mask), _broadcast(scores, mask)
 
 
 def reinforce_pp(
-    rewards, response_mask, config: AlgoConfig, *, group_ids=None, values=None, baseline_rewards=None, **_
-):
+    rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: AlgoConfig,
+    *,
+    group_ids: torch.Tensor | None = None,
+    values: torch.Tensor | None = None,
+    baseline_rewards: torch.Tensor | None = None,
+    **_: object,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ (Hu, arXiv 2501.03262): discounted returns of the per-token rewards (the score plus any
     per-token KL penalty), whitened over all response tokens of the batch. returns = the raw returns."""
     mask = _mask_and_check(rewards, response_mask)
@@ -160,8 +188,15 @@ def reinforce_pp(
 
 
 def reinforce_pp_baseline(
-    rewards, response_mask, config: AlgoConfig, *, group_ids=None, values=None, baseline_rewards=None, **_
-):
+    rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: AlgoConfig,
+    *,
+    group_ids: torch.Tensor | None = None,
+    values: torch.Tensor | None = None,
+    baseline_rewards: torch.Tensor | None = None,
+    **_: object,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++-baseline (arXiv 2501.03262 v2): the group mean score is subtracted (on the last token),
     then discounted returns are whitened over the batch, as in REINFORCE++.
 
@@ -170,15 +205,22 @@ def reinforce_pp_baseline(
     """
     mask = _mask_and_check(rewards, response_mask)
     scores = _scores(rewards, mask)
-    mean, _, _ = group_mean_std(scores, _require("group_ids", group_ids, "reinforce_pp_baseline"))
+    mean, _std, _size = group_mean_std(scores, _require("group_ids", group_ids, "reinforce_pp_baseline"))
     token_rewards = _token_rewards(rewards, mask) - _token_rewards(mean, mask)
     returns = discounted_returns(token_rewards, mask, config.gamma)
     return masked_whiten(returns, mask, config.adv_eps), returns
 
 
 def remax(
-    rewards, response_mask, config: AlgoConfig, *, group_ids=None, values=None, baseline_rewards=None, **_
-):
+    rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: AlgoConfig,
+    *,
+    group_ids: torch.Tensor | None = None,
+    values: torch.Tensor | None = None,
+    baseline_rewards: torch.Tensor | None = None,
+    **_: object,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """ReMax (Li et al., arXiv 2310.10505): A_t = G_t - b, b the reward of the greedy response to the same
     prompt (baseline_rewards [B]); G_t the discounted return (gamma = 1: the score on every token)."""
     mask = _mask_and_check(rewards, response_mask)
@@ -188,7 +230,14 @@ def remax(
     return torch.where(mask, returns - baseline.unsqueeze(-1), 0.0), returns
 
 
-def opo(rewards, response_mask, config: AlgoConfig, *, group_ids=None, **_):
+def opo(
+    rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: AlgoConfig,
+    *,
+    group_ids: torch.Tensor | None = None,
+    **_: object,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """OPO (Hao et al., "On-Policy RL with Optimal Reward Baseline", arXiv 2505.23585): the length-weighted
     group baseline b_g = sum_j |y_j| s_j / sum_j |y_j|, A_i = s_i - b_g on every token, no std division.
     |y| counts response tokens (holes excluded). returns = score."""
@@ -204,20 +253,34 @@ def opo(rewards, response_mask, config: AlgoConfig, *, group_ids=None, **_):
     return _broadcast(adv, mask), _broadcast(scores, mask)
 
 
-def gpg(rewards, response_mask, config: AlgoConfig, *, group_ids=None, **_):
+def gpg(
+    rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: AlgoConfig,
+    *,
+    group_ids: torch.Tensor | None = None,
+    **_: object,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """GPG (Chu et al., arXiv 2504.02546): A_i = alpha (s_i - mean_g), no std division, with
     alpha = B / (number of non-zero scores in the batch), as verl computes it (the paper's alpha is
     B / (B - M), M the samples whose advantage is zero; with 0/1 rewards verl's counts the correct ones).
     B and the count are this call's. Pair with the "gpg" policy loss. returns = score."""
     mask = _mask_and_check(rewards, response_mask)
     scores = _scores(rewards, mask)
-    mean, _, size = group_mean_std(scores, _require("group_ids", group_ids, "gpg"))
+    mean, _std, size = group_mean_std(scores, _require("group_ids", group_ids, "gpg"))
     alpha = scores.shape[0] / max(int(torch.count_nonzero(scores)), 1)
     adv = torch.where(size > 1, alpha * (scores - mean), 0.0)
     return _broadcast(adv, mask), _broadcast(scores, mask)
 
 
-def grpo_passk(rewards, response_mask, config: AlgoConfig, *, group_ids=None, **_):
+def grpo_passk(
+    rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: AlgoConfig,
+    *,
+    group_ids: torch.Tensor | None = None,
+    **_: object,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO for pass@k (verl's "grpo_passk", after Tang et al., arXiv 2503.19595), k = the group size: only
     each group's best sample is credited, with its margin over the runner-up, A = s_max - s_second (divided
     by std_g + adv_eps when norm_by_std); all other samples get 0. Ties give 0 (the margin is 0).
@@ -226,7 +289,7 @@ def grpo_passk(rewards, response_mask, config: AlgoConfig, *, group_ids=None, **
     scores = _scores(rewards, mask)
     ids = _require("group_ids", group_ids, "grpo_passk")
     index, num_groups = group_index(ids, mask.shape[0])
-    _, std, size = group_mean_std(scores, ids)
+    _mean, std, size = group_mean_std(scores, ids)
     best = scores.new_full((num_groups,), -torch.inf).scatter_reduce(0, index, scores, "amax")  # [G]
     position = torch.arange(scores.shape[0], device=scores.device)
     at_best = scores == best[index]
@@ -242,7 +305,15 @@ def grpo_passk(rewards, response_mask, config: AlgoConfig, *, group_ids=None, **
     return _broadcast(adv, mask), _broadcast(scores, mask)
 
 
-def gdpo(rewards, response_mask, config: AlgoConfig, *, group_ids=None, reward_components=None, **_):
+def gdpo(
+    rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: AlgoConfig,
+    *,
+    group_ids: torch.Tensor | None = None,
+    reward_components: torch.Tensor | None = None,
+    **_: object,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """GDPO (arXiv 2601.05242): group-decoupled normalization of several rewards. Each component k of
     reward_components [B, K] gets its own GRPO advantage (this module's `grpo`: std-normalized unless
     norm_by_std is False, 0 for one-sample groups); their sum weighted by gdpo_reward_weights (empty: all 1)
@@ -262,7 +333,7 @@ def gdpo(rewards, response_mask, config: AlgoConfig, *, group_ids=None, reward_c
         )
     total = torch.zeros(mask.shape, dtype=components.dtype, device=mask.device)
     for k, weight in enumerate(weights):
-        adv_k, _ = grpo(components[:, k], response_mask, config, group_ids=ids)
+        adv_k, _returns = grpo(components[:, k], response_mask, config, group_ids=ids)
         total = total + weight * adv_k
     combined = (components * components.new_tensor(weights)).sum(-1)
     return masked_whiten(total, mask, config.adv_eps), _broadcast(combined, mask)
@@ -291,14 +362,22 @@ def _lone_tail(lengths: torch.Tensor, index: torch.Tensor, num_groups: int, widt
     return unique.unsqueeze(-1) & (columns >= runner_up[index].unsqueeze(-1))
 
 
-def _otb_inputs(rewards, response_mask, group_ids, old_logprobs, sum_pi_squared, rollout_is_weights, name):
+def _otb_inputs(
+    rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: torch.Tensor | None,
+    old_logprobs: torch.Tensor | None,
+    sum_pi_squared: torch.Tensor | None,
+    rollout_is_weights: torch.Tensor | None,
+    name: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Checks; returns mask, returns G [B, T], the path variance W [B, T] (0 at padding), group index."""
     mask = _mask_and_check(rewards, response_mask)
     ids = _require("group_ids", group_ids, name)
     named = (("old_logprobs", old_logprobs), ("sum_pi_squared", sum_pi_squared))
+    old_logprobs = _require("old_logprobs", old_logprobs, name)
+    sum_pi_squared = _require("sum_pi_squared", sum_pi_squared, name)
     for key, tensor in (*named, ("rollout_is_weights", rollout_is_weights)):
-        if key != "rollout_is_weights":
-            _require(key, tensor, name)
         if tensor is not None and tuple(tensor.shape) != tuple(mask.shape):
             raise ValueError(f"{key} has shape {tuple(tensor.shape)}, expected {tuple(mask.shape)}")
     returns = discounted_returns(_token_rewards(rewards, mask).float(), mask, 1.0)
@@ -322,16 +401,16 @@ def _group_baseline(returns, path, valid, index, num_groups):
 
 
 def optimal_token_baseline(
-    rewards,
-    response_mask,
+    rewards: torch.Tensor,
+    response_mask: torch.Tensor,
     config: AlgoConfig,
     *,
-    group_ids=None,
-    old_logprobs=None,
-    sum_pi_squared=None,
-    rollout_is_weights=None,
-    **_,
-):
+    group_ids: torch.Tensor | None = None,
+    old_logprobs: torch.Tensor | None = None,
+    sum_pi_squared: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    **_: object,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The optimal token baseline (verl's "optimal_token_baseline", arXiv 2602.07078): a baseline per
     position t, shared by the group, weighting each sample's return by its cumulative path variance.
 
@@ -372,16 +451,16 @@ def _compact(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def tir_optimal_token_baseline(
-    rewards,
-    response_mask,
+    rewards: torch.Tensor,
+    response_mask: torch.Tensor,
     config: AlgoConfig,
     *,
-    group_ids=None,
-    old_logprobs=None,
-    sum_pi_squared=None,
-    rollout_is_weights=None,
-    **_,
-):
+    group_ids: torch.Tensor | None = None,
+    old_logprobs: torch.Tensor | None = None,
+    sum_pi_squared: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    **_: object,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The multi-turn (tool-integrated) optimal token baseline (verl's "tir_optimal_token_baseline"): as
     `optimal_token_baseline`, but each sample's response tokens are first packed to the left (the mask may
     have holes: tool outputs between turns), so the baseline at the k-th generated token is shared across

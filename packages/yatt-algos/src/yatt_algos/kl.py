@@ -51,7 +51,9 @@ def kl_abs(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     return (logprobs - ref_logprobs).abs()
 
 
-def straight_through(estimator: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+def straight_through(
+    estimator: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """The estimator's value with k2's gradient: k2 - sg(k2) + sg(estimate). [B, T] -> [B, T]"""
 
     def plus(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
@@ -154,7 +156,9 @@ class AdaptiveKLController:
         )
 
 
-def kl_controller(kind: str, kl_coef: float, *, target_kl: float = 0.0, horizon: int = 10000):
+def kl_controller(
+    kind: str, kl_coef: float, *, target_kl: float = 0.0, horizon: int = 10000
+) -> FixedKLController | AdaptiveKLController:
     """verl's `get_kl_controller`: "fixed" or "adaptive" (horizon must be >= 1, target_kl > 0)."""
     if kind == "fixed":
         return FixedKLController(kl_coef)

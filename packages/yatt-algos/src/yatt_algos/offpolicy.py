@@ -246,7 +246,15 @@ def bypass_mode(
     return torch.where(mask, loss, 0.0), mask, metrics
 
 
-def bypass_mode_loss(logprobs, old_logprobs, advantages, response_mask, config, *, rollout_logprobs=None):
+def bypass_mode_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: AlgoConfig,
+    *,
+    rollout_logprobs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The registry form of `bypass_mode` (POLICY_LOSSES["bypass_mode"]): `old_logprobs` are the rollout's
     log-probs (the job passes them as the old policy); loss type, IS level and criteria come from
     `config.bypass_loss_type`, `rollout_is_level` / `rollout_is_threshold`, `bypass_rs_criteria` /

@@ -72,7 +72,7 @@ class EncodedTensor(_Wire, kw_only=True):
     data: memoryview
 
 
-class AlgoConfig(_Config, kw_only=True):
+class AlgoConfig(_Config, frozen=True, kw_only=True):  # frozen is inherited; said again for mypy
     """The RL objective. Names index the registries in `yatt_algos` (estimators, losses, KL, aggregation).
 
     Producer: the app's config. Consumer: the controller's step (advantages) and the learner (loss).
@@ -258,7 +258,7 @@ class AlgoConfig(_Config, kw_only=True):
             )
 
 
-class OptimConfig(_Config, kw_only=True):
+class OptimConfig(_Config, frozen=True, kw_only=True):
     """AdamW with linear warmup then cosine decay to `min_lr_ratio * lr`.
 
     Producer: the app's config. Consumer: the learner.
@@ -320,7 +320,7 @@ class TrainStats(_Wire, kw_only=True):
     metrics: dict[str, float] = {}
 
 
-class LearnerConfig(_Config, kw_only=True):
+class LearnerConfig(_Config, frozen=True, kw_only=True):
     """How the learner runs an update; the objective is `AlgoConfig`, the optimizer `OptimConfig`.
 
     Producer: the app's config. Consumer: `yatt_algos.learner` (torch and Megatron-Core backends).

@@ -74,6 +74,7 @@ class ChunkedHead:
     """The HF model whose `lm_head` is swapped during the backbone forward, and its final transform."""
 
     inner: torch.nn.Module
+    head: torch.nn.Linear  # inner.lm_head
     transform: LogitTransform
 
 
@@ -95,9 +96,9 @@ def chunked_head(model: torch.nn.Module) -> ChunkedHead | None:
     reason = None
     if kind is None:
         reason = f"model type {model_type!r} is not in CHUNKED_HEAD_MODEL_TYPES (its final logit transform is unknown)"
-    elif type(head) is not torch.nn.Linear:
+    elif not isinstance(head, torch.nn.Linear) or type(head) is not torch.nn.Linear:
         reason = f"its lm_head is a {type(head).__name__}, not a plain torch.nn.Linear"
-    if reason is not None:
+    if reason is not None or not isinstance(head, torch.nn.Linear):
         warnings.warn(
             f"{type(inner).__name__}: {reason}; computing log-probs from the full [B, T, V] logits",
             stacklevel=3,
@@ -107,10 +108,11 @@ def chunked_head(model: torch.nn.Module) -> ChunkedHead | None:
         cap = getattr(config, "final_logit_softcapping", None)
         transform = LogitTransform(softcap=None if cap is None else float(cap))
     elif kind == "scale":
-        transform = LogitTransform(scale=float(inner.logit_scale))
+        scale = inner.logit_scale  # Cohere keeps config.logit_scale as a float attribute
+        transform = LogitTransform(scale=float(scale))  # type: ignore[arg-type]
     else:
         transform = LogitTransform()
-    return ChunkedHead(inner=inner, transform=transform)
+    return ChunkedHead(inner=inner, head=head, transform=transform)
 
 
 class _KeepHidden(torch.nn.Module):
@@ -131,7 +133,7 @@ def hidden_states_only(inner: torch.nn.Module) -> Iterator[_KeepHidden]:
     """Within the block, `inner`'s forward returns no logits and the final hidden states land in the yielded
     module's `.hidden`. The real `lm_head` is restored on exit, also on error."""
     head, keep = inner.lm_head, _KeepHidden()
-    inner.lm_head = keep
+    inner.lm_head = keep  # nn.Module.__setattr__ registers it in place of the head
     try:
         yield keep
     finally:

@@ -82,7 +82,7 @@ def causal_lm_forward(
     labels = mb["input_ids"][:, 1:].reshape(-1).long()  # hidden[:, i] predicts input_ids[:, i + 1]
     flat = head_token_outputs(
         hidden[:, :-1].reshape(b * (t - 1), width),
-        head.inner.lm_head,
+        head.head,
         labels,
         transform=head.transform,
         chunk_size=chunk_size,

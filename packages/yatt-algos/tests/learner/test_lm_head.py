@@ -105,3 +105,32 @@ def test_unknown_model_type_falls_back_with_a_warning():
     logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"].long()).logits
     ref = token_outputs(logits, mb, chunk_size=4, entropy="detached")
     torch.testing.assert_close(out["logprobs"], ref["logprobs"], atol=0, rtol=0)
+
+
+def test_sum_pi_squared_equals_the_full_logits_one():
+    from yatt_algos.advantages import sum_pi_squared
+    from yatt_algos.learner.torch_backend import TorchPolicyLearner
+    from yatt_algos.types import AlgoConfig, LearnerConfig
+
+    model = tiny_lm(seed=5)
+    mb = _batch(model.config.vocab_size)
+    with torch.no_grad():
+        logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"].long()).logits
+        expected = sum_pi_squared(logits[:, :-1] / 0.7)  # [b, t - 1]: the distribution predicting t + 1
+        out = causal_lm_forward(model, mb, chunk_size=4, temperature=0.7, sum_pi_squared=True)
+    mask = mb["attention_mask"]
+    torch.testing.assert_close(
+        out["sum_pi_squared"][:, 1:][mask[:, 1:]], expected[mask[:, 1:]], atol=1e-6, rtol=0
+    )
+    assert float(out["sum_pi_squared"][:, 0].abs().sum()) == 0.0  # position 0 has no predecessor
+    learner = TorchPolicyLearner(
+        model,
+        algo=AlgoConfig(),
+        optim_config=None,
+        learner=LearnerConfig(temperature=0.7, logits_chunk_size=4),
+    )
+    lp, spi = learner.compute_logprobs_and_sum_pi_squared(
+        {k: v for k, v in mb.items()} | {"response_mask": mask}
+    )
+    torch.testing.assert_close(lp, out["logprobs"], atol=1e-6, rtol=0)
+    torch.testing.assert_close(spi, out["sum_pi_squared"], atol=1e-6, rtol=0)

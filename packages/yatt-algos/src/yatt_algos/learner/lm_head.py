@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from yatt_algos.value import _both_chunk, _logprobs_chunk
+from yatt_algos.value import _both_chunk, _entropy_of, _fp32_finite, _logprobs_chunk
 
 # model_type -> the final logit transform its CausalLM forward applies after `lm_head` (read in transformers'
 # modeling_<type>.py): "none", "softcap" (Gemma 2: cap * tanh(x / cap), config.final_logit_softcapping) or
@@ -51,6 +51,14 @@ CHUNKED_HEAD_MODEL_TYPES: dict[str, str] = {
 # at most this many logits per chunk (256 MiB in fp32; 441 tokens at Qwen2's 151,936 vocabulary): backward
 # holds ~5 such [chunk, V] buffers at once, so the head's peak stays ~1.3 GiB whatever the chunk_size
 MAX_CHUNK_LOGITS = 1 << 26
+
+
+def _with_sum_pi_squared(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """[N, V], [N] -> [N, 3]: log-prob of the label, entropy, sum_v pi(v)^2 (the optimal token baseline's
+    input), from one log-softmax."""
+    log_p = torch.log_softmax(_fp32_finite(logits), dim=-1)
+    label = log_p.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    return torch.stack([label, _entropy_of(log_p), log_p.exp().square().sum(-1)], dim=-1)
 
 
 @dataclass(frozen=True)
@@ -149,12 +157,13 @@ def head_token_outputs(
     chunk_size: int,
     temperature: float = 1.0,
     entropy: bool = False,
+    sum_pi_squared: bool = False,
     max_chunk_elements: int = MAX_CHUNK_LOGITS,
 ) -> torch.Tensor:
     """Per-token log-prob of `labels` (and entropy) from final hidden states, `chunk_size` tokens at a time.
 
     hidden [N, H] (model dtype), labels [N] int -> [N] fp32 log-probs, or [N, 2] (log-prob, entropy) when
-    `entropy`. Each chunk computes logits [chunk, V] = transform(hidden @ W.T + b) / temperature and its
+    `entropy`, or [N, 3] (log-prob, entropy, sum_v pi(v)^2) when `sum_pi_squared`. Each chunk computes logits [chunk, V] = transform(hidden @ W.T + b) / temperature and its
     log-softmax under checkpointing (recomputed in backward), so no [N, V] tensor is ever allocated. A chunk
     holds at most `max_chunk_elements` logits (fewer tokens than `chunk_size` at a large vocabulary).
     """
@@ -165,7 +174,8 @@ def head_token_outputs(
         raise ValueError(
             f"hidden must be [N, H] and labels [N], got {tuple(hidden.shape)}, {tuple(labels.shape)}"
         )
-    stat = _both_chunk if entropy else _logprobs_chunk
+    stat = _with_sum_pi_squared if sum_pi_squared else _both_chunk if entropy else _logprobs_chunk
+    width = 3 if sum_pi_squared else 2 if entropy else 0
     weight, bias = head.weight, head.bias
 
     def chunk(h: torch.Tensor, w: torch.Tensor, lab: torch.Tensor) -> torch.Tensor:
@@ -180,5 +190,5 @@ def head_token_outputs(
         h, lab = hidden[start : start + chunk_size], labels[start : start + chunk_size]
         outs.append(checkpoint(chunk, h, weight, lab, use_reentrant=False) if grad else chunk(h, weight, lab))
     if not outs:
-        return hidden.new_zeros((0, 2) if entropy else (0,), dtype=torch.float32)
+        return hidden.new_zeros((0, width) if width else (0,), dtype=torch.float32)
     return torch.cat(outs)

@@ -54,10 +54,17 @@ def token_outputs(
 
 
 def causal_lm_forward(
-    model: torch.nn.Module, mb: Batch, *, chunk_size: int, temperature: float = 1.0, entropy: str = "none"
+    model: torch.nn.Module,
+    mb: Batch,
+    *,
+    chunk_size: int,
+    temperature: float = 1.0,
+    entropy: str = "none",
+    sum_pi_squared: bool = False,
 ) -> dict[str, torch.Tensor]:
     """`token_outputs` of an HF causal LM (or a Qwen2-VL style VLM, see `vision_kwargs`) on the micro-batch:
-    logprobs [b, t] (and entropy [b, t]) aligned to mb["input_ids"].
+    logprobs [b, t] (and entropy [b, t]; and "sum_pi_squared" [b, t], sum_v pi(v)^2 of the distribution
+    that predicted each token, when asked) aligned to mb["input_ids"].
 
     The model runs to its final hidden states; the output projection, final logit transform, temperature and
     log-softmax then run `chunk_size` tokens at a time, recomputed in backward (`lm_head.head_token_outputs`),
@@ -69,10 +76,15 @@ def causal_lm_forward(
         "use_cache": False,
         **vision_kwargs(mb),
     }
+    mask = mb["attention_mask"]
     head = chunked_head(model)
     if head is None:
-        out = model(**kwargs)
-        return token_outputs(out.logits, mb, chunk_size=chunk_size, temperature=temperature, entropy=entropy)
+        logits = model(**kwargs).logits
+        out = token_outputs(logits, mb, chunk_size=chunk_size, temperature=temperature, entropy=entropy)
+        if sum_pi_squared:
+            probs = torch.softmax((logits[:, :-1] / temperature).float(), dim=-1)  # [b, t - 1, V]
+            out["sum_pi_squared"] = _shift_right(probs.square().sum(-1), mask)
+        return out
     with hidden_states_only(head.inner) as keep:
         model(**kwargs)
     hidden = keep.hidden  # [b, t, H]: the input the model gave its lm_head
@@ -88,13 +100,17 @@ def causal_lm_forward(
         chunk_size=chunk_size,
         temperature=temperature,
         entropy=entropy != "none",
+        sum_pi_squared=sum_pi_squared,
     )
-    mask = mb["attention_mask"]
-    if entropy == "none":
+    if entropy == "none" and not sum_pi_squared:
         return {"logprobs": _shift_right(flat.view(b, t - 1), mask)}
-    flat = flat.view(b, t - 1, 2)
-    ent = flat[..., 1] if entropy == "grad" else flat[..., 1].detach()
-    return {"logprobs": _shift_right(flat[..., 0], mask), "entropy": _shift_right(ent, mask)}
+    flat = flat.view(b, t - 1, -1)
+    result = {"logprobs": _shift_right(flat[..., 0], mask)}
+    if entropy != "none":
+        result["entropy"] = _shift_right(flat[..., 1] if entropy == "grad" else flat[..., 1].detach(), mask)
+    if sum_pi_squared:
+        result["sum_pi_squared"] = _shift_right(flat[..., 2].detach(), mask)
+    return result
 
 
 def vision_kwargs(mb: Batch) -> dict[str, torch.Tensor]:
@@ -169,6 +185,21 @@ class TorchPolicyLearner:
         """(logprobs [B, T], entropy [B, T]) without grad."""
         out = self.engine.infer(batch, self._forward("detached"), self.micro_batch_size)
         return out["logprobs"], out["entropy"]
+
+    def compute_logprobs_and_sum_pi_squared(
+        self, batch: Experience | dict[str, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logprobs [B, T], sum_pi_squared [B, T]) without grad: the optimal token baselines' inputs
+        (`advantages.optimal_token_baseline`'s old_logprobs and sum_pi_squared), from one forward."""
+        cfg = self.engine.learner
+
+        def forward(model: torch.nn.Module, mb: Batch, grad: bool) -> dict[str, torch.Tensor]:
+            return causal_lm_forward(
+                model, mb, chunk_size=cfg.logits_chunk_size, temperature=cfg.temperature, sum_pi_squared=True
+            )
+
+        out = self.engine.infer(batch, forward, self.micro_batch_size)
+        return out["logprobs"], out["sum_pi_squared"]
 
     def update(self, experience: Experience | dict[str, Any]) -> TrainStats:
         """One PPO-style update on this rank's shard (see `update_loop.run_update`)."""

@@ -9,7 +9,14 @@ data parallel DP = 2 over gloo against DP = 1, side by side in one run.
 2. Data parallel: the same global batch through DP = 1 (one process) and DP = 2 (two processes over gloo on
    127.0.0.1, each with half of the batch), one thread per rank: tokens per second and speed-up.
 
-Timings are medians over steps after a warm-up step. `--quick` runs in under a minute on 2 cores.
+3. Memory of the logits: log-probs and entropy of 4,096 response tokens over a 151,936-token vocabulary
+   (Qwen2's), forward and backward (gradients to the hidden states and the output projection), once from the
+   full [T, V] logits (the path before yatt-algos 0.4.0) and once through the chunked head
+   (`learner/lm_head.py`), each in a fresh process: `peak_logprob_mib` (chunked) and `naive_logprob_mib` are
+   the peak RSS over the computation minus the RSS before it; the results are compared (max abs differences).
+
+Timings are medians over steps after a warm-up step. `--quick` runs in about two minutes on 2 cores and needs
+~8 GiB (the naive figure).
 The last printed line is one JSON object.
 
     python benchmarks/bench_learner.py --quick
@@ -110,6 +117,65 @@ def _dp_worker(args) -> None:
     dist.destroy_process_group()
 
 
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+def _logprob_worker(path: str, tokens: int, vocab: int, hidden: int, chunk: int) -> None:
+    """One of the two logprob computations in this fresh process; writes its peak and results to `path`."""
+    import resource
+
+    from yatt_algos.learner.lm_head import LogitTransform, head_token_outputs
+    from yatt_algos.value import logprobs_and_entropy_from_logits
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(hidden, vocab, bias=False)
+    h = torch.randn(tokens, hidden, requires_grad=True)
+    labels = torch.randint(0, vocab, (tokens,))
+    naive = path.endswith("naive.pt")
+    before = _rss_mib()
+    if naive:  # the old learner path: full logits, then the chunked log-softmax
+        lp, ent = logprobs_and_entropy_from_logits(head(h)[None], labels[None], chunk_size=chunk)
+        lp, ent = lp[0], ent[0]
+    else:
+        both = head_token_outputs(h, head, labels, transform=LogitTransform(), chunk_size=chunk, entropy=True)
+        lp, ent = both[:, 0], both[:, 1]
+    (lp.sum() + ent.sum()).backward()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    out = {"lp": lp.detach(), "ent": ent.detach(), "gh": h.grad, "gw": head.weight.grad}
+    torch.save(out | {"peak_mib": peak - before}, path)
+
+
+def _logprob_memory(tokens: int, vocab: int, hidden: int, chunk: int) -> dict[str, float]:
+    import tempfile
+    from pathlib import Path
+
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in ("naive", "chunked"):
+            path = str(Path(tmp) / f"{name}.pt")
+            cmd = [sys.executable, __file__, "--logprob-worker", path, "--vocab", str(vocab)]
+            cmd += ["--tokens", str(tokens), "--hidden", str(hidden), "--chunk", str(chunk)]
+            subprocess.run(cmd, check=True)
+            results[name] = torch.load(path)
+    naive, chunked = results["naive"], results["chunked"]
+
+    def diff(key: str) -> float:
+        return float((naive[key] - chunked[key]).abs().max())
+
+    return {
+        "peak_logprob_mib": round(chunked["peak_mib"], 1),
+        "naive_logprob_mib": round(naive["peak_mib"], 1),
+        "logprob_mem_ratio": round(chunked["peak_mib"] / naive["peak_mib"], 3),
+        "logprob_max_abs_diff": diff("lp"),
+        "entropy_max_abs_diff": diff("ent"),
+        "grad_hidden_max_abs_diff": diff("gh"),
+        "grad_head_max_abs_diff": diff("gw"),
+        "logprob_shape": {"tokens": tokens, "vocab": vocab, "hidden": hidden, "chunk": chunk},
+    }
+
+
 def _dp2(args) -> float:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -141,12 +207,21 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--logprob-worker", default=None)
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--chunk", type=int, default=1024)
     args = parser.parse_args()
+    if args.logprob_worker:
+        torch.set_num_threads(2)
+        _logprob_worker(args.logprob_worker, args.tokens, args.vocab, args.hidden, args.chunk)
+        return
     if args.quick and args.rank is None:
         args.seqs, args.len, args.hidden, args.layers, args.vocab, args.steps = 16, 128, 128, 2, 1024, 3
     if args.rank is not None:
         _dp_worker(args)
         return
+
+    from yatt_algos.types import LearnerConfig
 
     torch.set_num_threads(1)  # steadier on a shared machine; DP = 2 then uses one core per rank
     batch = _batch(args.seqs, args.len, args.vocab)
@@ -157,6 +232,7 @@ def main() -> None:
     learner = _learner(_model(args.hidden, args.layers, args.vocab), args.seqs)
     learner_s = _median_time(lambda: learner.update(batch), args.steps)
     dp2_s = _dp2(args)
+    memory = _logprob_memory(4096, 151_936, 32, LearnerConfig().logits_chunk_size)
 
     result = {
         "bench": "learner",
@@ -174,6 +250,7 @@ def main() -> None:
         "dp1_tokens_per_s": round(tokens / learner_s, 1),
         "dp2_gloo_tokens_per_s": round(tokens / dp2_s, 1),
         "dp2_speedup": round(learner_s / dp2_s, 3),
+        **memory,
     }
     print(
         f"plain loop {plain_s * 1e3:.1f} ms/step, learner {learner_s * 1e3:.1f} ms/step, DP=2 {dp2_s * 1e3:.1f} ms/step"

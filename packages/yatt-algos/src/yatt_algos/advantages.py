@@ -90,8 +90,15 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -
 
 
 def gae(
-    rewards, response_mask, config: AlgoConfig, *, group_ids=None, values=None, baseline_rewards=None, **_
-):
+    rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: AlgoConfig,
+    *,
+    group_ids: torch.Tensor | None = None,
+    values: torch.Tensor | None = None,
+    baseline_rewards: torch.Tensor | None = None,
+    **_: object,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalized advantage estimation (Schulman et al., arXiv 1506.02438) with config.gamma, config.lam.
 
     delta_t = r_t + gamma V_next - V_t; A_t = delta_t + gamma lam A_next, where "next" is the next unmasked
@@ -117,8 +124,15 @@ def gae(
 
 
 def grpo(
-    rewards, response_mask, config: AlgoConfig, *, group_ids=None, values=None, baseline_rewards=None, **_
-):
+    rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: AlgoConfig,
+    *,
+    group_ids: torch.Tensor | None = None,
+    values: torch.Tensor | None = None,
+    baseline_rewards: torch.Tensor | None = None,
+    **_: object,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO (Shao et al., arXiv 2402.03300): A_i = (s_i - mean_g) / (std_g + adv_eps) on every token.
 
     std is the unbiased group std (as verl and TRL). config.norm_by_std=False gives Dr.GRPO
@@ -136,22 +150,36 @@ def grpo(
 
 
 def rloo(
-    rewards, response_mask, config: AlgoConfig, *, group_ids=None, values=None, baseline_rewards=None, **_
-):
+    rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: AlgoConfig,
+    *,
+    group_ids: torch.Tensor | None = None,
+    values: torch.Tensor | None = None,
+    baseline_rewards: torch.Tensor | None = None,
+    **_: object,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """RLOO (Ahmadian et al., arXiv 2402.14740): A_i = s_i - mean_{j != i} s_j = n / (n - 1) (s_i - mean_g).
 
     A group of one sample gets A = 0. returns = score.
     """
     mask = _mask_and_check(rewards, response_mask)
     scores = _scores(rewards, mask)
-    mean, _, size = group_mean_std(scores, _require("group_ids", group_ids, "rloo"))
+    mean, _std, size = group_mean_std(scores, _require("group_ids", group_ids, "rloo"))
     adv = torch.where(size > 1, (scores - mean) * size / (size - 1).clamp(min=1), 0.0)
     return _broadcast(adv, mask), _broadcast(scores, mask)
 
 
 def reinforce_pp(
-    rewards, response_mask, config: AlgoConfig, *, group_ids=None, values=None, baseline_rewards=None, **_
-):
+    rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: AlgoConfig,
+    *,
+    group_ids: torch.Tensor | None = None,
+    values: torch.Tensor | None = None,
+    baseline_rewards: torch.Tensor | None = None,
+    **_: object,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ (Hu, arXiv 2501.03262): discounted returns of the per-token rewards (the score plus any
     per-token KL penalty), whitened over all response tokens of the batch. returns = the raw returns."""
     mask = _mask_and_check(rewards, response_mask)
@@ -160,8 +188,15 @@ def reinforce_pp(
 
 
 def reinforce_pp_baseline(
-    rewards, response_mask, config: AlgoConfig, *, group_ids=None, values=None, baseline_rewards=None, **_
-):
+    rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: AlgoConfig,
+    *,
+    group_ids: torch.Tensor | None = None,
+    values: torch.Tensor | None = None,
+    baseline_rewards: torch.Tensor | None = None,
+    **_: object,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++-baseline (arXiv 2501.03262 v2): the group mean score is subtracted (on the last token),
     then discounted returns are whitened over the batch, as in REINFORCE++.
 
@@ -170,15 +205,22 @@ def reinforce_pp_baseline(
     """
     mask = _mask_and_check(rewards, response_mask)
     scores = _scores(rewards, mask)
-    mean, _, _ = group_mean_std(scores, _require("group_ids", group_ids, "reinforce_pp_baseline"))
+    mean, _std, _size = group_mean_std(scores, _require("group_ids", group_ids, "reinforce_pp_baseline"))
     token_rewards = _token_rewards(rewards, mask) - _token_rewards(mean, mask)
     returns = discounted_returns(token_rewards, mask, config.gamma)
     return masked_whiten(returns, mask, config.adv_eps), returns
 
 
 def remax(
-    rewards, response_mask, config: AlgoConfig, *, group_ids=None, values=None, baseline_rewards=None, **_
-):
+    rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: AlgoConfig,
+    *,
+    group_ids: torch.Tensor | None = None,
+    values: torch.Tensor | None = None,
+    baseline_rewards: torch.Tensor | None = None,
+    **_: object,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """ReMax (Li et al., arXiv 2310.10505): A_t = G_t - b, b the reward of the greedy response to the same
     prompt (baseline_rewards [B]); G_t the discounted return (gamma = 1: the score on every token)."""
     mask = _mask_and_check(rewards, response_mask)
@@ -188,7 +230,14 @@ def remax(
     return torch.where(mask, returns - baseline.unsqueeze(-1), 0.0), returns
 
 
-def opo(rewards, response_mask, config: AlgoConfig, *, group_ids=None, **_):
+def opo(
+    rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: AlgoConfig,
+    *,
+    group_ids: torch.Tensor | None = None,
+    **_: object,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """OPO (Hao et al., "On-Policy RL with Optimal Reward Baseline", arXiv 2505.23585): the length-weighted
     group baseline b_g = sum_j |y_j| s_j / sum_j |y_j|, A_i = s_i - b_g on every token, no std division.
     |y| counts response tokens (holes excluded). returns = score."""
@@ -204,20 +253,34 @@ def opo(rewards, response_mask, config: AlgoConfig, *, group_ids=None, **_):
     return _broadcast(adv, mask), _broadcast(scores, mask)
 
 
-def gpg(rewards, response_mask, config: AlgoConfig, *, group_ids=None, **_):
+def gpg(
+    rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: AlgoConfig,
+    *,
+    group_ids: torch.Tensor | None = None,
+    **_: object,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """GPG (Chu et al., arXiv 2504.02546): A_i = alpha (s_i - mean_g), no std division, with
     alpha = B / (number of non-zero scores in the batch), as verl computes it (the paper's alpha is
     B / (B - M), M the samples whose advantage is zero; with 0/1 rewards verl's counts the correct ones).
     B and the count are this call's. Pair with the "gpg" policy loss. returns = score."""
     mask = _mask_and_check(rewards, response_mask)
     scores = _scores(rewards, mask)
-    mean, _, size = group_mean_std(scores, _require("group_ids", group_ids, "gpg"))
+    mean, _std, size = group_mean_std(scores, _require("group_ids", group_ids, "gpg"))
     alpha = scores.shape[0] / max(int(torch.count_nonzero(scores)), 1)
     adv = torch.where(size > 1, alpha * (scores - mean), 0.0)
     return _broadcast(adv, mask), _broadcast(scores, mask)
 
 
-def grpo_passk(rewards, response_mask, config: AlgoConfig, *, group_ids=None, **_):
+def grpo_passk(
+    rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: AlgoConfig,
+    *,
+    group_ids: torch.Tensor | None = None,
+    **_: object,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO for pass@k (verl's "grpo_passk", after Tang et al., arXiv 2503.19595), k = the group size: only
     each group's best sample is credited, with its margin over the runner-up, A = s_max - s_second (divided
     by std_g + adv_eps when norm_by_std); all other samples get 0. Ties give 0 (the margin is 0).
@@ -226,7 +289,7 @@ def grpo_passk(rewards, response_mask, config: AlgoConfig, *, group_ids=None, **
     scores = _scores(rewards, mask)
     ids = _require("group_ids", group_ids, "grpo_passk")
     index, num_groups = group_index(ids, mask.shape[0])
-    _, std, size = group_mean_std(scores, ids)
+    _mean, std, size = group_mean_std(scores, ids)
     best = scores.new_full((num_groups,), -torch.inf).scatter_reduce(0, index, scores, "amax")  # [G]
     position = torch.arange(scores.shape[0], device=scores.device)
     at_best = scores == best[index]
@@ -242,7 +305,15 @@ def grpo_passk(rewards, response_mask, config: AlgoConfig, *, group_ids=None, **
     return _broadcast(adv, mask), _broadcast(scores, mask)
 
 
-def gdpo(rewards, response_mask, config: AlgoConfig, *, group_ids=None, reward_components=None, **_):
+def gdpo(
+    rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: AlgoConfig,
+    *,
+    group_ids: torch.Tensor | None = None,
+    reward_components: torch.Tensor | None = None,
+    **_: object,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """GDPO (arXiv 2601.05242): group-decoupled normalization of several rewards. Each component k of
     reward_components [B, K] gets its own GRPO advantage (this module's `grpo`: std-normalized unless
     norm_by_std is False, 0 for one-sample groups); their sum weighted by gdpo_reward_weights (empty: all 1)
@@ -262,7 +333,7 @@ def gdpo(rewards, response_mask, config: AlgoConfig, *, group_ids=None, reward_c
         )
     total = torch.zeros(mask.shape, dtype=components.dtype, device=mask.device)
     for k, weight in enumerate(weights):
-        adv_k, _ = grpo(components[:, k], response_mask, config, group_ids=ids)
+        adv_k, _returns = grpo(components[:, k], response_mask, config, group_ids=ids)
         total = total + weight * adv_k
     combined = (components * components.new_tensor(weights)).sum(-1)
     return masked_whiten(total, mask, config.adv_eps), _broadcast(combined, mask)
@@ -274,58 +345,156 @@ def sum_pi_squared(logits: torch.Tensor) -> torch.Tensor:
     return torch.softmax(logits.float(), dim=-1).square().sum(dim=-1)
 
 
-def _lone_tail(mask: torch.Tensor, index: torch.Tensor, num_groups: int) -> torch.Tensor:
-    """[B, T] bool: positions after the group's second-latest last response token, in the row whose last
-    response token is the group's unique latest (verl's zero tail, on response ends rather than lengths)."""
-    columns = torch.arange(mask.shape[1], device=mask.device)
-    last = torch.where(mask, columns, -1).max(dim=-1).values  # [B]
-    latest = last.new_full((num_groups,), -1).scatter_reduce(0, index, last, "amax")  # [G]
-    at_latest = last == latest[index]
-    runner_up = last.new_full((num_groups,), -1).scatter_reduce(
-        0, index, torch.where(at_latest, -1, last), "amax"
+def _lone_tail(lengths: torch.Tensor, index: torch.Tensor, num_groups: int, width: int) -> torch.Tensor:
+    """[B, width] bool: positions >= the group's second-largest token count, in the row whose token count
+    (lengths [B]) is the group's unique largest: verl's handle_zero_tail, which counts tokens (the mask's
+    sum), not last positions, so holes in a mask count as verl counts them."""
+    columns = torch.arange(width, device=lengths.device)
+    longest = lengths.new_full((num_groups,), -1).scatter_reduce(0, index, lengths, "amax")  # [G]
+    at_longest = lengths == longest[index]
+    runner_up = lengths.new_full((num_groups,), -1).scatter_reduce(
+        0, index, torch.where(at_longest, -1, lengths), "amax"
     )
-    count = torch.zeros(num_groups, dtype=torch.long, device=mask.device).index_add_(
-        0, index, at_latest.long()
+    count = torch.zeros(num_groups, dtype=torch.long, device=lengths.device).index_add_(
+        0, index, at_longest.long()
     )
-    unique = at_latest & (count[index] == 1) & (runner_up[index] >= 0)
-    return unique.unsqueeze(-1) & (columns > runner_up[index].unsqueeze(-1))
+    unique = at_longest & (count[index] == 1) & (runner_up[index] >= 0)
+    return unique.unsqueeze(-1) & (columns >= runner_up[index].unsqueeze(-1))
+
+
+def _otb_inputs(
+    rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: torch.Tensor | None,
+    old_logprobs: torch.Tensor | None,
+    sum_pi_squared: torch.Tensor | None,
+    rollout_is_weights: torch.Tensor | None,
+    name: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Checks; returns mask, returns G [B, T], the path variance W [B, T] (0 at padding), group index."""
+    mask = _mask_and_check(rewards, response_mask)
+    ids = _require("group_ids", group_ids, name)
+    named = (("old_logprobs", old_logprobs), ("sum_pi_squared", sum_pi_squared))
+    old_logprobs = _require("old_logprobs", old_logprobs, name)
+    sum_pi_squared = _require("sum_pi_squared", sum_pi_squared, name)
+    for key, tensor in (*named, ("rollout_is_weights", rollout_is_weights)):
+        if tensor is not None and tuple(tensor.shape) != tuple(mask.shape):
+            raise ValueError(f"{key} has shape {tuple(tensor.shape)}, expected {tuple(mask.shape)}")
+    returns = discounted_returns(_token_rewards(rewards, mask).float(), mask, 1.0)
+    w = 1.0 - 2.0 * old_logprobs.float().exp() + sum_pi_squared.float()
+    if rollout_is_weights is not None:  # W scaled by rho^2 to minimize the MSE under truncated IS (verl)
+        w = w * rollout_is_weights.float().square()
+    path = torch.where(mask, w, 0.0).cumsum(dim=-1)  # [B, T] W_t
+    index, num_groups = group_index(ids, mask.shape[0])
+    return mask, returns, path, index, num_groups
+
+
+def _group_baseline(returns, path, valid, index, num_groups):
+    """B = sum_i G W / (sum_i W + 1e-8) per group and column, over `valid` [B, L]; [B, L] fp32 (the sums
+    in fp64)."""
+    shape = (num_groups, returns.shape[1])
+    num = torch.zeros(shape, dtype=torch.float64, device=returns.device)
+    num = num.index_add_(0, index, torch.where(valid, returns * path, 0.0).double())
+    den = torch.zeros(shape, dtype=torch.float64, device=returns.device)
+    den = den.index_add_(0, index, torch.where(valid, path, 0.0).double())
+    return (num / (den + 1e-8))[index].to(returns.dtype)
 
 
 def optimal_token_baseline(
-    rewards, response_mask, config: AlgoConfig, *, group_ids=None, old_logprobs=None, sum_pi_squared=None, **_
-):
+    rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: AlgoConfig,
+    *,
+    group_ids: torch.Tensor | None = None,
+    old_logprobs: torch.Tensor | None = None,
+    sum_pi_squared: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    **_: object,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The optimal token baseline (verl's "optimal_token_baseline", arXiv 2602.07078): a baseline per
     position t, shared by the group, weighting each sample's return by its cumulative path variance.
 
     w_t = 1 - 2 pi_t + sum_v pi(v)^2 = ||e_{y_t} - pi||^2 (the squared norm of the logits' score; pi_t =
-    exp(old_logprobs), sum_pi_squared [B, T] from `sum_pi_squared`), W_t = sum_{j <= t} w_j over response
-    tokens, G_t the reward-to-go (gamma = 1); B_t = sum_i G_t W_t / (sum_i W_t + 1e-8) over the group's
-    samples that have a response token at t (samples of one prompt share the prompt, so t aligns);
-    A_t = G_t - B_t. [B, T]. With otb_handle_zero_tail (verl's handle_zero_tail), where a group's longest
-    response (if unique) runs past the second-longest, its baseline there is 0 (else it would be its own
-    return: advantage 0). A one-sample group gets 0 (verl keeps its return). returns = G.
-    Not supported: verl's rollout IS weights on W.
+    exp(old_logprobs), sum_pi_squared [B, T] from `sum_pi_squared`), times rho_t^2 when rollout_is_weights
+    [B, T] are given (verl's truncated-IS correction), W_t = sum_{j <= t} w_j over response tokens, G_t the
+    reward-to-go (gamma = 1); B_t = sum_i G_t W_t / (sum_i W_t + 1e-8) over the group's samples that have a
+    response token at position t; A_t = G_t - B_t. [B, T]. With otb_handle_zero_tail (verl's
+    handle_zero_tail), where a group's longest response by token count (if unique) runs past the second
+    longest's count, its baseline from that position on is 0. A one-sample group gets 0 (verl keeps its
+    return). returns = G. Computed in fp32 with fp64 group sums (verl keeps the input dtype).
     """
-    mask = _mask_and_check(rewards, response_mask)
-    ids = _require("group_ids", group_ids, "optimal_token_baseline")
-    for name, tensor in (("old_logprobs", old_logprobs), ("sum_pi_squared", sum_pi_squared)):
-        _require(name, tensor, "optimal_token_baseline")
-        if tuple(tensor.shape) != tuple(mask.shape):
-            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {tuple(mask.shape)}")
-    returns = discounted_returns(_token_rewards(rewards, mask).float(), mask, 1.0)
-    w = torch.where(mask, 1.0 - 2.0 * old_logprobs.float().exp() + sum_pi_squared.float(), 0.0)
-    path = w.cumsum(dim=-1)  # [B, T] W_t
-    index, num_groups = group_index(ids, mask.shape[0])
-    shape = (num_groups, mask.shape[1])
-    num = torch.zeros(shape, dtype=torch.float64, device=mask.device)
-    num = num.index_add_(0, index, torch.where(mask, returns * path, 0.0).double())
-    den = torch.zeros(shape, dtype=torch.float64, device=mask.device)
-    den = den.index_add_(0, index, torch.where(mask, path, 0.0).double())
-    baseline = (num / (den + 1e-8))[index].to(returns.dtype)  # [B, T]
+    mask, returns, path, index, num_groups = _otb_inputs(
+        rewards,
+        response_mask,
+        group_ids,
+        old_logprobs,
+        sum_pi_squared,
+        rollout_is_weights,
+        "optimal_token_baseline",
+    )
+    baseline = _group_baseline(returns, path, mask, index, num_groups)
     if config.otb_handle_zero_tail:
-        baseline = torch.where(_lone_tail(mask, index, num_groups), 0.0, baseline)
+        tail = _lone_tail(mask.sum(-1), index, num_groups, mask.shape[1])
+        baseline = torch.where(tail, 0.0, baseline)
     size = group_sums(torch.ones(mask.shape[0], device=mask.device), index, num_groups)[index]
     adv = torch.where(mask & (size > 1).unsqueeze(-1), returns - baseline, 0.0)
+    return adv, returns
+
+
+def _compact(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] -> [B, max count]: each row's response-token values packed to the left, 0 after them."""
+    lengths = mask.sum(-1)
+    out = x.new_zeros(x.shape[0], int(lengths.max()) if x.shape[0] else 0)
+    packed = torch.arange(out.shape[1], device=x.device)[None] < lengths[:, None]
+    out[packed] = x[mask]
+    return out
+
+
+def tir_optimal_token_baseline(
+    rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: AlgoConfig,
+    *,
+    group_ids: torch.Tensor | None = None,
+    old_logprobs: torch.Tensor | None = None,
+    sum_pi_squared: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    **_: object,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The multi-turn (tool-integrated) optimal token baseline (verl's "tir_optimal_token_baseline"): as
+    `optimal_token_baseline`, but each sample's response tokens are first packed to the left (the mask may
+    have holes: tool outputs between turns), so the baseline at the k-th generated token is shared across
+    the group whatever position it sits at; advantages are scattered back to the tokens. The zero tail
+    (otb_handle_zero_tail; verl's default for this estimator is on) is by token count. A one-sample group
+    keeps its return as its advantage (verl). [B, T] -> advantages [B, T], returns G [B, T].
+    """
+    mask, returns, path, index, num_groups = _otb_inputs(
+        rewards,
+        response_mask,
+        group_ids,
+        old_logprobs,
+        sum_pi_squared,
+        rollout_is_weights,
+        "tir_optimal_token_baseline",
+    )
+    adv = torch.zeros_like(returns)
+    if not mask.any():
+        return adv, returns
+    lengths = mask.sum(-1)
+    g, w = _compact(returns, mask), _compact(path, mask)  # [B, L]
+    width = g.shape[1]
+    # verl: rows without tokens are in no group; one-sample groups get baseline 0
+    has = lengths > 0
+    size = torch.zeros(num_groups, device=mask.device).index_add_(0, index, has.float())[index]
+    # verl sums over every row of the group at each packed column (a shorter row contributes 0 there)
+    valid = has.unsqueeze(-1).expand(-1, width)
+    baseline = torch.where((size > 1).unsqueeze(-1), _group_baseline(g, w, valid, index, num_groups), 0.0)
+    if config.otb_handle_zero_tail:
+        baseline = torch.where(
+            _lone_tail(torch.where(has, lengths, -1), index, num_groups, width), 0.0, baseline
+        )
+    packed = torch.arange(width, device=mask.device)[None] < lengths[:, None]
+    adv[mask] = (g - baseline)[packed]
     return adv, returns
 
 
@@ -341,6 +510,7 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable] = {
     "grpo_passk": grpo_passk,
     "gdpo": gdpo,
     "optimal_token_baseline": optimal_token_baseline,
+    "tir_optimal_token_baseline": tir_optimal_token_baseline,
 }
 
 

@@ -16,8 +16,11 @@ def check_2d(name: str, tensor: torch.Tensor) -> None:
 
 def check_same_shape(reference: str, tensors: dict[str, torch.Tensor | None]) -> None:
     """Every non-None tensor has the shape of `tensors[reference]`, which must be [B, T]."""
-    check_2d(reference, tensors[reference])
-    shape = tuple(tensors[reference].shape)
+    ref = tensors[reference]
+    if ref is None:
+        raise ValueError(f"{reference} is required")
+    check_2d(reference, ref)
+    shape = tuple(ref.shape)
     for name, tensor in tensors.items():
         if tensor is None or name == reference:
             continue

@@ -51,7 +51,9 @@ def kl_abs(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     return (logprobs - ref_logprobs).abs()
 
 
-def straight_through(estimator: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+def straight_through(
+    estimator: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """The estimator's value with k2's gradient: k2 - sg(k2) + sg(estimate). [B, T] -> [B, T]"""
 
     def plus(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
@@ -126,3 +128,40 @@ def adaptive_kl_coef(coef: float, current_kl: float, *, target: float, horizon: 
         raise ValueError(f"target must be > 0 and horizon >= 1, got {target}, {horizon}")
     error = min(max(current_kl / target - 1.0, -0.2), 0.2)
     return coef * (1.0 + error * num_steps / horizon)
+
+
+class FixedKLController:
+    """A constant KL-in-reward coefficient (verl's `FixedKLController`): `value` never changes."""
+
+    def __init__(self, kl_coef: float) -> None:
+        self.value = kl_coef
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """No-op: the fixed controller ignores the measured KL (scalar) and the step count."""
+
+
+class AdaptiveKLController:
+    """PPO's adaptive KL controller (Ziegler et al. 2019; verl's `AdaptiveKLController`): after each batch,
+    value <- value * (1 + clip(current_kl / target - 1, -0.2, 0.2) * n_steps / horizon)."""
+
+    def __init__(self, init_kl_coef: float, target_kl: float, horizon: int) -> None:
+        if target_kl <= 0 or horizon < 1:
+            raise ValueError(f"target_kl must be > 0 and horizon >= 1, got {target_kl}, {horizon}")
+        self.value, self.target, self.horizon = init_kl_coef, target_kl, horizon
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """One control step from the batch's mean KL (scalar) over `n_steps` samples (or steps)."""
+        self.value = adaptive_kl_coef(
+            self.value, current_kl, target=self.target, horizon=self.horizon, num_steps=n_steps
+        )
+
+
+def kl_controller(
+    kind: str, kl_coef: float, *, target_kl: float = 0.0, horizon: int = 10000
+) -> FixedKLController | AdaptiveKLController:
+    """verl's `get_kl_controller`: "fixed" or "adaptive" (horizon must be >= 1, target_kl > 0)."""
+    if kind == "fixed":
+        return FixedKLController(kl_coef)
+    if kind == "adaptive":
+        return AdaptiveKLController(kl_coef, target_kl, horizon)
+    raise ValueError(f"KL controller must be 'fixed' or 'adaptive', got {kind!r}")

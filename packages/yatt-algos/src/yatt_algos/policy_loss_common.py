@@ -28,8 +28,15 @@ class PolicyLossFn(Protocol):
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
 
 
-def prepare(logprobs, old_logprobs, advantages, response_mask, rollout_logprobs):
-    """Checks shapes; returns the bool mask and the clamped log ratio log(pi / pi_old), 0 where masked."""
+def prepare(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    rollout_logprobs: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checks shapes (all [B, T]); returns the bool mask [B, T] and the clamped log ratio log(pi / pi_old)
+    [B, T], 0 where masked."""
     check_same_shape(
         "logprobs",
         {
@@ -46,6 +53,7 @@ def prepare(logprobs, old_logprobs, advantages, response_mask, rollout_logprobs)
 
 
 def ratio_metrics(log_ratio: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Scalar metrics of the ratio pi / pi_old over the mask's tokens (log_ratio, mask [B, T])."""
     with torch.no_grad():
         n = mask.sum().clamp(min=1)
         ratio = log_ratio.detach().exp()
@@ -61,8 +69,16 @@ def ratio_metrics(log_ratio: torch.Tensor, mask: torch.Tensor) -> dict[str, torc
         }
 
 
-def finish(loss, mask, metrics, old_logprobs, rollout_logprobs, config):
-    """Applies the mismatch weight and rejection when enabled, zeroes masked tokens, and adds their metrics."""
+def finish(
+    loss: torch.Tensor,
+    mask: torch.Tensor,
+    metrics: dict[str, torch.Tensor],
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor | None,
+    config: AlgoConfig,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Applies the mismatch weight and rejection when enabled, zeroes masked tokens, and adds their metrics.
+    loss, mask, old/rollout logprobs [B, T] -> (loss [B, T], metrics: scalar tensors)."""
     if rollout_logprobs is not None and config.rollout_is_level != "none":
         weights, is_metrics = rollout_is_weights(
             old_logprobs,
@@ -91,4 +107,5 @@ def finish(loss, mask, metrics, old_logprobs, rollout_logprobs, config):
 
 
 def clip_frac(flag: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Share of the mask's tokens where the bool `flag` [B, T] is set: a scalar tensor."""
     return (flag & mask).sum() / mask.sum().clamp(min=1)

@@ -18,16 +18,26 @@ from __future__ import annotations
 
 import torch
 
+from yatt_algos.offpolicy import bypass_mode_loss
 from yatt_algos.policy_loss_common import LOG_RATIO_CLAMP as _LOG_RATIO_CLAMP
 from yatt_algos.policy_loss_common import PolicyLossFn
 from yatt_algos.policy_loss_common import clip_frac as _clip_frac
 from yatt_algos.policy_loss_common import finish as _finish
 from yatt_algos.policy_loss_common import prepare as _prepare
 from yatt_algos.policy_loss_common import ratio_metrics as _ratio_metrics
-from yatt_algos.policy_losses_extra import clip_cov, dppo_kl, dppo_tv, gmpo, gpg, kl_cov, reinforce, sapo
+from yatt_algos.policy_losses_extra import clip_cov, dppo_kl, dppo_tv, dro, gmpo, gpg, kl_cov, reinforce, sapo
+from yatt_algos.types import AlgoConfig
 
 
-def ppo_clip(logprobs, old_logprobs, advantages, response_mask, config, *, rollout_logprobs=None):
+def ppo_clip(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: AlgoConfig,
+    *,
+    rollout_logprobs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO's clipped surrogate (arXiv 1707.06347) with DAPO's asymmetric clip-higher (arXiv 2503.14476).
 
     r = pi / pi_old; loss = max(-A r, -A clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high)). All [B, T].
@@ -43,7 +53,15 @@ def ppo_clip(logprobs, old_logprobs, advantages, response_mask, config, *, rollo
     return _finish(loss, mask, metrics, old_logprobs, rollout_logprobs, config)
 
 
-def dual_clip(logprobs, old_logprobs, advantages, response_mask, config, *, rollout_logprobs=None):
+def dual_clip(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: AlgoConfig,
+    *,
+    rollout_logprobs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Dual-clip PPO (Ye et al., arXiv 1912.09729): for A < 0 the PPO-clip loss is also capped at
     -A * clip_ratio_c, so a huge ratio on a bad token cannot blow up the update. [B, T].
     clip_frac_lower is the share of tokens where that cap binds (their gradient is zero).
@@ -57,7 +75,15 @@ def dual_clip(logprobs, old_logprobs, advantages, response_mask, config, *, roll
     return _finish(loss, mask, metrics, old_logprobs, rollout_logprobs, config)
 
 
-def gspo(logprobs, old_logprobs, advantages, response_mask, config, *, rollout_logprobs=None):
+def gspo(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: AlgoConfig,
+    *,
+    rollout_logprobs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO (Zheng et al., arXiv 2507.18071), in its GSPO-token form.
 
     s_i = exp(mean_t log(pi / pi_old)) over the response of sequence i; per token
@@ -85,7 +111,15 @@ def gspo(logprobs, old_logprobs, advantages, response_mask, config, *, rollout_l
     return _finish(loss, mask, metrics, old_logprobs, rollout_logprobs, config)
 
 
-def cispo(logprobs, old_logprobs, advantages, response_mask, config, *, rollout_logprobs=None):
+def cispo(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: AlgoConfig,
+    *,
+    rollout_logprobs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """CISPO (MiniMax-M1, arXiv 2506.13585): loss = -sg(clip(r, 1 - low, 1 + high)) * A * log pi. [B, T].
 
     Clipping the detached IS weight, not the update, keeps every token's gradient (A * w * grad log pi).
@@ -115,4 +149,6 @@ POLICY_LOSSES: dict[str, PolicyLossFn] = {
     "dppo_tv": dppo_tv,
     "dppo_kl": dppo_kl,
     "reinforce": reinforce,
+    "dro": dro,
+    "bypass_mode": bypass_mode_loss,
 }

@@ -12,13 +12,22 @@ from __future__ import annotations
 import torch
 
 from yatt_algos.policy_loss_common import clip_frac, finish, prepare, ratio_metrics
+from yatt_algos.types import AlgoConfig
 
 
 def _masked_logprobs(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, logprobs, 0.0)  # padding may hold anything; it must not reach the graph
 
 
-def gmpo(logprobs, old_logprobs, advantages, response_mask, config, *, rollout_logprobs=None):
+def gmpo(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: AlgoConfig,
+    *,
+    rollout_logprobs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GMPO, geometric-mean policy optimization (Zhao et al., arXiv 2507.20673); verl's "geo_mean".
 
     Per token the log ratio l = log(pi / pi_old) is clipped in log space on the side its advantage's sign
@@ -46,7 +55,15 @@ def gmpo(logprobs, old_logprobs, advantages, response_mask, config, *, rollout_l
     return finish(loss, mask, metrics, old_logprobs, rollout_logprobs, config)
 
 
-def reinforce(logprobs, old_logprobs, advantages, response_mask, config, *, rollout_logprobs=None):
+def reinforce(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: AlgoConfig,
+    *,
+    rollout_logprobs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Plain REINFORCE (Williams 1992, "Simple statistical gradient-following algorithms"):
     loss = -A log pi per token [B, T], no ratio and no clip: on-policy, so one update per batch
     (num_updates_per_batch = 1) is what it assumes; pi_old enters only the metrics and the mismatch weight.
@@ -58,7 +75,15 @@ def reinforce(logprobs, old_logprobs, advantages, response_mask, config, *, roll
     return finish(loss, mask, metrics, old_logprobs, rollout_logprobs, config)
 
 
-def gpg(logprobs, old_logprobs, advantages, response_mask, config, *, rollout_logprobs=None):
+def gpg(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: AlgoConfig,
+    *,
+    rollout_logprobs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GPG's loss (Chu et al., arXiv 2504.02546): loss = -A log pi per token [B, T], REINFORCE's, with no
     surrogate, clip or KL; GPG's correction lives in its advantage (`advantages.gpg`). As verl's "gpg"."""
     return reinforce(
@@ -66,7 +91,15 @@ def gpg(logprobs, old_logprobs, advantages, response_mask, config, *, rollout_lo
     )
 
 
-def sapo(logprobs, old_logprobs, advantages, response_mask, config, *, rollout_logprobs=None):
+def sapo(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: AlgoConfig,
+    *,
+    rollout_logprobs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """SAPO, soft adaptive policy optimization (Gao et al., arXiv 2511.20347).
 
     The hard clip becomes a smooth gate: f(r) = sigmoid(tau (r - 1)) * 4 / tau, loss = -f(r) A [B, T], with
@@ -93,7 +126,15 @@ def _covariance(logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Te
     return (adv - adv_mean) * (lp - lp_mean)
 
 
-def clip_cov(logprobs, old_logprobs, advantages, response_mask, config, *, rollout_logprobs=None):
+def clip_cov(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: AlgoConfig,
+    *,
+    rollout_logprobs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clip-Cov (Cui et al., "The Entropy Mechanism of RL for Reasoning LMs", arXiv 2505.22617).
 
     PPO-clip (clip_ratio_low/high), and then up to max(1, int(clip_cov_ratio * N)) tokens (N: this call's
@@ -124,21 +165,31 @@ def clip_cov(logprobs, old_logprobs, advantages, response_mask, config, *, rollo
     return finish(loss, mask, metrics, old_logprobs, rollout_logprobs, config)
 
 
-def kl_cov(logprobs, old_logprobs, advantages, response_mask, config, *, rollout_logprobs=None):
+def kl_cov(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: AlgoConfig,
+    *,
+    rollout_logprobs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """KL-Cov (Cui et al., arXiv 2505.22617): the unclipped surrogate -A r on every token, plus
     kl_cov_coef * |log r| on the max(1, int(kl_cov_ratio * N)) tokens of largest covariance
-    (A - mean A)(log pi - mean log pi) (N: this call's response tokens). [B, T]. No ratio clip: the KL term
+    (A - mean A)(log pi - mean log pi) (N: this call's response tokens; ranked over those N only). [B, T]. No ratio clip: the KL term
     on the high-covariance tokens is the only restraint. clip_frac: the share of penalized tokens.
     As verl's "kl_cov" (its ppo_kl_coef is kl_cov_coef here).
     """
     mask, log_ratio = prepare(logprobs, old_logprobs, advantages, response_mask, rollout_logprobs)
     loss = -advantages * log_ratio.exp()
-    cov = torch.where(mask, _covariance(logprobs, advantages, mask), -torch.inf).flatten()
-    num_tokens = int(mask.sum())
-    picked = torch.zeros_like(cov, dtype=torch.bool)
-    if num_tokens:
-        top = torch.topk(cov, max(1, int(num_tokens * config.kl_cov_ratio))).indices
-        picked = picked.index_fill_(0, top, True)
+    # top-k over the valid tokens only (their flat indices in row-major order), as verl selects: padding never
+    # enters the ranking, so ties break among valid tokens exactly as verl's topk does
+    valid = mask.flatten().nonzero(as_tuple=True)[0]  # [N]
+    cov = _covariance(logprobs, advantages, mask).flatten()[valid]
+    picked = torch.zeros(mask.numel(), dtype=torch.bool, device=mask.device)
+    if valid.numel():
+        top = torch.topk(cov, max(1, int(valid.numel() * config.kl_cov_ratio))).indices
+        picked = picked.index_fill_(0, valid[top], True)
     picked = picked.view_as(mask)
     loss = torch.where(picked, loss + config.kl_cov_coef * log_ratio.abs(), loss)
     metrics = ratio_metrics(log_ratio, mask)
@@ -162,7 +213,15 @@ def _dppo(logprobs, old_logprobs, advantages, response_mask, config, rollout_log
     return finish(loss, mask, metrics, old_logprobs, rollout_logprobs, config)
 
 
-def dppo_tv(logprobs, old_logprobs, advantages, response_mask, config, *, rollout_logprobs=None):
+def dppo_tv(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: AlgoConfig,
+    *,
+    rollout_logprobs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """DPPO-Binary-TV (Qi et al., "Rethinking the Trust Region in LLM RL", arXiv 2602.04879).
 
     The trust region is on the sampled token's probability change, not on the ratio: a token with A > 0 is
@@ -179,7 +238,15 @@ def dppo_tv(logprobs, old_logprobs, advantages, response_mask, config, *, rollou
     return _dppo(logprobs, old_logprobs, advantages, response_mask, config, rollout_logprobs, inside)
 
 
-def dppo_kl(logprobs, old_logprobs, advantages, response_mask, config, *, rollout_logprobs=None):
+def dppo_kl(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: AlgoConfig,
+    *,
+    rollout_logprobs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """DPPO-Binary-KL (arXiv 2602.04879): as `dppo_tv` with the binary KL of the sampled token,
     KL(p_old || p) = p_old log(p_old / p) + (1 - p_old) log((1 - p_old) / (1 - p)) (1e-8 guards the second
     log). A token with A > 0 is kept while the KL <= dppo_kl_high or p <= p_old (the update is not pushing
@@ -192,3 +259,27 @@ def dppo_kl(logprobs, old_logprobs, advantages, response_mask, config, *, rollou
         return (kl <= config.dppo_kl_high) | (p <= p_old), (kl <= config.dppo_kl_low) | (p >= p_old)
 
     return _dppo(logprobs, old_logprobs, advantages, response_mask, config, rollout_logprobs, inside)
+
+
+def dro(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: AlgoConfig,
+    *,
+    rollout_logprobs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """DRO (direct reward optimization with a quadratic log-ratio penalty, verl's / SkyRL's "dro"):
+    loss_t = -(A_t log pi_t - dro_beta / 2 (log pi_t - log pi_old_t)^2). [B, T].
+
+    Gradient per token: -A_t + dro_beta (log pi_t - log pi_old_t) times d log pi_t; at the old policy it is
+    the REINFORCE gradient, and the penalty pulls the update back as the log-ratio grows (no clipping).
+    """
+    mask, log_ratio = prepare(logprobs, old_logprobs, advantages, response_mask, rollout_logprobs)
+    lp = _masked_logprobs(logprobs, mask)  # padding may hold inf/NaN: no gradient may flow from it
+    diff = lp - torch.where(mask, old_logprobs, 0.0).detach()
+    loss = -(torch.where(mask, advantages, 0.0) * lp - 0.5 * config.dro_beta * diff.square())
+    loss = torch.where(mask, loss, 0.0)
+    metrics = {**ratio_metrics(log_ratio, mask), "clip_frac": log_ratio.new_zeros(())}  # nothing is clipped
+    return finish(loss, mask, metrics, old_logprobs, rollout_logprobs, config)

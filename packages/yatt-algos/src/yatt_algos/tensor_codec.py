@@ -60,9 +60,7 @@ def encode(tensor: Any) -> EncodedTensor:
     arr = np.ascontiguousarray(tensor)
     for name, (np_dtype, _) in _DTYPES.items():
         if np_dtype is not None and arr.dtype == np.dtype(np_dtype):
-            return EncodedTensor(
-                dtype=name, shape=list(arr.shape), data=memoryview(arr.reshape(-1).view(np.uint8))
-            )
+            return EncodedTensor(dtype=name, shape=list(arr.shape), data=arr.reshape(-1).view(np.uint8).data)
     raise ValueError(f"unsupported numpy dtype {arr.dtype}")
 
 

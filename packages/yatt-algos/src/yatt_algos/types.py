@@ -23,6 +23,7 @@ AdvantageEstimator = Literal[
     "grpo_passk",
     "gdpo",
     "optimal_token_baseline",
+    "tir_optimal_token_baseline",
 ]
 PolicyLoss = Literal[
     "ppo_clip",
@@ -37,6 +38,8 @@ PolicyLoss = Literal[
     "dppo_tv",
     "dppo_kl",
     "reinforce",
+    "dro",
+    "bypass_mode",
 ]
 LossAggMode = Literal[
     "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "token-sum"
@@ -69,7 +72,7 @@ class EncodedTensor(_Wire, kw_only=True):
     data: memoryview
 
 
-class AlgoConfig(_Config, kw_only=True):
+class AlgoConfig(_Config, frozen=True, kw_only=True):  # frozen is inherited; said again for mypy
     """The RL objective. Names index the registries in `yatt_algos` (estimators, losses, KL, aggregation).
 
     Producer: the app's config. Consumer: the controller's step (advantages) and the learner (loss).
@@ -138,6 +141,14 @@ class AlgoConfig(_Config, kw_only=True):
     rollout_rs_level: RolloutISLevel = "none"
     rollout_rs_threshold: float = 2.0
     rollout_rs_threshold_lower: float = 0.0
+    # Appended in 0.4.0. DRO's quadratic log-ratio penalty coefficient (loss "dro").
+    dro_beta: float = 0.1
+    # Loss "bypass_mode" (verl): the batch's old_logprobs are the rollout's; "ppo_clip" or "reinforce" (then
+    # weighted by rollout_is_level / rollout_is_threshold); rejection by comma-chained verl criteria
+    # (offpolicy.REJECTION_CRITERIA) with verl's threshold spec, "" for none.
+    bypass_loss_type: str = "ppo_clip"
+    bypass_rs_criteria: str = ""
+    bypass_rs_threshold: str = ""
     # The optimal token baseline: past the second-longest response of a group, the longest one (if unique) has no
     # baseline (its advantage is its return); verl's handle_zero_tail, True by default since early 2026.
     otb_handle_zero_tail: bool = True
@@ -247,7 +258,7 @@ class AlgoConfig(_Config, kw_only=True):
             )
 
 
-class OptimConfig(_Config, kw_only=True):
+class OptimConfig(_Config, frozen=True, kw_only=True):
     """AdamW with linear warmup then cosine decay to `min_lr_ratio * lr`.
 
     Producer: the app's config. Consumer: the learner.
@@ -309,7 +320,7 @@ class TrainStats(_Wire, kw_only=True):
     metrics: dict[str, float] = {}
 
 
-class LearnerConfig(_Config, kw_only=True):
+class LearnerConfig(_Config, frozen=True, kw_only=True):
     """How the learner runs an update; the objective is `AlgoConfig`, the optimizer `OptimConfig`.
 
     Producer: the app's config. Consumer: `yatt_algos.learner` (torch and Megatron-Core backends).

@@ -193,6 +193,7 @@ class MegatronPolicyLearner:
                 if forward_only:
                     outputs.append(res)
                     return full.new_zeros(()), torch.tensor(1), {}
+                assert norm is not None  # a training pass always has its normalizer
                 loss, metrics = policy_objective(res["logprobs"], res.get("entropy"), mb, self.algo, norm)
                 sums.add(loss.detach(), metrics, float(mb["response_mask"].sum()))
                 return loss * norm.world_size, torch.tensor(1), {}
@@ -251,6 +252,7 @@ class MegatronPolicyLearner:
     def compute_logprobs_and_entropy(
         self, batch: Experience | dict[str, Any]
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logprobs [B, T], entropy [B, T]) without grad, 0 at position 0 and padding."""
         out = self._infer(batch, "detached")
         return out["logprobs"], out["entropy"]
 
@@ -261,22 +263,27 @@ class MegatronPolicyLearner:
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
         sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        grads = [p.grad for p in params if p.grad is not None]  # the caller passes parameters with grads
         for p in params:
-            if param_is_not_tensor_parallel_duplicate(p):
+            if p.grad is not None and param_is_not_tensor_parallel_duplicate(p):
                 sq += p.grad.float().square().sum()
         dist.all_reduce(sq, group=ps.get_model_parallel_group())
         norm = float(sq.sqrt())
         if math.isfinite(norm) and norm > max_norm:
-            for p in params:
-                p.grad.mul_(max_norm / (norm + 1e-6))
+            for grad in grads:
+                grad.mul_(max_norm / (norm + 1e-6))
         return norm
 
     def _step(self) -> tuple[float, bool]:
+        # only `update` steps, after checking the optimizer; all three are built together
+        assert self.optimizer is not None and self.scheduler is not None and self.optim_config is not None
         params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
         if dist.get_world_size(self.dp_group) > 1:
             for p in params:
-                dist.all_reduce(p.grad, group=self.dp_group)
-                p.grad.div_(dist.get_world_size(self.dp_group))
+                grad = p.grad
+                assert grad is not None  # filtered above
+                dist.all_reduce(grad, group=self.dp_group)
+                grad.div_(dist.get_world_size(self.dp_group))
         norm, applied = optim.guarded_step(
             params,
             self.optimizer,
@@ -301,7 +308,9 @@ class MegatronPolicyLearner:
             if name not in batch:
                 raise ValueError(f"update needs Experience.{name}")
         entropy = "grad" if self.algo.entropy_coef else "detached"
-        lr = self.scheduler.get_last_lr()[0]
+        # built with the optimizer (checked above)
+        assert self.scheduler is not None and self.optim_config is not None
+        lr = float(self.scheduler.get_last_lr()[0])
         self.model.train()
         out = run_update(
             batch,
@@ -323,14 +332,22 @@ class MegatronPolicyLearner:
             )
             out = box[0]
         skipped = int(out.pop("num_skipped_steps"))
-        stats = {
-            "loss": out.pop("loss"),
-            "grad_norm": out.pop("grad_norm"),
-            "num_tokens": int(out.pop("num_tokens")),
-        }
+        loss, grad_norm, num_tokens = (
+            float(out.pop("loss")),
+            float(out.pop("grad_norm")),
+            int(out.pop("num_tokens")),
+        )
         out.pop("num_steps")
         out["skipped_steps_total"] = float(self.num_skipped_total)
-        return TrainStats(step=self.num_steps, lr=lr, num_skipped_steps=skipped, metrics=out, **stats)
+        return TrainStats(
+            step=self.num_steps,
+            lr=lr,
+            num_skipped_steps=skipped,
+            metrics=out,
+            loss=loss,
+            grad_norm=grad_norm,
+            num_tokens=num_tokens,
+        )
 
     def _hf_named(self) -> Iterator[tuple[str, torch.Tensor]]:
         from megatron.core import parallel_state as ps
@@ -341,7 +358,7 @@ class MegatronPolicyLearner:
             for k, v in self.model.state_dict().items()
             if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")
         }
-        stage = [dict() for _ in range(tp)]
+        stage: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
         for key, tensor in local.items():
             parts = [torch.empty_like(tensor) for _ in range(tp)]
             dist.all_gather(parts, tensor.contiguous(), group=tp_group)
@@ -365,7 +382,9 @@ class MegatronPolicyLearner:
         group = ps.get_pipeline_model_parallel_group()
         box = [[(k, tuple(v.shape), v.dtype) for k, v in own.items()] if own is not None else None]
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, src), group=group)
-        for name, shape, dtype in box[0]:
+        names = box[0]
+        assert names is not None  # the broadcast filled it on every rank
+        for name, shape, dtype in names:
             tensor = (
                 own[name].contiguous()
                 if own is not None
@@ -393,7 +412,7 @@ class MegatronPolicyLearner:
             raise ValueError(
                 f"learner state does not fit the model: missing {missing}, unexpected {unexpected}"
             )
-        if self.optimizer:
+        if self.optimizer and self.scheduler:
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
         self.num_steps, self.num_skipped_total = int(state["num_steps"]), int(state["num_skipped_total"])

@@ -68,12 +68,12 @@ def guarded_step(
     with_grad = [p for p in params if p.grad is not None]
     max_norm = max_norm if max_norm > 0 else float("inf")
     if clip_fn is not None:
-        norm = clip_fn(with_grad, max_norm)
+        norm = float(clip_fn(with_grad, max_norm))
     else:
-        norm = torch.nn.utils.clip_grad_norm_(with_grad, max_norm)
-        if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor
-            norm = norm.full_tensor()
-    norm = float(norm)
+        total = torch.nn.utils.clip_grad_norm_(with_grad, max_norm)
+        if hasattr(total, "full_tensor"):  # FSDP2: a DTensor
+            total = total.full_tensor()
+        norm = float(total)
     applied = math.isfinite(norm)
     if applied:
         optimizer.step()

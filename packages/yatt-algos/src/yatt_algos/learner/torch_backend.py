@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from yatt_algos.learner.export import NamedTensors
+from yatt_algos.learner.lm_head import chunked_head, head_token_outputs, hidden_states_only
 from yatt_algos.learner.packing import Batch, as_batch, split_mini_batches
 from yatt_algos.learner.torch_engine import TorchEngine
 from yatt_algos.learner.update_loop import Normalizer, critic_objective, policy_objective
@@ -53,16 +54,63 @@ def token_outputs(
 
 
 def causal_lm_forward(
-    model: torch.nn.Module, mb: Batch, *, chunk_size: int, temperature: float = 1.0, entropy: str = "none"
+    model: torch.nn.Module,
+    mb: Batch,
+    *,
+    chunk_size: int,
+    temperature: float = 1.0,
+    entropy: str = "none",
+    sum_pi_squared: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """`token_outputs` of an HF causal LM (or a Qwen2-VL style VLM, see `vision_kwargs`) on the micro-batch."""
-    out = model(
-        input_ids=mb["input_ids"],
-        attention_mask=mb["attention_mask"].long(),
-        use_cache=False,
+    """`token_outputs` of an HF causal LM (or a Qwen2-VL style VLM, see `vision_kwargs`) on the micro-batch:
+    logprobs [b, t] (and entropy [b, t]; and "sum_pi_squared" [b, t], sum_v pi(v)^2 of the distribution
+    that predicted each token, when asked) aligned to mb["input_ids"].
+
+    The model runs to its final hidden states; the output projection, final logit transform, temperature and
+    log-softmax then run `chunk_size` tokens at a time, recomputed in backward (`lm_head.head_token_outputs`),
+    so the [b, t, V] logits never exist. A model type whose final transform is unknown takes the full logits
+    (with a warning)."""
+    kwargs = {
+        "input_ids": mb["input_ids"],
+        "attention_mask": mb["attention_mask"].long(),
+        "use_cache": False,
         **vision_kwargs(mb),
+    }
+    mask = mb["attention_mask"]
+    head = chunked_head(model)
+    if head is None:
+        logits = model(**kwargs).logits
+        out = token_outputs(logits, mb, chunk_size=chunk_size, temperature=temperature, entropy=entropy)
+        if sum_pi_squared:
+            probs = torch.softmax((logits[:, :-1] / temperature).float(), dim=-1)  # [b, t - 1, V]
+            out["sum_pi_squared"] = _shift_right(probs.square().sum(-1), mask)
+        return out
+    with hidden_states_only(head.inner) as keep:
+        model(**kwargs)
+    hidden = keep.hidden  # [b, t, H]: the input the model gave its lm_head
+    if hidden is None:
+        raise RuntimeError(f"{type(head.inner).__name__}'s forward did not call its lm_head")
+    b, t, width = hidden.shape
+    labels = mb["input_ids"][:, 1:].reshape(-1).long()  # hidden[:, i] predicts input_ids[:, i + 1]
+    flat = head_token_outputs(
+        hidden[:, :-1].reshape(b * (t - 1), width),
+        head.head,
+        labels,
+        transform=head.transform,
+        chunk_size=chunk_size,
+        temperature=temperature,
+        entropy=entropy != "none",
+        sum_pi_squared=sum_pi_squared,
     )
-    return token_outputs(out.logits, mb, chunk_size=chunk_size, temperature=temperature, entropy=entropy)
+    if entropy == "none" and not sum_pi_squared:
+        return {"logprobs": _shift_right(flat.view(b, t - 1), mask)}
+    flat = flat.view(b, t - 1, -1)
+    result = {"logprobs": _shift_right(flat[..., 0], mask)}
+    if entropy != "none":
+        result["entropy"] = _shift_right(flat[..., 1] if entropy == "grad" else flat[..., 1].detach(), mask)
+    if sum_pi_squared:
+        result["sum_pi_squared"] = _shift_right(flat[..., 2].detach(), mask)
+    return result
 
 
 def vision_kwargs(mb: Batch) -> dict[str, torch.Tensor]:
@@ -137,6 +185,21 @@ class TorchPolicyLearner:
         """(logprobs [B, T], entropy [B, T]) without grad."""
         out = self.engine.infer(batch, self._forward("detached"), self.micro_batch_size)
         return out["logprobs"], out["entropy"]
+
+    def compute_logprobs_and_sum_pi_squared(
+        self, batch: Experience | dict[str, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logprobs [B, T], sum_pi_squared [B, T]) without grad: the optimal token baselines' inputs
+        (`advantages.optimal_token_baseline`'s old_logprobs and sum_pi_squared), from one forward."""
+        cfg = self.engine.learner
+
+        def forward(model: torch.nn.Module, mb: Batch, grad: bool) -> dict[str, torch.Tensor]:
+            return causal_lm_forward(
+                model, mb, chunk_size=cfg.logits_chunk_size, temperature=cfg.temperature, sum_pi_squared=True
+            )
+
+        out = self.engine.infer(batch, forward, self.micro_batch_size)
+        return out["logprobs"], out["sum_pi_squared"]
 
     def update(self, experience: Experience | dict[str, Any]) -> TrainStats:
         """One PPO-style update on this rank's shard (see `update_loop.run_update`)."""

@@ -34,14 +34,16 @@ def apply_lora(model: torch.nn.Module, cfg: LearnerConfig) -> torch.nn.Module:
 
     lora = LoraConfig(
         r=cfg.lora_rank,
-        lora_alpha=cfg.lora_alpha,
+        lora_alpha=cfg.lora_alpha,  # type: ignore[arg-type]  # peft annotates int; it scales by alpha / r
         lora_dropout=cfg.lora_dropout,
         target_modules=list(cfg.lora_target_modules),
     )
     return get_peft_model(model, lora)
 
 
-def wrap_data_parallel(model: torch.nn.Module, cfg: LearnerConfig, group: dist.ProcessGroup | None):
+def wrap_data_parallel(
+    model: torch.nn.Module, cfg: LearnerConfig, group: dist.ProcessGroup | None
+) -> torch.nn.Module:
     """DDP or FSDP2 over `group`; the model itself when there is no group."""
     if group is None:
         return model
@@ -58,7 +60,9 @@ def wrap_data_parallel(model: torch.nn.Module, cfg: LearnerConfig, group: dist.P
     for module in list(model.modules()):
         if type(module).__name__ in layer_types:
             fully_shard(module, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
+    sharded = fully_shard(model, mesh=mesh)  # the same object, its class extended with FSDPModule
+    assert isinstance(sharded, torch.nn.Module)
+    return sharded
 
 
 class TorchEngine:
@@ -78,7 +82,8 @@ class TorchEngine:
         self.algo, self.optim_config, self.learner, self.group = algo, optim_config, learner, group
         model = apply_lora(model, learner)
         if learner.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            hf: Any = model  # an HF PreTrainedModel: nn.Module's typing does not see its methods
+            hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model = wrap_data_parallel(model, learner, group)
         self.world_size = dist.get_world_size(group) if group is not None else 1
         self.device = next(model.parameters()).device
@@ -108,7 +113,10 @@ class TorchEngine:
         if isinstance(self.model, torch.nn.parallel.DistributedDataParallel) and not last:
             return self.model.no_sync()
         if self.fsdp:
-            self.model.set_requires_gradient_sync(last)
+            fsdp: Any = (
+                self.model
+            )  # an FSDPModule (see wrap_data_parallel); nn.Module typing hides its methods
+            fsdp.set_requires_gradient_sync(last)
         return contextlib.nullcontext()
 
     def forward_backward(
@@ -127,6 +135,7 @@ class TorchEngine:
         return sums
 
     def step(self) -> tuple[float, bool]:
+        """Clip and apply the accumulated gradients unless non-finite: (grad norm, applied)."""
         assert self.optimizer is not None and self.scheduler is not None and self.optim_config is not None
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         norm, applied = optim.guarded_step(
@@ -139,6 +148,7 @@ class TorchEngine:
     def update(
         self, batch: Any, forward: ForwardFn, objective: ObjectiveFn, required: tuple[str, ...]
     ) -> TrainStats:
+        """One update over `batch` ([B, T] fields, `required` among them) with a forward and objective."""
         if self.optimizer is None:
             raise ValueError(
                 "this learner has no optimizer (built with optim_config=None, e.g. a reference model)"
@@ -147,7 +157,9 @@ class TorchEngine:
         for name in required:
             if name not in batch:
                 raise ValueError(f"update needs Experience.{name}")
-        lr = self.scheduler.get_last_lr()[0]
+        # built with the optimizer (checked above)
+        assert self.scheduler is not None and self.optim_config is not None
+        lr = float(self.scheduler.get_last_lr()[0])
         out = run_update(
             batch,
             algo=self.algo,
@@ -158,14 +170,22 @@ class TorchEngine:
             step=self.step,
         )
         skipped = int(out.pop("num_skipped_steps"))
-        stats = {
-            "loss": out.pop("loss"),
-            "grad_norm": out.pop("grad_norm"),
-            "num_tokens": int(out.pop("num_tokens")),
-        }
+        loss, grad_norm, num_tokens = (
+            float(out.pop("loss")),
+            float(out.pop("grad_norm")),
+            int(out.pop("num_tokens")),
+        )
         out.pop("num_steps")
         out["skipped_steps_total"] = float(self.num_skipped_total)
-        return TrainStats(step=self.num_steps, lr=lr, num_skipped_steps=skipped, metrics=out, **stats)
+        return TrainStats(
+            step=self.num_steps,
+            lr=lr,
+            num_skipped_steps=skipped,
+            metrics=out,
+            loss=loss,
+            grad_norm=grad_norm,
+            num_tokens=num_tokens,
+        )
 
     @torch.no_grad()
     def infer(self, batch: Any, forward: ForwardFn, micro_batch_size: int) -> dict[str, torch.Tensor]:
@@ -235,4 +255,5 @@ class TorchEngine:
         checkpoint.set_rng_state(state["rng"])
 
     def export_weights(self, bucket_bytes: int) -> Iterator[export.NamedTensors]:
+        """Buckets of (HF name, tensor) of at most `bucket_bytes` each."""
         return export.iter_buckets(export.hf_named_tensors(self.model), bucket_bytes)

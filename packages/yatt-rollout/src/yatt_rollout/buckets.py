@@ -111,7 +111,7 @@ def _pack(chunk: list[tuple[str, Any]], dtype: str, version: int) -> WeightBucke
         shapes=[list(tensor.shape) for _, tensor in chunk],
         offsets=offsets,
         dtype=dtype,
-        data=memoryview(buffer.numpy()),
+        data=buffer.numpy().data,
         version=version,
     )
 

@@ -89,7 +89,8 @@ class ReplicaClient:
             fut.result()
 
     def sleep(self, level: int = 1) -> None:
-        for fut in [self._pool.submit(r.sleep, level=level) for r in self.replicas]:
+        # every engine's sleep takes a level; the Generator protocol's sleep() leaves it unnamed
+        for fut in [self._pool.submit(r.sleep, level=level) for r in self.replicas]:  # type: ignore[call-arg]
             fut.result()
 
     def wake_up(self) -> None:

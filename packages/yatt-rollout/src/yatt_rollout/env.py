@@ -66,10 +66,14 @@ def parse_tool_calls(text: str) -> tuple[list[ToolCall], list[str]]:
     """Every `<tool_call>...</tool_call>` of `text`: the calls that parse, and one problem per call that does
     not (not JSON, not an object with a string `name` and an object `arguments`, or an unclosed tag).
     `arguments` given as a JSON string (some models write it so) is decoded."""
-    calls, problems = [], []
+    calls: list[ToolCall] = []
+    problems: list[str] = []
     for body in _CALL.findall(text):
         call = _parse_one(body.strip())
-        (problems if isinstance(call, str) else calls).append(call)
+        if isinstance(call, str):
+            problems.append(call)
+        else:
+            calls.append(call)
     unclosed = text.count("<tool_call>") - text.count("</tool_call>")
     problems += ["<tool_call> without </tool_call>"] * max(unclosed, 0)
     return calls, problems

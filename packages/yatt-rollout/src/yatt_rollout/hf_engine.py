@@ -40,7 +40,7 @@ from yatt_rollout.constraints import Spec, choice_token_ids
 from yatt_rollout.live_rows import LiveRows
 from yatt_rollout.media import expand_image_tokens, load_image
 from yatt_rollout.requests import check_request, error_completions
-from yatt_rollout.types import Completion, GenerateRequest, WeightBucket
+from yatt_rollout.types import Completion, FinishReason, GenerateRequest, WeightBucket
 from yatt_rollout.weights import WeightSlots
 
 
@@ -219,7 +219,8 @@ class HFEngine:
     def _prepare(self, req: GenerateRequest, fut: Future) -> _Request:
         """Validate one request and load its images. ValueError names what is wrong."""
         check_request(req, vocab_size=self.vocab_size, max_context=self.max_context)
-        ids, vision = list(req.prompt.token_ids), {}
+        ids = list(req.prompt.token_ids)
+        vision: dict[str, Any] = {}
         if req.prompt.media:
             ids, vision = self._vision_inputs(req, ids)
             check_request(req, vocab_size=self.vocab_size, max_context=self.max_context, num_tokens=len(ids))
@@ -304,6 +305,7 @@ class HFEngine:
     def _take_swap(self) -> int:
         """Apply the pending partial update (worker thread, between decode steps); its version."""
         with self._cv, torch.inference_mode(False):
+            assert self._swap is not None  # set by the updating thread before it asked for the swap
             named, version = self._swap
             self.slots.load(named)
             self._version, self._swap = version, None
@@ -366,7 +368,7 @@ class HFEngine:
     @torch.inference_mode()
     def _decode(
         self, batch: list[_Row], switches: list[tuple[int, int]]
-    ) -> list[tuple[list[int], list[float], str]]:
+    ) -> list[tuple[list[int], list[float], FinishReason]]:
         """Prefill the left-padded batch, then one cached step per token. A row that stops leaves the batch
         (its KV cache rows too), so the others run at their own size. A partial weight update taken at a step
         is appended to `switches` and the running rows are prefilled again under it.

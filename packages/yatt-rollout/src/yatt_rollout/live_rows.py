@@ -16,6 +16,7 @@ import torch
 
 from yatt_rollout import sampling
 from yatt_rollout.constraints import BatchConstraint
+from yatt_rollout.types import FinishReason
 
 
 @dataclass
@@ -82,7 +83,7 @@ class LiveRows:
             self.constraint.select(keep)
         return keep
 
-    def results(self) -> list[tuple[list[int], list[float], str]]:
+    def results(self) -> list[tuple[list[int], list[float], FinishReason]]:
         """(tokens, logprobs, finish reason) per batch row: the batch's one transfer to the host."""
         ends, stopped = self.ends.tolist(), self.stopped.tolist()
         tokens, logprobs = self.tokens.tolist(), self.logprobs.tolist()

@@ -25,7 +25,7 @@ class _Wire(msgspec.Struct, omit_defaults=True):
     """Base of messages: unknown fields are ignored, defaults are not sent."""
 
 
-class SamplingParams(_Config, kw_only=True):
+class SamplingParams(_Config, frozen=True, kw_only=True):
     """How to sample. `top_k = 0` and `top_p = 1.0` disable those filters; `seed` makes a request reproducible.
 
     `choices`: the completion must be exactly one of these strings, then eos (constrained decoding; e.g. a
@@ -138,7 +138,7 @@ class Completion(_Wire, kw_only=True):
     def runs(self) -> list[tuple[int, int]]:
         """`version_runs`, or one run of `policy_version` over every token when the producer sent none."""
         if self.version_runs:
-            return [tuple(run) for run in self.version_runs]
+            return [(run[0], run[1]) for run in self.version_runs]
         return [(self.policy_version, len(self.token_ids))] if self.token_ids else []
 
     def token_versions(self) -> list[int]:

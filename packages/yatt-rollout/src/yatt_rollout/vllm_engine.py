@@ -18,7 +18,14 @@ oldest).
 Inputs use vLLM's current path: token ids as a `TokensPrompt` rendered by the engine's `Renderer`
 (`render_cmpl`) into an engine input, then `add_request` (no raw-prompt processing, no detokenization).
 Logprobs are vLLM's default raw logprobs of the sampled tokens (`logprobs=0`), the quantity `HFEngine`
-reports. Weight updates go by HF names through `collective_rpc("reload_weights", ...)`.
+reports.
+
+Weight updates (HF names, buckets) are one `collective_rpc` into the worker extension of `vllm_worker`: the
+first runs vLLM's own `load_weights` while recording where each tensor lands (`vllm_weights`), later ones
+replay plain copies into vLLM's parameters at memory speed. Buckets go by reference when the worker is this
+process, else through one shared-memory segment plus msgpack headers (`weight_transport`). On CPU this keeps
+linear weights plain (`F.linear`) instead of vLLM's oneDNN-packed copies, which costs decode speed;
+`in_place_weights=False` keeps the packing and loads through vLLM's `reload_weights` (which repacks).
 
 Constraints: `sampling.choices` becomes vLLM's structured-output choice (`StructuredOutputsParams(choice=
 ...)`), `sampling.allowed_token_ids` its `allowed_token_ids`. Unlike `HFEngine`, whose logprobs under a
@@ -40,15 +47,15 @@ import os
 import queue
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Generator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from yatt_rollout.buckets import bucket_tensors
+from yatt_rollout.buckets import bucket_tensors, check_bucket
 from yatt_rollout.requests import check_request, error_completions
-from yatt_rollout.types import Completion, GenerateRequest, WeightBucket
+from yatt_rollout.types import Completion, FinishReason, GenerateRequest, WeightBucket
 
 
 def configure_cpu_env(kv_cache_gib: int = 1) -> None:
@@ -80,6 +87,9 @@ class VLLMEngine:
 
     `max_model_len` bounds prompt + completion. Unseeded requests use vLLM's sampler seeded by `seed`.
     `partial`: weight updates land between steps of the running requests instead of after them.
+    `in_place_weights`: updates replay recorded copies into the live parameters (CPU linears kept plain);
+    False: vLLM's `reload_weights` each time (CPU linears stay oneDNN-packed). `weight_transport`: "auto"
+    (by reference when vLLM's worker is this process, else shared memory), "process" or "shm".
     `close()` stops the loop thread.
     """
 
@@ -93,21 +103,42 @@ class VLLMEngine:
         enforce_eager: bool = True,
         enable_sleep_mode: bool = False,
         partial: bool = False,
+        in_place_weights: bool = True,
+        weight_transport: str = "auto",
         **llm_kwargs: Any,
     ) -> None:
+        from yatt_rollout.vllm_worker import EXTENSION, ShmBuckets
+
+        if weight_transport not in ("auto", "process", "shm"):
+            raise ValueError(f"weight_transport must be 'auto', 'process' or 'shm', got {weight_transport!r}")
+        if in_place_weights and llm_kwargs.get("worker_extension_cls", EXTENSION) != EXTENSION:
+            raise ValueError(
+                "in_place_weights needs worker_extension_cls=yatt_rollout.vllm_worker.YattWorkerExtension; "
+                "pass in_place_weights=False to use another extension"
+            )
+        llm_kwargs.setdefault("worker_extension_cls", EXTENSION)
         configure_cpu_env()
         from vllm import LLM
         from vllm.platforms import current_platform
 
         self.llm = LLM(
             model=str(model_dir),
-            dtype=dtype,
+            dtype=dtype,  # type: ignore[arg-type]  # vLLM checks the name; its stub lists only Literal names
             max_model_len=max_model_len,
             seed=seed,
             enforce_eager=enforce_eager,
             enable_sleep_mode=enable_sleep_mode,
             **llm_kwargs,
         )
+        self.in_place_weights = in_place_weights
+        if in_place_weights:  # CPU linears get their plain weights back, loaded again from model_dir
+            self.llm.collective_rpc("yatt_prepare_in_place")
+        own = all(pid == os.getpid() for pid in self.llm.collective_rpc("yatt_pid"))
+        if weight_transport == "process" and not own:
+            raise ValueError("weight_transport='process' needs vLLM's worker in this process")
+        auto = "process" if own else "shm"
+        self.weight_transport = auto if weight_transport == "auto" else weight_transport
+        self._shm = ShmBuckets()  # the segment of the "shm" transport, made at its first update
         self.max_model_len = max_model_len
         self.partial = partial  # weight updates land between steps of running requests (KV recomputed)
         self.llm.llm_engine.set_weight_version("0")  # vLLM labels each step's tokens with it
@@ -154,11 +185,13 @@ class VLLMEngine:
 
     def update_weights(self, buckets: Sequence[WeightBucket], version: int) -> None:
         """Load HF-named tensors into vLLM's model in place (vLLM fuses q/k/v and gate/up itself), after the
-        requests already admitted finish; later requests report `version`."""
-        pairs = [pair for bucket in buckets for pair in bucket_tensors(bucket)]
+        requests already admitted finish; later requests report `version`. One RPC per update."""
+        buckets = list(buckets)
+        for bucket in buckets:
+            check_bucket(bucket)  # a malformed bucket fails here, in the caller's thread
 
         def update() -> None:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": pairs})
+            self._load(buckets)
             # cached KV was computed by the old weights; running requests (partial) are preempted and
             # recompute theirs when they resume
             self.llm.reset_prefix_cache(reset_running_requests=self.partial)
@@ -168,6 +201,19 @@ class VLLMEngine:
                 self._needs_weights = False
 
         self._exclusive(update, partial=self.partial)
+
+    def _load(self, buckets: list[WeightBucket]) -> None:
+        if not self.in_place_weights:
+            pairs = [pair for bucket in buckets for pair in bucket_tensors(bucket)]
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": pairs})
+        elif self.weight_transport == "process":
+            self.llm.collective_rpc("yatt_load", args=(buckets,))
+        else:
+            self.llm.collective_rpc("yatt_load_shm", args=self._shm.fill(buckets))
+
+    def weight_stats(self) -> dict[str, Any]:
+        """The worker's update record: `recordings`, `replays`, and `problem` ("" when updates replay)."""
+        return self.llm.collective_rpc("yatt_weight_stats")[0]
 
     def sleep(self, level: int = 1) -> None:
         if level not in (1, 2):
@@ -197,6 +243,7 @@ class VLLMEngine:
         """Stop the loop thread; requests still running or queued get error completions."""
         self._inbox.put(None)
         self._loop.join()
+        self._shm.close()
 
     # ---- callers' side -----------------------------------------------------------------------------------
 
@@ -205,7 +252,7 @@ class VLLMEngine:
         self._inbox.put(_Exclusive(fn, done, partial))
         done.result()  # re-raises what the loop thread caught
 
-    def _run(self, requests: Sequence[GenerateRequest]) -> Iterator[list[Completion]]:
+    def _run(self, requests: Sequence[GenerateRequest]) -> Generator[list[Completion], None, None]:
         """Hand every valid request to the loop; yield each request's completions when it finishes."""
         with self._state:
             if self._asleep:
@@ -257,6 +304,7 @@ class VLLMEngine:
         aborted: set[str] = set()
         while True:
             busy = bool(sinks) or bool(pending)
+            item: _Add | _Exclusive | list[str] | Literal[False] | None  # False: the inbox is empty
             try:  # block only when there is nothing to step
                 item = self._inbox.get() if not busy else self._inbox.get_nowait()
             except queue.Empty:
@@ -392,7 +440,9 @@ def _completions(req: GenerateRequest, output: Any, version: int) -> list[Comple
         logprobs = (
             [lp[t].logprob for t, lp in zip(tokens, sample.logprobs, strict=True)] if sample.logprobs else []
         )
-        reason = sample.finish_reason if sample.finish_reason in ("stop", "length") else "error"
+        reason: FinishReason = "error"
+        if sample.finish_reason in ("stop", "length"):
+            reason = "stop" if sample.finish_reason == "stop" else "length"
         out.append(
             Completion(
                 request_id=req.request_id,

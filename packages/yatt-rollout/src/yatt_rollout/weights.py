@@ -54,7 +54,8 @@ class WeightSlots:
 
     def _plan(self) -> tuple[dict[str, _Place], dict[tuple, int]]:
         """Each distinct parameter's place in its (dtype, device) buffer, and each buffer's size in bytes."""
-        places, sizes = {}, {}
+        places: dict[str, _Place] = {}
+        sizes: dict[tuple, int] = {}
         for name, canonical in self._canonical.items():
             if name != canonical:
                 continue
@@ -166,6 +167,7 @@ class _Run:
         self.param, self.tensor, self.flat = param, tensor, flat
         self.src = src  # (source storage, byte offset of the run's start)
         if src is not None:
+            assert place is not None  # a byte run always has its place in the flat buffer
             self.dst_start, self.dst_end, self.src_end = (
                 place.start,
                 place.start + place.nbytes,
@@ -190,5 +192,5 @@ class _Run:
             return
         storage, start = self.src
         source = torch.empty(0, dtype=torch.uint8, device=self.tensor.device)
-        source.set_(storage, start, (self.src_end - start,))
+        source.set_(storage, start, (self.src_end - start,), (1,))
         self.flat[self.dst_start : self.dst_end].copy_(source)

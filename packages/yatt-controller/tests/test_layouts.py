@@ -149,7 +149,7 @@ def test_stream_overlaps_stages_and_keeps_item_order(stream_groups):
         Stage("reward", lambda item, prev: judge.call_one("work", item, prev, 0.1)),
     ]
     items = [10, 11, 12, 13, 14, 15]
-    out = run_stream(items, stages, max_inflight=2)
+    out = run_stream(items, stages, max_inflight=2, fetch=ray.get)
     assert [v[0]["item"] for v in out.values] == items and [v[1]["item"] for v in out.values] == items
     assert [v[1]["previous"] for v in out.values] == [v[0] for v in out.values]  # stage 1 got stage 0's value
     # call_one spread stage 0 over both replicas (least loaded, ties round-robin): 3 items each
@@ -168,7 +168,10 @@ def test_stream_overlaps_stages_and_keeps_item_order(stream_groups):
 def test_stream_bounds_inflight_and_raises_the_first_error(stream_groups):
     gen, _, failing = stream_groups
     one = run_stream(
-        [1, 2, 3], [Stage("rollout", lambda item, _: gen.call_one("work", item, None, 0.1))], max_inflight=1
+        [1, 2, 3],
+        [Stage("rollout", lambda item, _: gen.call_one("work", item, None, 0.1))],
+        max_inflight=1,
+        fetch=ray.get,
     )
     assert _max_concurrency(one.intervals["rollout"]) == 1 and one.busy_s("rollout") >= 0.3
     stages = [
@@ -176,9 +179,9 @@ def test_stream_bounds_inflight_and_raises_the_first_error(stream_groups):
         Stage("check", lambda item, prev: failing.call_one("work", item, prev, 0.0)),
     ]
     with pytest.raises(ValueError, match="bad item 3"):
-        run_stream([1, 2, 3, 4], stages)
+        run_stream([1, 2, 3, 4], stages, fetch=ray.get)
     with pytest.raises(ValueError, match=r"stage names must be distinct, got \['a', 'a'\]"):
-        run_stream([1], [Stage("a", stages[0].call), Stage("a", stages[0].call)])
+        run_stream([1], [Stage("a", stages[0].call), Stage("a", stages[0].call)], fetch=ray.get)
 
 
 def _partial_plan(rollout: list[list[int]], judge: list[list[int]]) -> PlacementPlan:

@@ -65,17 +65,17 @@ def run_stream(
     stages: Sequence[Stage],
     *,
     max_inflight: int = 8,
-    fetch: Callable[[Any], Any] | None = None,
+    fetch: Callable[[Any], Any],
 ) -> StreamResult:
     """Run every item through every stage in order, each as soon as its previous stage's value is fetched.
     The first error (a failed call, or an error raised by a stage's `call`) is raised. `fetch` turns a ref
-    into its value (default `ray.get`); a step passes `ctx.get`, so a call whose replica died is sent again
-    to its replacement (the controller's `Dispatcher`)."""
+    into its value and has no default: a step passes `ctx.get`, so a call whose replica died is sent again
+    to its replacement (the controller's `Dispatcher`); code outside a controller passes `ray.get`."""
     if not stages:
         raise ValueError("run_stream needs at least one stage")
     if max_inflight < 1:
         raise ValueError(f"run_stream: max_inflight must be >= 1, got {max_inflight}")
-    get = ray.get if fetch is None else fetch
+    get = fetch
     names = [s.name for s in stages]
     if len(set(names)) != len(names):
         raise ValueError(f"run_stream: stage names must be distinct, got {names}")

@@ -137,6 +137,7 @@ def yatt_config(policy_dir: str, args: argparse.Namespace, num_steps: int, layou
         f"algo.kl_loss_coef={KL_COEF}",
         "algo.num_updates_per_batch=1",
         "controller.checkpoint_every=0",
+        "controller.count_driver_bytes=true",  # the summary reports the driver's bytes
         # a CPU has no device memory to hand over: the engines keep their weights between steps (level 2
         # would discard them and the next push restore them)
         "placement.sleep_level=0",

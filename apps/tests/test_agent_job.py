@@ -103,6 +103,8 @@ def test_grpo_calculator_job_two_steps(tmp_path: Path, engine: str):
         "sampling.n=4",
         "--set",
         "run.eval_every=1",
+        "--set",
+        "controller.count_driver_bytes=true",
         "--json",
     ]
     out = subprocess.run(

@@ -225,7 +225,16 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 @pytest.mark.slow
 def test_capo_runs_two_steps(tmp_path):
-    out = _yatt("capo", "--run-dir", str(tmp_path / "run"), "--set", "run.num_steps=2", cwd=tmp_path)
+    out = _yatt(
+        "capo",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--set",
+        "run.num_steps=2",
+        "--set",
+        "controller.count_driver_bytes=true",
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["driver_bytes"] < 300_000 and summary["step"] == 1

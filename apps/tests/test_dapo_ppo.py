@@ -271,7 +271,7 @@ def _metrics(run_dir: Path) -> list[dict]:
 def test_dapo_runs_two_steps(tmp_path):
     run_dir = tmp_path / "dapo"
     summary = _yatt("dapo", "--run-dir", str(run_dir), "--set", "run.num_steps=2", "--set", "run.eval_every=0",
-                    cwd=tmp_path)  # fmt: skip
+                    "--set", "controller.count_driver_bytes=true", cwd=tmp_path)  # fmt: skip
     assert summary["driver_bytes"] < 300_000 and summary["restarts"] == 0
     rows = _metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1]
@@ -298,12 +298,23 @@ PPO_LEARN = ["--set", "model.warm_start=none", "--set", "model.warm_start_steps=
              "{pattern: '^\\s*-?\\d+'}}, {kind: regex, name: offset, weight: 1.0, options: {pattern: ''}}]"]  # fmt: skip
 
 
+# the driver counts the bytes it receives only when asked (controller.count_driver_bytes)
+COUNT_BYTES = ["--set", "controller.count_driver_bytes=true"]
+
+
 @pytest.fixture(scope="module")
 def ppo_run(tmp_path_factory) -> Path:
     """8 PPO steps on the tiny preset (plus the offset term), fixed seed, a checkpoint every 2 steps."""
     run_dir = tmp_path_factory.mktemp("ppo") / "learn"
     summary = _yatt(
-        "ppo", "--run-dir", str(run_dir), "--set", "run.num_steps=8", *PPO_LEARN, cwd=run_dir.parent
+        "ppo",
+        "--run-dir",
+        str(run_dir),
+        "--set",
+        "run.num_steps=8",
+        *PPO_LEARN,
+        *COUNT_BYTES,
+        cwd=run_dir.parent,
     )
     assert summary["driver_bytes"] < 300_000 and summary["restarts"] == 0
     return run_dir

@@ -31,7 +31,11 @@ def small(preset: str, mode: str, controller: str, *, devices: int, **placement)
         run=replace(cfg.run, num_steps=2, prompts_per_step=4, eval_every=0, progress=False),
         sampling=replace(cfg.sampling, n=4),
         controller=ControllerSpec(
-            mode=controller, num_controllers=num_controllers, heartbeat_interval_s=1.0, hang_timeout_s=240.0
+            mode=controller,
+            num_controllers=num_controllers,
+            heartbeat_interval_s=1.0,
+            hang_timeout_s=240.0,
+            count_driver_bytes=True,  # the parallel cases assert the driver's bytes
         ),
         placement=PlacementConfig(
             mode=mode,

@@ -5,9 +5,9 @@ prints a config that loads back; resuming a finished run starts nothing."""
 import json
 
 import pytest
-from yatt_apps.cli import STEP_FACTORIES, _load, main
+from yatt_apps.cli.main import STEP_FACTORIES, _load, main
 from yatt_apps.config import PRESETS, RunConfig
-from yatt_apps.launch import placement_plan
+from yatt_apps.runtime.launch import placement_plan
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -104,7 +104,7 @@ def test_help_lists_presets_and_main_keys(capsys):
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_config_prints_every_key_with_a_doc_and_loads_back(preset, capsys, tmp_path):
-    from yatt_apps.keydocs import undocumented
+    from yatt_apps.cli.keydocs import undocumented
     from yatt_apps.overlay import build_config
 
     assert main(["config", "--preset", preset, "--set", "optim.lr=0.25"]) == 0
@@ -142,12 +142,12 @@ def build_config_for_steps(num_steps: int) -> RunConfig:
 
 
 def test_resume_of_a_finished_run_starts_nothing(tmp_path, capsys, monkeypatch):
-    import yatt_apps.launch
+    import yatt_apps.runtime.launch
 
     def no_run(*args, **kwargs):
         raise AssertionError("a finished run must not start a job")
 
-    monkeypatch.setattr(yatt_apps.launch, "run_job", no_run)
+    monkeypatch.setattr(yatt_apps.runtime.launch, "run_job", no_run)
     run_dir = _fake_run(tmp_path, num_steps=5, checkpoint_step=4)
     assert main(["resume", str(run_dir)]) == 0
     out = capsys.readouterr().out.splitlines()
@@ -159,7 +159,7 @@ def test_resume_of_a_finished_run_starts_nothing(tmp_path, capsys, monkeypatch):
 
 
 def test_finished_by_final_model_or_not_finished(tmp_path):
-    from yatt_apps.cli import finished_step
+    from yatt_apps.cli.main import finished_step
 
     run_dir = _fake_run(tmp_path, num_steps=5, checkpoint_step=2)
     assert finished_step(str(run_dir), 5) is None  # checkpoint of step 2, 5 steps to do
@@ -173,7 +173,7 @@ def test_finished_by_final_model_or_not_finished(tmp_path):
 
 
 def test_interrupted_message_names_the_last_step_and_checkpoint(tmp_path):
-    from yatt_apps.interrupt import interrupted_message
+    from yatt_apps.runtime.interrupt import interrupted_message
 
     run_dir = _fake_run(tmp_path, num_steps=5, checkpoint_step=1)
     assert interrupted_message(str(run_dir)).startswith("interrupted before the first step; resume with: ")
@@ -192,7 +192,7 @@ def test_sigint_guard_first_raises_second_exits_130(tmp_path):
 
     code = (
         "import os, signal, sys, time\n"
-        "from yatt_apps.interrupt import SigintGuard\n"
+        "from yatt_apps.runtime.interrupt import SigintGuard\n"
         "with SigintGuard():\n"
         "    try:\n"
         "        os.kill(os.getpid(), signal.SIGINT); time.sleep(30)\n"

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from yatt_apps.cli import main
+from yatt_apps.cli.main import main
 from yatt_apps.config import PRESETS, DynamicSamplingSpec
-from yatt_apps.dapo import (
+from yatt_apps.io.data import PromptRow
+from yatt_apps.jobs.dapo import (
     Group,
     draw_prompts,
     dynamic_sample,
@@ -26,7 +27,6 @@ from yatt_apps.dapo import (
     select_groups,
     update_expansion,
 )
-from yatt_apps.data import PromptRow
 
 SPEC = DynamicSamplingSpec()  # max_refill 3, safety 1.2, decay 0.9, max expansion 10
 
@@ -185,7 +185,7 @@ def test_ppo_whitening_spans_every_controller():
     """Two controllers' halves whitened together equal yatt_algos' masked_whiten of the whole batch."""
     torch = pytest.importorskip("torch")
     from yatt_algos.advantages import masked_whiten
-    from yatt_apps.ppo import whiten_across
+    from yatt_apps.jobs.ppo import whiten_across
 
     adv = torch.tensor(
         [[0.0, 1.0, 2.0, 9.0], [3.0, -1.0, 0.0, 0.0], [4.0, 4.0, 1.0, 0.0], [0.5, 2.0, 0.0, 7.0]]
@@ -219,8 +219,8 @@ def test_critic_worker_fits_returns_and_round_trips_its_state(tmp_path):
     (+1 on rows whose prompt starts with "1", -1 otherwise) cut the value loss more than tenfold; its
     checkpoint state restores the same values into a fresh worker."""
     torch = pytest.importorskip("torch")
-    from yatt_apps.models import prepare_model
-    from yatt_apps.ppo import CriticWorker
+    from yatt_apps.io.models import prepare_model
+    from yatt_apps.jobs.ppo import CriticWorker
     from yatt_controller.types import WorkerInfo
 
     cfg = PRESETS["tiny_cpu_ppo"]()

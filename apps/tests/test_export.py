@@ -12,9 +12,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from yatt_algos.learner.torch_engine import apply_lora
 from yatt_algos.types import LearnerConfig
 from yatt_apps.config import ModelSpec, RunConfig
-from yatt_apps.data import arithmetic_task
-from yatt_apps.export import export_checkpoint, save_hf
-from yatt_apps.models import load_causal_lm, prepare_model, tokenizer_corpus
+from yatt_apps.io.data import arithmetic_task
+from yatt_apps.io.export import export_checkpoint, save_hf
+from yatt_apps.io.models import load_causal_lm, prepare_model, tokenizer_corpus
 from yatt_apps.overlay import build_config, to_yaml
 from yatt_controller import checkpoint
 

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from yatt_apps.cli import STEP_FACTORIES, _load
+from yatt_apps.cli.main import STEP_FACTORIES, _load
 from yatt_apps.config import PRESETS, ControllerSpec, PlacementConfig
-from yatt_apps.jobs import build_services
-from yatt_apps.launch import run_job
-from yatt_apps.workers import RolloutWorker
+from yatt_apps.runtime.job import build_services
+from yatt_apps.runtime.launch import run_job
+from yatt_apps.runtime.workers import RolloutWorker
 from yatt_placement.types import ClusterSpec
 
 pytestmark = pytest.mark.slow

@@ -12,9 +12,9 @@ import math
 
 import msgspec
 import pytest
-from yatt_apps.cli import STEP_FACTORIES, _load
+from yatt_apps.cli.main import STEP_FACTORIES, _load
 from yatt_apps.config import PRESETS, ControllerSpec, PlacementConfig, RunConfig
-from yatt_apps.launch import run_job
+from yatt_apps.runtime.launch import run_job
 from yatt_placement.types import ClusterSpec, ReplanConfig
 
 pytestmark = pytest.mark.slow

@@ -44,7 +44,7 @@ class ModelSpec(_Config, kw_only=True):
     # the engine serving this model where it is served (the judge's; the policy's is `rollout.engine`)
     engine: Literal["hf", "vllm"] = "hf"
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
-    # A tiny model (path empty) warm-started by a short SFT on the embedded arithmetic task (yatt_apps.warmstart):
+    # A tiny model (path empty) warm-started by a short SFT on the embedded arithmetic task (yatt_apps.runtime.warmstart):
     # "policy" on its answers, "genrm" as a verify_yes_no judge, "step_critique" as CAPO's step critic. The result
     # is cached under $YATT_CACHE_DIR (default ~/.cache/yatt/models), keyed by everything that shapes it.
     warm_start: Literal["none", "policy", "genrm", "step_critique"] = "none"
@@ -362,7 +362,7 @@ def megatron_device_ok(cfg: RunConfig) -> bool:
 
 # The tiny judge's verdicts are constrained to the two phrases its parser reads (`JudgeSpec.choices`); it reads
 # verify_yes_no v2 (the solution last, next to the verdict: a tiny judge learns that comparison quickly). The
-# warm start (yatt_apps.warmstart) trains the tiny judges on exactly these templates.
+# warm start (yatt_apps.runtime.warmstart) trains the tiny judges on exactly these templates.
 TINY_VERDICTS = ["Verdict: Yes", "Verdict: No"]
 TINY_JUDGE = JudgeSpec(
     template_version=2,
@@ -389,7 +389,7 @@ def tiny_cpu() -> RunConfig:
     """The default: GRPO on the embedded arithmetic task, a tiny Qwen2 policy and a tiny Qwen2 judge built from
     configs, two parallel controllers on two logical devices (colocated), a few minutes on a 2-core CPU.
 
-    Both tiny models are warm-started on the task (`yatt_apps.warmstart`, cached): the policy partly (it
+    Both tiny models are warm-started on the task (`yatt_apps.runtime.warmstart`, cached): the policy partly (it
     answers some validation prompts, leaving headroom for RL), the judge as a verify_yes_no (v2) grader of
     right, near-miss and malformed answers. Rewards: exact answer (math_verify), a format term (the response
     starts with an integer), and the GenRM judge with K=2 verdicts constrained to its two verdict phrases (every

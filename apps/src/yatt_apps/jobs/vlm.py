@@ -23,9 +23,9 @@ from typing import Any
 import msgspec
 
 from yatt_apps.config import RunConfig
-from yatt_apps.data import PromptRow
-from yatt_apps.jobs import JobDef
-from yatt_apps.phases import (
+from yatt_apps.io.data import PromptRow
+from yatt_apps.runtime.job import JobDef
+from yatt_apps.runtime.phases import (
     generate_and_score,
     maybe_evaluate,
     old_logprobs,
@@ -48,7 +48,7 @@ CELL, GRID = 14, 4  # the embedded images: a 4 x 4 grid of 14-pixel cells (56 x 
 
 def image_processor(path: str):
     if path not in _PROCESSORS:
-        from yatt_apps.models import load_image_processor
+        from yatt_apps.io.models import load_image_processor
 
         _PROCESSORS[path] = load_image_processor(path)
     return _PROCESSORS[path]
@@ -106,7 +106,7 @@ def job_main(args: argparse.Namespace) -> int:
     """`yatt grpo-vlm`: the job command, with the embedded image task materialized first."""
     import time
 
-    from yatt_apps.cli import _run, load_config
+    from yatt_apps.cli.main import _run, load_config
 
     cfg = load_config(args)
     if cfg.model.arch != "qwen2_vl" and not cfg.model.path:

@@ -4,7 +4,7 @@ through once to validate a file without holding its rows.
 `open_rows(path)` gives a sequence (len, index) over a jsonl or parquet file: jsonl keeps one byte offset per
 row (found by one scan for newlines) and parses a row when it is asked for; parquet reads the row group that
 holds the row (the last group read is kept). Every row is validated when read, with the file and the 1-based
-line (jsonl) or row (parquet) in the message, exactly as `yatt_apps.data.load_rows` does for a whole file.
+line (jsonl) or row (parquet) in the message, exactly as `yatt_apps.io.data.load_rows` does for a whole file.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import msgspec
 
-from yatt_apps.data import PromptRow, _row
+from yatt_apps.io.data import PromptRow, _row
 
 
 class JsonlRows(Sequence):

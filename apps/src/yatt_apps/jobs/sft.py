@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from yatt_apps.config import RunConfig
-from yatt_apps.data import PromptRow, arithmetic_task
-from yatt_apps.jobs import JobDef
-from yatt_apps.sft_data import chat_messages, encode_pair, load_sft_rows, pad_examples
+from yatt_apps.io.data import PromptRow, arithmetic_task
+from yatt_apps.io.sft_data import chat_messages, encode_pair, load_sft_rows, pad_examples
+from yatt_apps.runtime.job import JobDef
 
 
 def train_rows(cfg: RunConfig) -> list[PromptRow]:
@@ -45,8 +45,8 @@ def sft_step(
     ctx, rows: list[PromptRow], *, cfg: RunConfig, policy_dir: str, val_rows=None
 ) -> dict[str, float]:
     """One SFT step on this controller's `rows`; metrics reduced over controllers. The run's RUN_DIR/final is
-    exported from the last step's checkpoint (yatt_apps.launch.export_final), as for every job."""
-    from yatt_apps.phases import evaluate, tokenizer
+    exported from the last step's checkpoint (yatt_apps.runtime.launch.export_final), as for every job."""
+    from yatt_apps.runtime.phases import evaluate, tokenizer
 
     tok = tokenizer(policy_dir)
     with ctx.phase("tokenize"):
@@ -90,7 +90,7 @@ def roles(cfg: RunConfig) -> list:
     """The actor (the trained policy) and, when the run evaluates, a rollout engine for greedy accuracy."""
     from yatt_placement.types import RoleSpec
 
-    from yatt_apps.jobs import num_params
+    from yatt_apps.runtime.job import num_params
 
     policy = num_params(cfg.model)
     tp = cfg.model.tensor_parallel
@@ -106,7 +106,7 @@ def build(pool, *, cfg: RunConfig, policy_dir: str, judge_dir: str = ""):
     from yatt_controller.sync import WeightSync
     from yatt_controller.worker_group import WorkerGroup
 
-    from yatt_apps.workers import RolloutWorker
+    from yatt_apps.runtime.workers import RolloutWorker
 
     key = f"yatt-sft-{uuid.uuid4().hex}"  # this attempt's learner rendezvous
     actor = WorkerGroup.create(
@@ -140,8 +140,8 @@ class SFTWorker:
         import torch
         from yatt_algos.learner.torch_backend import TorchPolicyLearner
 
-        from yatt_apps.models import load_causal_lm
-        from yatt_apps.workers import join_learner_group, set_threads
+        from yatt_apps.io.models import load_causal_lm
+        from yatt_apps.runtime.workers import join_learner_group, set_threads
 
         set_threads(cfg)
         torch.manual_seed(cfg.run.seed)
@@ -183,7 +183,7 @@ class SFTWorker:
         atomically (tmp + rename). Every rank exports; data-parallel rank 0 writes."""
         import shutil
 
-        from yatt_apps.models import load_causal_lm, load_tokenizer
+        from yatt_apps.io.models import load_causal_lm, load_tokenizer
 
         named = dict(self.named_weights())
         if self.dp_rank != 0:

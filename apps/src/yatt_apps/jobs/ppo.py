@@ -19,9 +19,9 @@ import io
 from typing import Any
 
 from yatt_apps.config import RunConfig
-from yatt_apps.data import PromptRow
-from yatt_apps.jobs import JobDef, build_services, policy_roles
-from yatt_apps.phases import (
+from yatt_apps.io.data import PromptRow
+from yatt_apps.runtime.job import JobDef, build_services, policy_roles
+from yatt_apps.runtime.phases import (
     generate_and_score,
     maybe_evaluate,
     old_logprobs,
@@ -49,7 +49,7 @@ class CriticWorker:
         from transformers import AutoModelForTokenClassification
         from yatt_algos.learner.torch_backend import TorchCriticLearner
 
-        from yatt_apps.workers import join_learner_group, set_threads
+        from yatt_apps.runtime.workers import join_learner_group, set_threads
 
         set_threads(cfg)
         torch.manual_seed(cfg.run.seed + 1)  # the value head's init; identical on every rank

@@ -53,7 +53,7 @@ def save_hf(model: Any, tokenizer_dir: str | Path, out_dir: str | Path, *, write
     Atomic: written to `OUT.tmp` and renamed; an existing `out_dir` is replaced only after the new folder is
     complete. Under FSDP2 every rank must call this together (the full weights are gathered), with
     `write=False` on all ranks but one."""
-    from yatt_apps.models import is_vlm, load_image_processor, load_tokenizer
+    from yatt_apps.io.models import is_vlm, load_image_processor, load_tokenizer
 
     out = Path(out_dir)
     if not write:
@@ -109,13 +109,13 @@ def load_policy(run_dir: Path, ckpt: Path):
     from yatt_algos.learner.checkpoint import check_learner_state
     from yatt_algos.learner.torch_engine import apply_lora
 
-    from yatt_apps.models import load_causal_lm
+    from yatt_apps.io.models import load_causal_lm
 
     cfg = run_config(run_dir)
     blob = ckpt / LEARNER_BLOB
     if not blob.is_file():
         raise ValueError(f"{ckpt}: no {LEARNER_BLOB} (the learner's state); files: {sorted(_names(ckpt))}")
-    from yatt_apps.workers import learner_backend
+    from yatt_apps.runtime.workers import learner_backend
 
     # a DDP replica over k devices (model.tensor_parallel = k for a vLLM rollout) holds k whole copies
     sharded = learner_backend(cfg) != "ddp"

@@ -31,7 +31,7 @@ from typing import Any
 import msgspec
 
 from yatt_apps.config import RunConfig
-from yatt_apps.data import PromptRow
+from yatt_apps.io.data import PromptRow
 
 _QUEUES: dict[int, deque] = {}  # per controller process: controller rank -> launched batches, oldest first
 _TRAINS: dict[int, deque] = {}  # per controller: recent (start, end) perf_counter times of its train phases
@@ -65,7 +65,13 @@ def check_async(cfg: RunConfig) -> None:
 def launch(ctx, cfg: RunConfig, rows: list[PromptRow], tok, step: int) -> Launched:
     """Submit every rollout call of `rows` now (they queue ahead of this step's weight push), then stream
     the completions into scoring on a background thread."""
-    from yatt_apps.phases import make_requests, render_prompt, sample_seed, score_stream, submit_rollout
+    from yatt_apps.runtime.phases import (
+        make_requests,
+        render_prompt,
+        sample_seed,
+        score_stream,
+        submit_rollout,
+    )
 
     prompt_ids = [render_prompt(tok, row, cfg.data.system_prompt) for row in rows]
     seed = sample_seed(cfg, ctx, step=step)
@@ -163,7 +169,7 @@ def _scored_doc(scored) -> dict[str, Any]:
 def _restore(docs: list[dict[str, Any]]) -> list[Launched]:
     from yatt_rollout.types import Completion
 
-    from yatt_apps.phases import Scored
+    from yatt_apps.runtime.phases import Scored
 
     out = []
     for doc in docs:

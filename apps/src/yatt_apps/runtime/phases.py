@@ -13,14 +13,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from yatt_apps.config import RunConfig
-from yatt_apps.data import PromptRow
+from yatt_apps.io.data import PromptRow
 
 _TOKENIZERS: dict[str, Any] = {}  # per controller process: model dir -> tokenizer
 
 
 def tokenizer(path: str):
     if path not in _TOKENIZERS:
-        from yatt_apps.models import load_tokenizer
+        from yatt_apps.io.models import load_tokenizer
 
         _TOKENIZERS[path] = load_tokenizer(path)
     return _TOKENIZERS[path]
@@ -427,7 +427,7 @@ def summarize(total: dict[str, float], stats: dict[str, float], world_size: int 
         out["train/kl"] = total["kl/sum"] / tokens
     if total.get("val/total"):
         out["val/accuracy"] = total["val/correct"] / total["val/total"]
-    if "async/samples" in total:  # bounded-staleness training (yatt_apps.producer)
+    if "async/samples" in total:  # bounded-staleness training (yatt_apps.runtime.producer)
         out["async/staleness_mean"] = total["async/staleness/sum"] / max(total["async/samples"], 1.0)
         out["async/staleness_max"] = total["async/staleness_max_all"] / max(world_size, 1)
         out["async/rollout_train_overlap_s"] = total["async/overlap_s"] / max(world_size, 1)
@@ -436,7 +436,7 @@ def summarize(total: dict[str, float], stats: dict[str, float], world_size: int 
         out["judge/parse_rate"] = total["judge/parsed"] / max(total["judge/judged"], 1.0)
         if total["judge/compared"]:
             out["judge/agreement"] = total["judge/agree"] / total["judge/compared"]
-    if "agent/trajectories" in total:  # a multi-turn job (yatt_apps.agent)
+    if "agent/trajectories" in total:  # a multi-turn job (yatt_apps.runtime.agent)
         from yatt_rollout.agent import agent_metrics
 
         out.update(agent_metrics(total))

@@ -1,7 +1,7 @@
 """Supervised fine-tuning data: prompt/response rows read from jsonl or parquet, chat-templated token ids with
 a response mask, padded batches and the masked token NLL.
 
-Shared by `yatt sft` (the job) and the warm start of the tiny models (`yatt_apps.warmstart`), so both train on
+Shared by `yatt sft` (the job) and the warm start of the tiny models (`yatt_apps.runtime.warmstart`), so both train on
 exactly the same layout: the chat template's generation prompt, then the response tokens through the end of
 the assistant turn (its eos), and loss only on the response.
 """

@@ -18,12 +18,12 @@ from typing import Any
 import msgspec
 
 from yatt_apps.config import RunConfig
-from yatt_apps.data import PromptRow, arithmetic_task, load_rows
-from yatt_apps.jobs import JobDef
-from yatt_apps.models import load_tokenizer, prepare_model, tokenizer_corpus
-from yatt_apps.progress import StepLogger
-from yatt_apps.row_sources import open_rows, stream_check
-from yatt_apps.rundir import RunDir
+from yatt_apps.io.data import PromptRow, arithmetic_task, load_rows
+from yatt_apps.io.models import load_tokenizer, prepare_model, tokenizer_corpus
+from yatt_apps.io.row_sources import open_rows, stream_check
+from yatt_apps.io.rundir import RunDir
+from yatt_apps.runtime.job import JobDef
+from yatt_apps.runtime.progress import StepLogger
 
 # Set before Ray is imported. RAY_ENABLE_UV_RUN_RUNTIME_ENV=0: under `uv run`, Ray would otherwise package the
 # working directory (the whole checkout, .venv included) as every worker's runtime env and start them in a copy.
@@ -184,7 +184,7 @@ def prepare_models(cfg: RunConfig, run: RunDir, dataset=train_rows) -> tuple[str
 
 def check_data(cfg: RunConfig, policy_dir: str, dataset=train_rows) -> None:
     """Every training row validated and its prompt length checked, one row at a time, none held."""
-    from yatt_apps.phases import render_prompt
+    from yatt_apps.runtime.phases import render_prompt
 
     tok = load_tokenizer(policy_dir)
     system, limit = cfg.data.system_prompt, cfg.data.max_prompt_tokens
@@ -197,7 +197,7 @@ def absolute_paths(cfg: RunConfig) -> RunConfig:
     replace = msgspec.structs.replace
 
     def absolute(path: str) -> str:
-        from yatt_apps.model_sources import is_hub_id
+        from yatt_apps.io.model_sources import is_hub_id
 
         return str(Path(path).resolve()) if path and not is_hub_id(path) else path
 
@@ -215,7 +215,7 @@ def run_job(cfg: RunConfig, run_dir: str | Path, job: JobDef) -> dict[str, Any]:
     if cfg.algo.max_staleness and not job.asynchronous:
         raise ValueError(f"algo.max_staleness > 0: the {cfg.app} job trains on-policy only (use yatt grpo)")
     if cfg.rollout.env:  # an unknown environment or an app without multi-turn support fails here
-        from yatt_apps.agent import check_env
+        from yatt_apps.runtime.agent import check_env
 
         check_env(cfg)
     if job.check is not None:
@@ -284,7 +284,7 @@ def export_final(run: RunDir, cfg: RunConfig) -> Path | None:
     runtime always checkpoints it when checkpointing is on); None when there is no such checkpoint."""
     from yatt_controller import checkpoint
 
-    from yatt_apps.export import find_checkpoint, load_policy, policy_dir, run_config, save_hf
+    from yatt_apps.io.export import find_checkpoint, load_policy, policy_dir, run_config, save_hf
 
     found = checkpoint.latest(str(run.checkpoints))
     if found is None or found[1].step != cfg.run.num_steps - 1:

@@ -21,7 +21,7 @@ def prepare_model(spec: ModelSpec, out: Path, corpus: list[str], *, key: str = "
     """The HF directory of `spec`: `spec.path` if given (checked), else a tiny model written to `out`
     (reused when it is already there, as on resume)."""
     if spec.path:  # a local folder or a hub id (cached snapshot, else downloaded unless offline)
-        from yatt_apps.model_sources import resolve_model_dir
+        from yatt_apps.io.model_sources import resolve_model_dir
 
         return resolve_model_dir(spec.path, key=key)
     if (out / "config.json").is_file():
@@ -29,7 +29,7 @@ def prepare_model(spec: ModelSpec, out: Path, corpus: list[str], *, key: str = "
     if spec.arch == "qwen2_vl":
         return _prepare_tiny_vlm(spec, out, corpus)
     if spec.warm_start != "none" and spec.warm_start_steps:  # trained briefly on the embedded task, cached
-        from yatt_apps.warmstart import cached_or_build, extra_corpus, extra_tokens
+        from yatt_apps.runtime.warmstart import cached_or_build, extra_corpus, extra_tokens
 
         corpus = corpus + extra_corpus(spec)
         return cached_or_build(spec, out, corpus, lambda: tiny_text_model(spec, corpus, extra_tokens(spec)))

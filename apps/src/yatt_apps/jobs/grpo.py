@@ -4,7 +4,7 @@
 one driver-side controller on all of them (single mode): n completions per prompt streamed into scoring (rule
 terms and K GenRM judgements per completion, judging a chunk while later chunks still generate), old and
 reference logprobs, group-normalised advantages, the SPMD update across controllers, and the versioned weight
-push. It reads top to bottom; the phases it calls live in `yatt_apps.phases`.
+push. It reads top to bottom; the phases it calls live in `yatt_apps.runtime.phases`.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from __future__ import annotations
 import functools
 import time
 
-from yatt_apps import producer
 from yatt_apps.config import RunConfig
-from yatt_apps.data import PromptRow
-from yatt_apps.jobs import JobDef
-from yatt_apps.phases import (
+from yatt_apps.io.data import PromptRow
+from yatt_apps.runtime import producer
+from yatt_apps.runtime.job import JobDef
+from yatt_apps.runtime.phases import (
     concat_rows,
     generate_and_score,
     group_advantages,
@@ -36,7 +36,7 @@ from yatt_apps.phases import (
     train,
     wake_engines,
 )
-from yatt_apps.workers import learner_backend
+from yatt_apps.runtime.workers import learner_backend
 
 
 def grpo_step(
@@ -65,7 +65,7 @@ def grpo_step(
             [prompt_ids[scored.owner[i]] for i in kept], [c.token_ids for c in samples], tok.pad_token_id
         )
         if cfg.rollout.env:  # multi-turn: the environment's tokens are not the policy's (mask 0)
-            from yatt_apps.agent import mask_env_tokens
+            from yatt_apps.runtime.agent import mask_env_tokens
 
             mask_env_tokens(batch, [prompt_ids[scored.owner[i]] for i in kept], samples)
         group_ids = torch.tensor([scored.owner[i] for i in kept])
@@ -102,7 +102,7 @@ def grpo_step(
         sums |= producer.async_sums(ctx, scored, kept, version, (train_started, time.perf_counter()))
         producer.store_queue(ctx, cfg)  # a checkpoint after this step holds the batches in flight
     if cfg.rollout.env:  # turns, tool calls, tool errors by kind, truncated episodes
-        from yatt_apps.agent import agent_sums
+        from yatt_apps.runtime.agent import agent_sums
 
         sums |= agent_sums(scored.completions)
     return summarize(ctx.all_reduce(sums), stats, ctx.world_size)

@@ -20,37 +20,37 @@ from collections.abc import Callable, Sequence
 # subcommand -> (help, "module:function" taking the parsed args and returning an exit code, kind)
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "doctor": ("check the installation: packages, backends, devices, and a wire/codec/model round trip",
-               "yatt_apps.doctor:main", "plain"),
+               "yatt_apps.cli.doctor:main", "plain"),
     "grpo": ("GRPO with rule rewards and a generative reward model (default: the tiny CPU run)",
-             "yatt_apps.cli:job_main", "job"),
+             "yatt_apps.cli.main:job_main", "job"),
     "dapo": ("DAPO: GRPO with clip-higher, token-mean loss, overlong shaping and dynamic sampling (refill)",
-             "yatt_apps.cli:job_main", "job"),
+             "yatt_apps.cli.main:job_main", "job"),
     "ppo": ("PPO with a critic (GAE, KL as a reward penalty, clipped value loss) on rule rewards",
-            "yatt_apps.cli:job_main", "job"),
+            "yatt_apps.cli.main:job_main", "job"),
     "capo": ("CAPO: token-level credit from K step critiques of a GenPRM judge, rule verifier, PPO-clip",
-             "yatt_apps.cli:job_main", "job"),
+             "yatt_apps.cli.main:job_main", "job"),
     "grpo-vlm": ("GRPO on a vision-language policy with image prompts (default: tiny Qwen2-VL, counting squares)",
-                 "yatt_apps.vlm:job_main", "job"),
+                 "yatt_apps.jobs.vlm:job_main", "job"),
     "config": ("print the full resolved config as YAML, one doc comment per key (--preset, --config, --set)",
-               "yatt_apps.cli:config_main", "job"),
+               "yatt_apps.cli.main:config_main", "job"),
     "sft": ("supervised fine-tuning on prompt/response rows (loss on the response); writes an HF folder",
-            "yatt_apps.cli:job_main", "job"),
-    "plan": ("print the placement plan of a config as a table (or --json)", "yatt_apps.cli:plan_main", "job"),
-    "resume": ("continue a run from its newest complete checkpoint", "yatt_apps.cli:resume_main", "resume"),
+            "yatt_apps.cli.main:job_main", "job"),
+    "plan": ("print the placement plan of a config as a table (or --json)", "yatt_apps.cli.main:plan_main", "job"),
+    "resume": ("continue a run from its newest complete checkpoint", "yatt_apps.cli.main:resume_main", "resume"),
     "export": ("write a run's trained policy (newest checkpoint, or --step N) as an HF folder, LoRA merged",
-               "yatt_apps.export:main", "plain"),
+               "yatt_apps.io.export:main", "plain"),
     "merge": ("Bone Soup: merge saved backbones into one HF model for a preference over objectives",
-              "yatt_apps.merge:main", "plain"),
+              "yatt_apps.jobs.merge:main", "plain"),
 }  # fmt: skip
 
-# app name -> "module:JOB", the job's declaration (yatt_apps.jobs.JobDef): step, roles, services, checks
+# app name -> "module:JOB", the job's declaration (yatt_apps.runtime.job.JobDef): step, roles, services, checks
 STEP_FACTORIES: dict[str, str] = {
-    "grpo": "yatt_apps.grpo:JOB",
-    "dapo": "yatt_apps.dapo:JOB",
-    "ppo": "yatt_apps.ppo:JOB",
-    "capo": "yatt_apps.capo:JOB",
-    "grpo-vlm": "yatt_apps.vlm:JOB",
-    "sft": "yatt_apps.sft:JOB",
+    "grpo": "yatt_apps.jobs.grpo:JOB",
+    "dapo": "yatt_apps.jobs.dapo:JOB",
+    "ppo": "yatt_apps.jobs.ppo:JOB",
+    "capo": "yatt_apps.jobs.capo:JOB",
+    "grpo-vlm": "yatt_apps.jobs.vlm:JOB",
+    "sft": "yatt_apps.jobs.sft:JOB",
 }
 
 # job command -> its preset when --preset is not given (otherwise tiny_cpu)
@@ -167,8 +167,8 @@ def load_config(args: argparse.Namespace):
 
 
 def _run(cfg, run_dir: str, args: argparse.Namespace) -> int:
-    from yatt_apps.interrupt import EXIT_INTERRUPTED, GUARD, interrupted_message
-    from yatt_apps.launch import run_job
+    from yatt_apps.runtime.interrupt import EXIT_INTERRUPTED, GUARD, interrupted_message
+    from yatt_apps.runtime.launch import run_job
 
     if cfg.app not in STEP_FACTORIES:
         raise ValueError(f"app {cfg.app!r} is not one of {sorted(STEP_FACTORIES)}")
@@ -204,7 +204,7 @@ def finished_step(run_dir: str, num_steps: int) -> int | None:
 
     from yatt_controller import checkpoint
 
-    from yatt_apps.rundir import last_step
+    from yatt_apps.io.rundir import last_step
 
     found = checkpoint.latest(str(Path(run_dir) / "checkpoints"))
     if found is not None and found[1].step >= num_steps - 1:
@@ -238,7 +238,7 @@ def resume_main(args: argparse.Namespace) -> int:
 
 def config_main(args: argparse.Namespace) -> int:
     """Print the resolved config (preset <- --config <- --set) as YAML with a doc comment per key."""
-    from yatt_apps.keydocs import commented_yaml
+    from yatt_apps.cli.keydocs import commented_yaml
 
     cfg = load_config(args)
     preset = args.preset or DEFAULT_PRESETS.get(args.command, "tiny_cpu")
@@ -250,7 +250,7 @@ def config_main(args: argparse.Namespace) -> int:
 def plan_main(args: argparse.Namespace) -> int:
     import msgspec
 
-    from yatt_apps.launch import placement_plan
+    from yatt_apps.runtime.launch import placement_plan
 
     cfg = load_config(args)
     plan = placement_plan(cfg, _load(STEP_FACTORIES[cfg.app]))
@@ -264,7 +264,7 @@ def plan_main(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from yatt_apps.interrupt import EXIT_INTERRUPTED, GUARD
+    from yatt_apps.runtime.interrupt import EXIT_INTERRUPTED, GUARD
 
     args = build_parser().parse_args(argv)
     try:

@@ -14,7 +14,7 @@ import io
 from typing import Any
 
 from yatt_apps.config import MEGATRON_CPU_SHIM, ModelSpec, RunConfig
-from yatt_apps.models import load_causal_lm, load_tokenizer
+from yatt_apps.io.models import load_causal_lm, load_tokenizer
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -357,7 +357,7 @@ class RolloutWorker:
     k - 1 keep its devices (they answer every call with nothing; dispatch returns the first worker's answer)."""
 
     def __init__(self, cfg: RunConfig, model_dir: str, *, worker_info: Any = None) -> None:
-        from yatt_apps.models import is_vlm, load_image_processor
+        from yatt_apps.io.models import is_vlm, load_image_processor
 
         set_threads(cfg)
         self.engine = None

@@ -21,9 +21,9 @@ import functools
 from typing import Any
 
 from yatt_apps.config import CapoSpec, RunConfig
-from yatt_apps.data import PromptRow
-from yatt_apps.jobs import JobDef, build_services
-from yatt_apps.phases import (
+from yatt_apps.io.data import PromptRow
+from yatt_apps.runtime.job import JobDef, build_services
+from yatt_apps.runtime.phases import (
     generate_and_score,
     maybe_evaluate,
     old_logprobs,
@@ -38,7 +38,7 @@ from yatt_apps.phases import (
     train,
     wake_engines,
 )
-from yatt_apps.workers import RewardWorker
+from yatt_apps.runtime.workers import RewardWorker
 
 
 class CritiqueWorker(RewardWorker):
@@ -50,8 +50,8 @@ class CritiqueWorker(RewardWorker):
         from yatt_multimodal.genprm import GenPRM
         from yatt_multimodal.prompt_codecs import HFChatCodec
 
-        from yatt_apps.models import load_tokenizer
-        from yatt_apps.workers import build_engine
+        from yatt_apps.io.models import load_tokenizer
+        from yatt_apps.runtime.workers import build_engine
 
         super().__init__(cfg)  # the rule terms only: the judge model serves the critic
         judge_tok = load_tokenizer(judge_dir, trust_remote_code=cfg.judge.trust_remote_code)

@@ -28,9 +28,9 @@ from typing import Any
 import msgspec
 
 from yatt_apps.config import DynamicSamplingSpec, RunConfig
-from yatt_apps.data import PromptRow
-from yatt_apps.jobs import JobDef
-from yatt_apps.phases import (
+from yatt_apps.io.data import PromptRow
+from yatt_apps.runtime.job import JobDef
+from yatt_apps.runtime.phases import (
     Scored,
     generate_and_score,
     maybe_evaluate,

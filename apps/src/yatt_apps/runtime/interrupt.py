@@ -49,7 +49,7 @@ def interrupted_message(run_dir: str) -> str:
     that continues the run, with the newest checkpoint the resume starts from."""
     from yatt_controller import checkpoint
 
-    from yatt_apps.rundir import last_step
+    from yatt_apps.io.rundir import last_step
 
     step = last_step(run_dir)
     found = checkpoint.latest(os.path.join(run_dir, "checkpoints"))

@@ -16,7 +16,7 @@ import time
 from collections import deque
 from typing import Any
 
-from yatt_apps.rundir import RunDir
+from yatt_apps.io.rundir import RunDir
 
 RATE_WINDOW = 10  # steps the bar's seconds per step averages over
 

@@ -32,8 +32,8 @@ from typing import Any
 import msgspec
 
 from yatt_apps.config import ModelSpec
-from yatt_apps.data import PromptRow, arithmetic_task
-from yatt_apps.sft_data import chat_messages, encode_pair, masked_nll, pad_examples
+from yatt_apps.io.data import PromptRow, arithmetic_task
+from yatt_apps.io.sft_data import chat_messages, encode_pair, masked_nll, pad_examples
 
 TASK_ROWS = 2048  # distinct problems drawn for the warm start (the task has 21 * 21 * 2 of them)
 TASK_SEED = 20_000  # apart from the run's train (seed) and validation (seed + 10_000) draws
@@ -245,7 +245,7 @@ def sft_steps(
 
 def weighted_nll(model, batch: dict[str, Any], prompt_weight: float):
     """Token NLL with response tokens at weight 1 and the other real tokens (the prompt) at `prompt_weight`."""
-    from yatt_apps.sft_data import token_nll
+    from yatt_apps.io.sft_data import token_nll
 
     response = batch["response_mask"].float()
     weight = batch["attention_mask"].float() * prompt_weight * (1.0 - response) + response

@@ -89,7 +89,7 @@ def build_services(
     from yatt_controller.sync import WeightSync
     from yatt_controller.worker_group import WorkerGroup
 
-    from yatt_apps.workers import PolicyWorker, RewardWorker, RolloutWorker
+    from yatt_apps.runtime.workers import PolicyWorker, RewardWorker, RolloutWorker
 
     key = f"yatt-actor-{uuid.uuid4().hex}"  # this attempt's learner rendezvous (a restart gets a new one)
     actor = WorkerGroup.create(
@@ -98,7 +98,7 @@ def build_services(
     if rollout_cls is None:
         rollout_cls = RolloutWorker
     if cfg.rollout.env and rollout_cls is RolloutWorker:  # multi-turn episodes of a registered environment
-        from yatt_apps.agent import AgentRolloutWorker
+        from yatt_apps.runtime.agent import AgentRolloutWorker
 
         rollout_cls = AgentRolloutWorker
     rollout = WorkerGroup.create(pool, "rollout", rollout_cls, args=(cfg, policy_dir), pass_worker_info=True)

@@ -340,10 +340,10 @@ def small(*, devices: int = 2, **sections) -> RunConfig:
 
 
 def run(cfg: RunConfig, run_dir: Path) -> dict:
-    from yatt_apps.cli.main import STEP_FACTORIES, _load
+    from yatt_apps.jobs import find
     from yatt_apps.runtime.launch import run_job
 
-    return run_job(cfg, run_dir, _load(STEP_FACTORIES[cfg.app]))
+    return run_job(cfg, run_dir, find(cfg.app))
 
 
 def metrics(run_dir: Path) -> dict[int, dict]:

@@ -129,12 +129,14 @@ def test_genprm_spans_through_a_real_tokenizer(policy_tok):
 def test_capo_step_function_checks_config():
     import msgspec
     from yatt_apps.config import tiny_cpu, tiny_cpu_capo
-    from yatt_apps.jobs.capo import step_function
+    from yatt_apps.jobs.capo import JOB, step_function
+    from yatt_apps.runtime.launch import placement_plan
 
+    plan = placement_plan(tiny_cpu_capo(), JOB)
     with pytest.raises(ValueError, match=r"capo needs judge \(the critic model\)"):
-        step_function(msgspec.structs.replace(tiny_cpu_capo(), judge=None), "policy")
+        step_function(msgspec.structs.replace(tiny_cpu_capo(), judge=None), "policy", None, plan)
     with pytest.raises(ValueError, match=r"capo's rewards must be rule terms"):
-        step_function(msgspec.structs.replace(tiny_cpu(), app="capo"), "policy")
+        step_function(msgspec.structs.replace(tiny_cpu(), app="capo"), "policy", None, plan)
 
 
 # ---- grpo-vlm ------------------------------------------------------------------------------------------

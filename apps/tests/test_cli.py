@@ -5,8 +5,9 @@ prints a config that loads back; resuming a finished run starts nothing."""
 import json
 
 import pytest
-from yatt_apps.cli.main import STEP_FACTORIES, _load, main
+from yatt_apps.cli.main import main
 from yatt_apps.config import PRESETS, RunConfig
+from yatt_apps.jobs import find
 from yatt_apps.runtime.launch import placement_plan
 
 
@@ -14,7 +15,7 @@ from yatt_apps.runtime.launch import placement_plan
 def test_presets_validate_and_plan(name):
     cfg = PRESETS[name]()
     assert isinstance(cfg, RunConfig)
-    plan = placement_plan(cfg, _load(STEP_FACTORIES[cfg.app]))
+    plan = placement_plan(cfg, find(cfg.app))
     actor = next(r for r in plan.roles if r.role == "actor")
     assert len(actor.replicas) == cfg.controller.num_controllers  # one controller per data-parallel rank
 

@@ -12,8 +12,8 @@ import math
 
 import msgspec
 import pytest
-from yatt_apps.cli.main import STEP_FACTORIES, _load
 from yatt_apps.config import PRESETS, ControllerSpec, PlacementConfig, RunConfig
+from yatt_apps.jobs import find
 from yatt_apps.runtime.launch import run_job
 from yatt_placement.types import ClusterSpec, ReplanConfig
 
@@ -46,7 +46,7 @@ def small(preset: str, mode: str, controller: str, *, devices: int, **placement)
 
 
 def run(cfg: RunConfig, tmp_path, name: str) -> dict:
-    return run_job(cfg, tmp_path / name, _load(STEP_FACTORIES[cfg.app]))
+    return run_job(cfg, tmp_path / name, find(cfg.app))
 
 
 def check(summary: dict, cfg: RunConfig) -> None:

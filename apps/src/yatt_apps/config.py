@@ -201,7 +201,7 @@ class SFTSpec(_Config, kw_only=True):
 
 
 class RunConfig(_Config, kw_only=True):
-    """A whole job. `app` names the step function (grpo, dapo, ppo, capo, grpo-vlm)."""
+    """A whole job. `app` names its job (`JobDef.name`: grpo, dapo, ppo, capo, grpo-vlm, sft, or a job file's)."""
 
     app: str = "grpo"
     run: RunSpec = RunSpec()

@@ -19,7 +19,7 @@ import msgspec
 
 # docs for fields whose source has no comment, by "Class.field"
 FIELD_DOCS: dict[str, str] = {
-    "RunConfig.app": "the step function: grpo, dapo, ppo, capo or grpo-vlm (set by the job command)",
+    "RunConfig.app": "the job: grpo, dapo, ppo, capo, grpo-vlm, sft, or a job file's name (set by the job command)",
     "RunConfig.sampling": "the policy's sampling per prompt (n completions per prompt)",
     "RunConfig.rewards": "the reward terms, summed with their weights (kind: math_verify, regex, genrm, ...)",
     "RunSpec.name": "the run's name: the run directory is run.out_dir/NAME-TIME",

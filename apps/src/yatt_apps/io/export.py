@@ -17,7 +17,11 @@ import argparse
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from yatt_apps.config import RunConfig
+
 
 # the blob of data-parallel rank 0, tensor-parallel rank 0: every DP rank holds the full model (DDP, and
 # FSDP2's full state dict), so one rank's file restores it
@@ -103,7 +107,7 @@ def find_checkpoint(run_dir: Path, step: int | None) -> tuple[Path, int]:
     return path, checkpoint.verify(path).step
 
 
-def load_policy(run_dir: Path, ckpt: Path):
+def load_policy(run_dir: Path, ckpt: Path) -> Any:
     """The run's policy with the checkpoint's learner weights loaded (LoRA adapters attached, not merged)."""
     import torch
     from yatt_algos.learner.checkpoint import check_learner_state
@@ -137,7 +141,7 @@ def _names(path: Path) -> list[str]:
     return [p.name for p in path.iterdir()]
 
 
-def run_config(run_dir: Path):
+def run_config(run_dir: Path) -> RunConfig:
     from yatt_apps.config import RunConfig
     from yatt_apps.overlay import build_config
 
@@ -147,7 +151,7 @@ def run_config(run_dir: Path):
     return build_config(RunConfig, RunConfig(), path)
 
 
-def policy_dir(run_dir: Path, cfg) -> Path:
+def policy_dir(run_dir: Path, cfg: RunConfig) -> Path:
     """The policy's initial HF folder: the user's `model.path`, or the tiny model built into the run."""
     return Path(cfg.model.path) if cfg.model.path else run_dir / "models" / "policy"
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from yatt_apps.config import ModelSpec
 
@@ -42,7 +43,7 @@ def prepare_model(spec: ModelSpec, out: Path, corpus: list[str], *, key: str = "
     return out
 
 
-def tiny_text_model(spec: ModelSpec, corpus: list[str], extra_tokens: list[str] = ()):
+def tiny_text_model(spec: ModelSpec, corpus: list[str], extra_tokens: list[str] = ()) -> Any:
     """(model, tokenizer) of a tiny text model built from `spec`, its tokenizer trained on `corpus`, plus
     `extra_tokens` as whole (never split) tokens."""
     from yatt_rollout.tiny import tiny_causal_lm, train_tokenizer
@@ -81,7 +82,7 @@ def is_vlm(path: str | Path) -> bool:
     return (Path(path) / "preprocessor_config.json").is_file()
 
 
-def load_causal_lm(path: str | Path, *, trust_remote_code: bool = False, dtype: str = "float32"):
+def load_causal_lm(path: str | Path, *, trust_remote_code: bool = False, dtype: str = "float32") -> Any:
     """An HF causal LM (or an image-text-to-text VLM) on CPU in `dtype` (a torch dtype name), from a local
     directory only."""
     import torch
@@ -93,14 +94,14 @@ def load_causal_lm(path: str | Path, *, trust_remote_code: bool = False, dtype: 
     )
 
 
-def load_image_processor(path: str | Path):
+def load_image_processor(path: str | Path) -> Any:
     """The image processor saved beside a VLM (the PIL one: torchvision is deliberately absent)."""
     from transformers import AutoImageProcessor
 
     return AutoImageProcessor.from_pretrained(str(path), local_files_only=True)
 
 
-def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False):
+def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -101,7 +102,7 @@ def open_rows(
     return rows
 
 
-def stream_check(rows: Sequence[PromptRow], prompt_len, max_tokens: int) -> Iterator[PromptRow]:
+def stream_check(rows: Sequence[PromptRow], prompt_len: Any, max_tokens: int) -> Iterator[PromptRow]:
     """Every row read, validated and its prompt length checked, one at a time (nothing is held); yields the
     rows for callers that need their text (the tiny tokenizer's corpus)."""
     for i in range(len(rows)):

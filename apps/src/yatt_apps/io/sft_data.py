@@ -74,7 +74,7 @@ def _ids(out: Any) -> list[int]:
     return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
-def encode_pair(tok, messages: list[dict[str, str]], response: str) -> tuple[list[int], list[int]]:
+def encode_pair(tok: Any, messages: list[dict[str, str]], response: str) -> tuple[list[int], list[int]]:
     """(prompt ids, response ids) of one example. The prompt is the chat template with its generation prompt
     (exactly what a rollout engine or `HFChatCodec` is given); the response is the template's assistant turn
     after it, up to and including the eos that ends the turn (text the template adds after eos is no target)."""
@@ -110,7 +110,7 @@ def pad_examples(examples: list[tuple[list[int], list[int]]], pad_id: int) -> di
     return {"input_ids": input_ids, "attention_mask": attention, "response_mask": response}
 
 
-def token_nll(model, batch: dict[str, Any]):
+def token_nll(model: Any, batch: dict[str, Any]) -> Any:
     """Per-token negative log-likelihood [B, T] of input_ids (position t scored from the logits at t - 1;
     0 at position 0), and the model output."""
     import torch
@@ -124,7 +124,7 @@ def token_nll(model, batch: dict[str, Any]):
     return torch.nn.functional.pad(nll, (1, 0))
 
 
-def masked_nll(model, batch: dict[str, Any]):
+def masked_nll(model: Any, batch: dict[str, Any]) -> Any:
     """The mean NLL over response tokens (the SFT loss) of a padded batch."""
     mask = batch["response_mask"].float()
     return (token_nll(model, batch) * mask).sum() / mask.sum().clamp(min=1.0)

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from yatt_apps.config import CapoSpec, RunConfig
+from yatt_apps.config import CapoSpec, RunConfig, tiny_cpu_capo
 from yatt_apps.io.data import PromptRow
-from yatt_apps.runtime.job import JobDef, build_services
+from yatt_apps.runtime.job import JobDef, StepFn, ValRows, build_services
 from yatt_apps.runtime.phases import (
     generate_and_score,
     maybe_evaluate,
@@ -40,13 +40,21 @@ from yatt_apps.runtime.phases import (
 )
 from yatt_apps.runtime.workers import RewardWorker
 
+if TYPE_CHECKING:
+    from yatt_controller.controller import StepContext
+    from yatt_controller.runner import Services
+    from yatt_controller.worker_group import HostPool
+    from yatt_placement.types import PlacementPlan
+
 
 class CritiqueWorker(RewardWorker):
     """CAPO's reward service: `score` gives the rule terms (the verifier r_v); `critique` runs the GenPRM
     critic on the judge model's own engine in this process, mapping steps to tokens with the policy's
     tokenizer."""
 
-    def __init__(self, cfg: RunConfig, judge_dir: str, policy_dir: str) -> None:
+    def __init__(
+        self, cfg: RunConfig, judge_dir: str, policy_dir: str, *, shared_device: bool = True
+    ) -> None:
         from yatt_multimodal.genprm import GenPRM
         from yatt_multimodal.prompt_codecs import HFChatCodec
 
@@ -55,7 +63,9 @@ class CritiqueWorker(RewardWorker):
 
         super().__init__(cfg)  # the rule terms only: the judge model serves the critic
         judge_tok = load_tokenizer(judge_dir, trust_remote_code=cfg.judge.trust_remote_code)
-        engine = build_engine(cfg, cfg.judge, cfg.judge.engine, judge_dir, seed=cfg.run.seed + 1)
+        engine = build_engine(
+            cfg, cfg.judge, cfg.judge.engine, judge_dir, seed=cfg.run.seed + 1, shared_device=shared_device
+        )
         self.engine = engine  # slept and woken like the GenRM's (RewardWorker.sleep / wake_up)
         self.critic = GenPRM(
             engine, HFChatCodec(judge_tok), cfg.capo.critic, tokenizer=load_tokenizer(policy_dir)
@@ -73,7 +83,14 @@ class CritiqueWorker(RewardWorker):
 
 
 def capo_credit(
-    verifier, critiques: list, prompt_lens: list[int], response_mask, group_ids, spec: CapoSpec, *, eps: float
+    verifier: Any,
+    critiques: list,
+    prompt_lens: list[int],
+    response_mask: Any,
+    group_ids: Any,
+    spec: CapoSpec,
+    *,
+    eps: float,
 ) -> tuple[Any, Any, dict[str, float]]:
     """Token rewards R [B, T], advantages [B, T] and counts, for rows laid out as prompt then response.
 
@@ -110,7 +127,13 @@ def capo_credit(
 
 
 def capo_step(
-    ctx, rows: list[PromptRow], *, cfg: RunConfig, policy_dir: str, val_rows=None
+    ctx: StepContext,
+    rows: list[PromptRow],
+    *,
+    cfg: RunConfig,
+    policy_dir: str,
+    val_rows: ValRows,
+    plan: PlacementPlan,
 ) -> dict[str, float]:
     """One CAPO step on this controller's `rows`; returns metrics already reduced over controllers."""
     import msgspec
@@ -135,7 +158,7 @@ def capo_step(
         )
         critiques = [msgspec.convert(d, StepCritique) for d in scored.extra["critiques"]]
     sums = maybe_evaluate(ctx, val_rows, cfg, tok)
-    sleep_engines(ctx, cfg)
+    sleep_engines(ctx, cfg, plan)
 
     with ctx.phase("advantages"):  # vote, token rewards, normalize over each prompt's tokens
         kept = [i for i, k in enumerate(scored.keep) if k]
@@ -172,7 +195,7 @@ def capo_step(
         stats = train(ctx, experience)
 
     with ctx.phase("weight_sync"):
-        wake_engines(ctx, cfg)
+        wake_engines(ctx, cfg, plan)
         sync_weights(ctx)
 
     sums |= sample_sums(scored, kept, len(rows), batch["response_mask"], lp, rollout_lp)
@@ -198,21 +221,31 @@ def check(cfg: RunConfig) -> None:
         raise ValueError("capo's rewards must be rule terms (the verifier r_v): remove the 'genrm' term")
 
 
-def step_function(cfg: RunConfig, policy_dir: str, val_rows=None):
+def step_function(cfg: RunConfig, policy_dir: str, val_rows: ValRows, plan: PlacementPlan) -> StepFn:
     check(cfg)
-    return functools.partial(capo_step, cfg=cfg, policy_dir=policy_dir, val_rows=val_rows)
+    return functools.partial(capo_step, cfg=cfg, policy_dir=policy_dir, val_rows=val_rows, plan=plan)
 
 
-def capo_services(pool, *, cfg: RunConfig, policy_dir: str, judge_dir: str):
+def capo_services(
+    pool: HostPool, *, cfg: RunConfig, policy_dir: str, judge_dir: str, plan: PlacementPlan
+) -> Services:
     """The default services with CAPO's reward service: the rule terms and the step critic on the judge."""
     return build_services(
         pool,
         cfg=cfg,
         policy_dir=policy_dir,
         judge_dir=judge_dir,
+        plan=plan,
         reward_cls=CritiqueWorker,
         reward_args=(cfg, judge_dir, policy_dir),
     )
 
 
-JOB = JobDef(step=step_function, build=capo_services, check=check)
+JOB = JobDef(
+    name="capo",
+    help="CAPO: token-level credit from K step critiques of a GenPRM judge, rule verifier, PPO-clip",
+    preset=tiny_cpu_capo,
+    step=step_function,
+    build=capo_services,
+    check=check,
+)

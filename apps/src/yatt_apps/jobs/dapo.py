@@ -23,13 +23,13 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from yatt_apps.config import DynamicSamplingSpec, RunConfig
+from yatt_apps.config import DynamicSamplingSpec, RunConfig, tiny_cpu_dapo
 from yatt_apps.io.data import PromptRow
-from yatt_apps.runtime.job import JobDef
+from yatt_apps.runtime.job import JobDef, StepFn, ValRows
 from yatt_apps.runtime.phases import (
     Scored,
     generate_and_score,
@@ -46,6 +46,10 @@ from yatt_apps.runtime.phases import (
     train,
     wake_engines,
 )
+
+if TYPE_CHECKING:
+    from yatt_controller.controller import StepContext
+    from yatt_placement.types import PlacementPlan
 
 
 @dataclass
@@ -109,7 +113,9 @@ def push_surplus(buffer: list[PromptRow], surplus: list[PromptRow], cap: int) ->
 WaveFn = Callable[[list[PromptRow], int], list[Group]]
 
 
-def dynamic_sample(ctx, rows: list[PromptRow], wave_fn: WaveFn, spec: DynamicSamplingSpec) -> dict[str, Any]:
+def dynamic_sample(
+    ctx: StepContext, rows: list[PromptRow], wave_fn: WaveFn, spec: DynamicSamplingSpec
+) -> dict[str, Any]:
     """Filter-and-refill until this controller holds len(rows) valid groups or waves run out (see module
     docstring). `wave_fn(prompts, wave)` generates and scores. Reads and updates ctx.state["dapo"]. Returns
     trained/padded groups, every group generated (`groups`) and counts for the metrics."""
@@ -149,7 +155,9 @@ def dynamic_sample(ctx, rows: list[PromptRow], wave_fn: WaveFn, spec: DynamicSam
     }
 
 
-def run_wave(ctx, rows: list[PromptRow], wave: int, *, cfg: RunConfig, tok, scored: list) -> list[Group]:
+def run_wave(
+    ctx: StepContext, rows: list[PromptRow], wave: int, *, cfg: RunConfig, tok: Any, scored: list
+) -> list[Group]:
     """Generate n completions per prompt streamed into scoring, add DAPO's overlong penalty, and mark the
     groups whose shaped scores vary (yatt_algos' dynamic-sampling filter). Appends the `Scored` to `scored`."""
     import torch
@@ -202,7 +210,13 @@ def merge_scored(parts: list[Scored]) -> Scored:
 
 
 def dapo_step(
-    ctx, rows: list[PromptRow], *, cfg: RunConfig, policy_dir: str, val_rows=None
+    ctx: StepContext,
+    rows: list[PromptRow],
+    *,
+    cfg: RunConfig,
+    policy_dir: str,
+    val_rows: ValRows,
+    plan: PlacementPlan,
 ) -> dict[str, float]:
     """One DAPO step on this controller's `rows`; returns metrics already reduced over controllers."""
     import torch
@@ -213,7 +227,7 @@ def dapo_step(
     wave_fn = functools.partial(run_wave, ctx, cfg=cfg, tok=tok, scored=scored)
     picked = dynamic_sample(ctx, rows, wave_fn, cfg.dynamic_sampling)  # rollout + reward, per wave
     sums = maybe_evaluate(ctx, val_rows, cfg, tok)
-    sleep_engines(ctx, cfg)
+    sleep_engines(ctx, cfg, plan)
 
     with ctx.phase("advantages"):  # over trained and padded groups; padded ones have zero variance
         groups = picked["trained"] + picked["padded"]
@@ -246,7 +260,7 @@ def dapo_step(
         stats = train(ctx, experience)
 
     with ctx.phase("weight_sync"):
-        wake_engines(ctx, cfg)
+        wake_engines(ctx, cfg, plan)
         sync_weights(ctx)
 
     every = merge_scored(scored)
@@ -287,8 +301,13 @@ def dapo_metrics(total: dict[str, float], waves: int, expansion: float) -> dict[
     }
 
 
-def step_function(cfg: RunConfig, policy_dir: str, val_rows=None):
-    return functools.partial(dapo_step, cfg=cfg, policy_dir=policy_dir, val_rows=val_rows)
+def step_function(cfg: RunConfig, policy_dir: str, val_rows: ValRows, plan: PlacementPlan) -> StepFn:
+    return functools.partial(dapo_step, cfg=cfg, policy_dir=policy_dir, val_rows=val_rows, plan=plan)
 
 
-JOB = JobDef(step=step_function)
+JOB = JobDef(
+    name="dapo",
+    help="DAPO: GRPO with clip-higher, token-mean loss, overlong shaping and dynamic sampling (refill)",
+    preset=tiny_cpu_dapo,
+    step=step_function,
+)

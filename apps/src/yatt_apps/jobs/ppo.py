@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import functools
 import io
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from yatt_apps.config import RunConfig
+from yatt_apps.config import RunConfig, tiny_cpu_ppo
 from yatt_apps.io.data import PromptRow
-from yatt_apps.runtime.job import JobDef, build_services, policy_roles
+from yatt_apps.runtime.job import JobDef, StepFn, ValRows, build_services, policy_roles
 from yatt_apps.runtime.phases import (
     generate_and_score,
     maybe_evaluate,
@@ -36,6 +36,12 @@ from yatt_apps.runtime.phases import (
     train,
     wake_engines,
 )
+
+if TYPE_CHECKING:
+    from yatt_controller.controller import StepContext
+    from yatt_controller.runner import Services
+    from yatt_controller.worker_group import HostPool
+    from yatt_placement.types import PlacementPlan
 
 
 class CriticWorker:
@@ -95,7 +101,7 @@ class CriticWorker:
         self.learner.load_state_dict(torch.load(io.BytesIO(data), weights_only=True))
 
 
-def whiten_across(ctx, advantages, mask):
+def whiten_across(ctx: StepContext, advantages: Any, mask: Any) -> Any:
     """PPO's advantage normalization over every response token of every controller's batch. [B, T]."""
     import torch
 
@@ -110,7 +116,13 @@ def whiten_across(ctx, advantages, mask):
 
 
 def ppo_step(
-    ctx, rows: list[PromptRow], *, cfg: RunConfig, policy_dir: str, val_rows=None
+    ctx: StepContext,
+    rows: list[PromptRow],
+    *,
+    cfg: RunConfig,
+    policy_dir: str,
+    val_rows: ValRows,
+    plan: PlacementPlan,
 ) -> dict[str, float]:
     """One PPO step on this controller's `rows`; returns metrics already reduced over controllers."""
     import torch
@@ -131,7 +143,7 @@ def ppo_step(
         )
         mask = batch["response_mask"]
     sums = maybe_evaluate(ctx, val_rows, cfg, tok)
-    sleep_engines(ctx, cfg)
+    sleep_engines(ctx, cfg, plan)
 
     with ctx.phase("logprobs"):  # policy and reference on the learner ranks, values on the critic beside them
         values_refs = critic.shard_rows("values", batch)
@@ -163,7 +175,7 @@ def ppo_step(
         critic_stats = train(ctx, {**batch, "returns": returns, "old_values": values}, group="critic")
 
     with ctx.phase("weight_sync"):
-        wake_engines(ctx, cfg)
+        wake_engines(ctx, cfg, plan)
         sync_weights(ctx)
 
     sums |= sample_sums(scored, kept, len(rows), mask, lp, rollout_lp)
@@ -177,11 +189,13 @@ def ppo_step(
     return out
 
 
-def step_function(cfg: RunConfig, policy_dir: str, val_rows=None):
-    return functools.partial(ppo_step, cfg=cfg, policy_dir=policy_dir, val_rows=val_rows)
+def step_function(cfg: RunConfig, policy_dir: str, val_rows: ValRows, plan: PlacementPlan) -> StepFn:
+    return functools.partial(ppo_step, cfg=cfg, policy_dir=policy_dir, val_rows=val_rows, plan=plan)
 
 
-def ppo_services(pool, *, cfg: RunConfig, policy_dir: str, judge_dir: str):
+def ppo_services(
+    pool: HostPool, *, cfg: RunConfig, policy_dir: str, judge_dir: str, plan: PlacementPlan
+) -> Services:
     """The default services plus the critic beside the actor; its weights and optimizer are checkpointed."""
     import uuid
 
@@ -195,7 +209,14 @@ def ppo_services(pool, *, cfg: RunConfig, policy_dir: str, judge_dir: str):
         )
         return ("critic",)
 
-    return build_services(pool, cfg=cfg, policy_dir=policy_dir, judge_dir=judge_dir, extra=critic)
+    return build_services(pool, cfg=cfg, policy_dir=policy_dir, judge_dir=judge_dir, plan=plan, extra=critic)
 
 
-JOB = JobDef(step=step_function, roles=functools.partial(policy_roles, critic=True), build=ppo_services)
+JOB = JobDef(
+    name="ppo",
+    help="PPO with a critic (GAE, KL as a reward penalty, clipped value loss) on rule rewards",
+    preset=tiny_cpu_ppo,
+    step=step_function,
+    roles=functools.partial(policy_roles, critic=True),
+    build=ppo_services,
+)

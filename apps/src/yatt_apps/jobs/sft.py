@@ -18,12 +18,18 @@ import functools
 import io
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from yatt_apps.config import RunConfig
+from yatt_apps.config import RunConfig, tiny_cpu_sft
 from yatt_apps.io.data import PromptRow, arithmetic_task
 from yatt_apps.io.sft_data import chat_messages, encode_pair, load_sft_rows, pad_examples
-from yatt_apps.runtime.job import JobDef
+from yatt_apps.runtime.job import JobDef, StepFn, ValRows
+
+if TYPE_CHECKING:
+    from yatt_controller.controller import StepContext
+    from yatt_controller.runner import Services
+    from yatt_controller.worker_group import HostPool
+    from yatt_placement.types import PlacementPlan
 
 
 def train_rows(cfg: RunConfig) -> list[PromptRow]:
@@ -34,7 +40,7 @@ def train_rows(cfg: RunConfig) -> list[PromptRow]:
     return [PromptRow(prompt=r.prompt, answer=r.response) for r in rows]
 
 
-def sft_batch(tok, rows: list[PromptRow], system_prompt: str) -> dict[str, Any]:
+def sft_batch(tok: Any, rows: list[PromptRow], system_prompt: str) -> dict[str, Any]:
     """Padded input_ids / attention_mask / response_mask [B, T] of rows (prompt = chat template with its
     generation prompt, response = the assistant turn through its eos)."""
     examples = [encode_pair(tok, chat_messages(system_prompt, r.prompt), r.answer) for r in rows]
@@ -42,7 +48,7 @@ def sft_batch(tok, rows: list[PromptRow], system_prompt: str) -> dict[str, Any]:
 
 
 def sft_step(
-    ctx, rows: list[PromptRow], *, cfg: RunConfig, policy_dir: str, val_rows=None
+    ctx: StepContext, rows: list[PromptRow], *, cfg: RunConfig, policy_dir: str, val_rows: ValRows
 ) -> dict[str, float]:
     """One SFT step on this controller's `rows`; metrics reduced over controllers. The run's RUN_DIR/final is
     exported from the last step's checkpoint (yatt_apps.runtime.launch.export_final), as for every job."""
@@ -81,7 +87,7 @@ def check(cfg: RunConfig) -> None:
         raise ValueError("sft trains with the torch learner: model.pipeline_parallel must be 1")
 
 
-def step_function(cfg: RunConfig, policy_dir: str, val_rows=None):
+def step_function(cfg: RunConfig, policy_dir: str, val_rows: ValRows, plan: PlacementPlan) -> StepFn:
     check(cfg)
     return functools.partial(sft_step, cfg=cfg, policy_dir=policy_dir, val_rows=val_rows)
 
@@ -100,7 +106,9 @@ def roles(cfg: RunConfig) -> list:
     return out
 
 
-def build(pool, *, cfg: RunConfig, policy_dir: str, judge_dir: str = ""):
+def build(
+    pool: HostPool, *, cfg: RunConfig, policy_dir: str, judge_dir: str, plan: PlacementPlan
+) -> Services:
     """The SFT job's services: the SFT learner ranks, and the rollout engine that evaluates (if any)."""
     from yatt_controller.runner import Services
     from yatt_controller.sync import WeightSync
@@ -115,7 +123,12 @@ def build(pool, *, cfg: RunConfig, policy_dir: str, judge_dir: str = ""):
     if not cfg.run.eval_every:
         return Services(groups={"actor": actor}, learner="actor")
     rollout = WorkerGroup.create(
-        pool, "rollout", RolloutWorker, args=(cfg, policy_dir), pass_worker_info=True
+        pool,
+        "rollout",
+        RolloutWorker,
+        args=(cfg, policy_dir),
+        kwargs={"shared_device": plan.shares_device("rollout", "actor")},
+        pass_worker_info=True,
     )
     return Services(
         groups={"actor": actor, "rollout": rollout},
@@ -174,7 +187,7 @@ class SFTWorker:
             "num_tokens": float(stats.num_tokens),
         }
 
-    def named_weights(self):
+    def named_weights(self) -> Any:
         for bucket in self.learner.export_weights(64 << 20):
             yield from bucket
 
@@ -212,4 +225,13 @@ class SFTWorker:
         self.learner.load_state_dict(torch.load(io.BytesIO(data), weights_only=True))
 
 
-JOB = JobDef(step=step_function, roles=roles, build=build, check=check, dataset=train_rows)
+JOB = JobDef(
+    name="sft",
+    help="supervised fine-tuning on prompt/response rows (loss on the response); writes an HF folder",
+    preset=tiny_cpu_sft,
+    step=step_function,
+    roles=roles,
+    build=build,
+    check=check,
+    dataset=train_rows,
+)

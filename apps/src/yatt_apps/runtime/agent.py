@@ -107,12 +107,14 @@ class AgentRolloutWorker(RolloutWorker):
     """`RolloutWorker` whose `generate` runs `cfg.rollout.env` episodes of up to `cfg.rollout.max_turns`
     model turns, each within the engine's context. Weight pushes reach the same engine."""
 
-    def __init__(self, cfg: RunConfig, model_dir: str, *, worker_info: Any = None) -> None:
+    def __init__(
+        self, cfg: RunConfig, model_dir: str, *, shared_device: bool = True, worker_info: Any = None
+    ) -> None:
         from yatt_rollout.agent import AgentDriver
 
         from yatt_apps.io.models import load_tokenizer
 
-        super().__init__(cfg, model_dir, worker_info=worker_info)
+        super().__init__(cfg, model_dir, shared_device=shared_device, worker_info=worker_info)
         tok = load_tokenizer(model_dir, trust_remote_code=cfg.model.trust_remote_code)
         self.driver = AgentDriver(
             self.engine,

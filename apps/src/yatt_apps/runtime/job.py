@@ -1,9 +1,9 @@
-"""What a job declares so that launch can run it without knowing it by name: its step function, the roles the
-planner places, the services (worker groups) it hosts on them, and checks of its config.
+"""What a job is, in one object: `JobDef(name, help, preset, step, roles, build, check, ...)`.
 
-A job module (grpo, dapo, ppo, capo, vlm, ...) ends with `JOB = JobDef(...)`; the `yatt` command maps a
-command name to that module. Most jobs take the defaults here: the policy (actor) and its rollout engine, and a
-reward service that is a GenRM judge when the config has a judge model.
+A job module (`jobs/grpo.py`, ..., or a user's own file run with `yatt run FILE.py`) ends with
+`JOB = JobDef(...)`; the registry in `yatt_apps.jobs` lists the shipped ones, and the `yatt` command, `yatt config`
+and `yatt plan` read it: adding a job edits no other file. Most jobs take the defaults here: the policy
+(actor) and its rollout engine, and a reward service that is a GenRM judge when the config has a judge model.
 """
 
 from __future__ import annotations
@@ -11,11 +11,28 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from yatt_apps.config import ModelSpec, RunConfig
+from yatt_apps.io.data import PromptRow
 
-StepFactory = Callable[[RunConfig, str, Callable[[], list] | None], Callable]
+if (
+    TYPE_CHECKING
+):  # for annotations only: yatt_controller and yatt_placement load nothing heavy, but stay lazy
+    from yatt_controller.controller import StepContext
+    from yatt_controller.runner import Services
+    from yatt_controller.worker_group import HostPool
+    from yatt_placement.types import PlacementPlan, RoleSpec
+
+__all__ = ["JobDef", "StepFn", "ValRows", "build_services", "policy_roles"]
+
+# the validation rows of the run (read on first call, in the controller that evaluates), or None
+ValRows = Callable[[], list[PromptRow]] | None
+# what every controller runs once per step on its batch: (ctx, rows) -> the step's metrics
+StepFn = Callable[["StepContext", list[PromptRow]], dict[str, float]]
+# builds the step function of a run: (cfg, policy_dir, val_rows, plan) -> StepFn
+StepFactory = Callable[[RunConfig, str, ValRows, "PlacementPlan"], StepFn]
 
 
 def num_params(spec: ModelSpec) -> float:
@@ -25,7 +42,7 @@ def num_params(spec: ModelSpec) -> float:
     )
 
 
-def policy_roles(cfg: RunConfig, *, critic: bool = False) -> list:
+def policy_roles(cfg: RunConfig, *, critic: bool = False) -> list[RoleSpec]:
     """The trained policy (actor), its rollout engine, an optional critic beside the actor, and the reward
     service (`genrm` with a judge model, else a light `reward` role). In disaggregated mode the trainer gets
     one replica per controller (parallel) and `placement.rollout_replicas` sizes the rollout. An actor replica
@@ -66,25 +83,28 @@ def policy_roles(cfg: RunConfig, *, critic: bool = False) -> list:
 
 
 def reward_role(cfg: RunConfig) -> str:
+    """The reward service's role: `genrm` when a judge model serves it, else the light rule-only `reward`."""
     return "genrm" if cfg.judge is not None else "reward"
 
 
 def build_services(
-    pool,
+    pool: HostPool,
     *,
     cfg: RunConfig,
     policy_dir: str,
     judge_dir: str,
+    plan: PlacementPlan,
     reward_cls: Any = None,
     reward_args: tuple = (),
-    extra: Callable | None = None,
+    extra: Callable[[HostPool, dict[str, Any]], Any] | None = None,
     rollout_cls: Any = None,
-):
+) -> Services:
     """The default services: `actor` (the learner, with its reference), `rollout` (the policy's engine, fed
     by weight pushes: in process where it shares a learner rank's process, broadcast elsewhere) and `reward`
     (`reward_cls`, default the rule/GenRM `RewardWorker`). `extra(pool, groups)` adds a job's own groups and
     returns the names of those every checkpoint holds. `rollout_cls` replaces the rollout worker class (a
-    RolloutWorker subclass; default RolloutWorker, or AgentRolloutWorker with `rollout.env`)."""
+    RolloutWorker subclass; default RolloutWorker, or AgentRolloutWorker with `rollout.env`). Each engine
+    learns from `plan` whether the learner shares its devices (vLLM then takes a part of the memory)."""
     from yatt_controller.runner import Services
     from yatt_controller.sync import WeightSync
     from yatt_controller.worker_group import WorkerGroup
@@ -101,13 +121,21 @@ def build_services(
         from yatt_apps.runtime.agent import AgentRolloutWorker
 
         rollout_cls = AgentRolloutWorker
-    rollout = WorkerGroup.create(pool, "rollout", rollout_cls, args=(cfg, policy_dir), pass_worker_info=True)
+    rollout = WorkerGroup.create(
+        pool,
+        "rollout",
+        rollout_cls,
+        args=(cfg, policy_dir),
+        kwargs={"shared_device": plan.shares_device("rollout", "actor")},
+        pass_worker_info=True,
+    )
     cls = reward_cls or RewardWorker
     reward = WorkerGroup.create(
         pool,
         reward_role(cfg),
         cls,
         args=reward_args or (cfg, judge_dir),
+        kwargs={"shared_device": plan.shares_device(reward_role(cfg), "actor")},
         pass_worker_info=cls is RewardWorker,
     )
     groups = {"actor": actor, "rollout": rollout, "reward": reward}
@@ -118,14 +146,28 @@ def build_services(
 
 @dataclass(frozen=True)
 class JobDef:
-    """A job as launch sees it. `step(cfg, policy_dir, val_rows)` returns the step function every controller
-    runs; `roles(cfg)` what the planner places; `build(pool, cfg=, policy_dir=, judge_dir=)` the services;
-    `check(cfg)` raises ValueError for a config the job cannot run; `asynchronous`: the step trains with a
-    bounded-staleness producer when `algo.max_staleness > 0` (others refuse it)."""
+    """A job in one object. `name` is its command (`yatt NAME`, and `app` in its config); `help` its one line
+    in `yatt --help`; `preset` its default config (a function of no arguments, also listed under `--preset`);
+    `step(cfg, policy_dir, val_rows, plan)` returns the step function every controller runs; `roles(cfg)` what
+    the planner places; `build(pool, cfg=, policy_dir=, judge_dir=, plan=)` the services; `check(cfg)` raises
+    ValueError for a config the job cannot run; `prepare(cfg, run_dir)` returns the config the run uses (e.g.
+    with an embedded dataset written into the run directory); `asynchronous`: the step trains with a
+    bounded-staleness producer when `algo.max_staleness > 0` (others refuse it); `dataset(cfg)` the job's own
+    training rows (None: the prompt datasets)."""
 
+    name: str
+    help: str
+    preset: Callable[[], RunConfig]
     step: StepFactory
-    roles: Callable[[RunConfig], list] = policy_roles
-    build: Callable[..., Any] = build_services
+    roles: Callable[[RunConfig], list[RoleSpec]] = policy_roles
+    build: Callable[..., Services] = build_services
     check: Callable[[RunConfig], None] | None = None
+    prepare: Callable[[RunConfig, Path], RunConfig] | None = None
     asynchronous: bool = False
-    dataset: Callable[[RunConfig], Any] | None = None  # the job's own rows (sft); None: the prompt datasets
+    dataset: Callable[[RunConfig], Any] | None = None
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.name.replace("-", "").replace("_", "").isalnum():
+            raise ValueError(
+                f"JobDef.name must be a command name (letters, digits, - and _), got {self.name!r}"
+            )

@@ -11,9 +11,9 @@ import functools
 import json
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -24,6 +24,9 @@ from yatt_apps.io.row_sources import open_rows, stream_check
 from yatt_apps.io.rundir import RunDir
 from yatt_apps.runtime.job import JobDef
 from yatt_apps.runtime.progress import StepLogger
+
+if TYPE_CHECKING:
+    from yatt_placement.types import PlacementPlan
 
 # Set before Ray is imported. RAY_ENABLE_UV_RUN_RUNTIME_ENV=0: under `uv run`, Ray would otherwise package the
 # working directory (the whole checkout, .venv included) as every worker's runtime env and start them in a copy.
@@ -55,8 +58,10 @@ def val_rows(cfg: RunConfig) -> list[PromptRow]:
     )
 
 
-def placement_plan(cfg: RunConfig, job: JobDef):
-    """The job's roles placed on the configured cluster, sized from `placement.profile` when one is given."""
+def placement_plan(cfg: RunConfig, job: JobDef) -> PlacementPlan:
+    """The job's roles placed on the configured cluster, sized from `placement.profile` when one is given.
+    The one place (with `job.policy_roles`, which sizes the roles) where the apps read `placement.mode`:
+    everything after asks the plan (`shares_device`, `sleeps`, `movable`, ...)."""
     from yatt_placement.planner import plan
     from yatt_placement.types import JobProfile
 
@@ -64,21 +69,23 @@ def placement_plan(cfg: RunConfig, job: JobDef):
     return plan(cfg.placement.cluster, job.roles(cfg), cfg.placement.mode, profile=profile)
 
 
-def replan_hook(cfg: RunConfig, job: JobDef, plan, log_path: Path | None = None):
+def replan_hook(
+    cfg: RunConfig, job: JobDef, plan: PlacementPlan, log_path: Path | None = None
+) -> Callable[[int, dict[str, float]], PlacementPlan | None] | None:
     """Dynamic placement: the driver's per-step hook. It turns the hosts' measured busy seconds of the step
     (device-seconds per role) into `PhaseStats` (mean busy seconds per device of each movable role) for
     `DynamicReplanner`, and returns the new plan it decides (applied by the runtime at the next weight-sync
     boundary), else None. With `log_path` (RUN_DIR/placement.jsonl), every decision is appended as one JSON
     line: the step, each movable role's busy seconds per device and devices, whether it moved, and why (or why
     not): what a user reads to see why the devices did or did not move."""
-    if cfg.placement.mode != "dynamic":
+    if not plan.movable:
         return None
     from yatt_placement.replanner import DynamicReplanner
     from yatt_placement.types import PhaseStats
 
     planner = DynamicReplanner(cfg.placement.cluster, job.roles(cfg), plan, cfg.placement.replan)
 
-    def replan(step: int, busy: dict[str, float]):
+    def replan(step: int, busy: dict[str, float]) -> PlacementPlan | None:
         devices = {key: planner.devices(key) for key in planner.movable()}
         per_device = {key: busy.get(key, 0.0) / n for key, n in devices.items()}
         step_time = max(max(per_device.values(), default=0.0), 1e-6)
@@ -100,6 +107,16 @@ def replan_hook(cfg: RunConfig, job: JobDef, plan, log_path: Path | None = None)
     return replan
 
 
+def check_async_placement(cfg: RunConfig, plan: PlacementPlan) -> None:
+    """Async training (`algo.max_staleness > 0`) overlaps generation with training, which a plan whose roles
+    time-share every device phase by phase (`plan.sleeps`: full colocation) cannot do."""
+    if cfg.algo.max_staleness and plan.sleeps:
+        raise ValueError(
+            "algo.max_staleness > 0 needs placement.mode disaggregated (or partial/dynamic): in full colocation "
+            "rollout and training time-share every device's process, so generation cannot overlap training"
+        )
+
+
 def with_async_correction(cfg: RunConfig) -> RunConfig:
     """Async training corrects for the behaviour policy (the rollout engine's logprobs) with token-level
     truncated importance sampling, cap `algo.rollout_is_threshold` (2 by default), unless a level is set."""
@@ -108,19 +125,19 @@ def with_async_correction(cfg: RunConfig) -> RunConfig:
     return msgspec.structs.replace(cfg, algo=msgspec.structs.replace(cfg.algo, rollout_is_level="token"))
 
 
-def optimizer_updates_per_step(cfg: RunConfig) -> int:
-    """Optimizer steps one RL step makes on a learner rank: updates per batch x mini-batches per update."""
+def optimizer_updates_per_step(cfg: RunConfig, plan: PlacementPlan) -> int:
+    """Optimizer steps one RL step makes on a learner rank: updates per batch x mini-batches per update. The
+    step's samples split over the plan's actor replicas (data-parallel ranks)."""
     samples = cfg.run.prompts_per_step * cfg.sampling.n
-    ranks = cfg.placement.cluster.num_devices if cfg.placement.mode != "disaggregated" else 0
-    per_rank = samples // max(ranks or cfg.controller.num_controllers, 1)
+    per_rank = samples // max(plan.num_replicas("actor") or cfg.controller.num_controllers, 1)
     mini = cfg.optim.mini_batch_size
     return cfg.algo.num_updates_per_batch * (-(-per_rank // mini) if mini else 1)
 
 
-def with_schedule(cfg: RunConfig) -> RunConfig:
+def with_schedule(cfg: RunConfig, plan: PlacementPlan) -> RunConfig:
     """The LR schedule spans the run's optimizer updates (run.schedule_steps or run.num_steps, x updates per
     step), whatever optim.num_training_steps said, so the learning rate reaches its floor at the last step."""
-    total = (cfg.run.schedule_steps or cfg.run.num_steps) * optimizer_updates_per_step(cfg)
+    total = (cfg.run.schedule_steps or cfg.run.num_steps) * optimizer_updates_per_step(cfg, plan)
     optim = msgspec.structs.replace(cfg.optim, num_training_steps=max(total, cfg.optim.num_warmup_steps + 1))
     critic = cfg.critic_optim
     if critic is not None:
@@ -152,7 +169,7 @@ def _init_ray(cfg: RunConfig) -> bool:
     return True
 
 
-def check_hardware(cfg: RunConfig, plan) -> None:
+def check_hardware(cfg: RunConfig, plan: PlacementPlan) -> None:
     """A plan of real models that needs more devices than this machine has, with no cluster to join, stops
     here with what it needs. Tiny models (no model.path) run on logical devices anywhere, as on CPU."""
     if cfg.ray.address or os.environ.get("RAY_ADDRESS") or not cfg.model.path:
@@ -169,7 +186,7 @@ def check_hardware(cfg: RunConfig, plan) -> None:
         )
 
 
-def prepare_models(cfg: RunConfig, run: RunDir, dataset=train_rows) -> tuple[str, str]:
+def prepare_models(cfg: RunConfig, run: RunDir, dataset: Any = train_rows) -> tuple[str, str]:
     """The policy's and the judge's model directories; tiny ones are built with a tokenizer trained on the
     task's text (the only time the driver reads every row's text)."""
     tiny = not cfg.model.path or (cfg.judge is not None and not cfg.judge.path)
@@ -182,7 +199,7 @@ def prepare_models(cfg: RunConfig, run: RunDir, dataset=train_rows) -> tuple[str
     return policy_dir, judge_dir
 
 
-def check_data(cfg: RunConfig, policy_dir: str, dataset=train_rows) -> None:
+def check_data(cfg: RunConfig, policy_dir: str, dataset: Any = train_rows) -> None:
     """Every training row validated and its prompt length checked, one row at a time, none held."""
     from yatt_apps.runtime.phases import render_prompt
 
@@ -220,6 +237,10 @@ def run_job(cfg: RunConfig, run_dir: str | Path, job: JobDef) -> dict[str, Any]:
         check_env(cfg)
     if job.check is not None:
         job.check(cfg)
+    if job.prepare is not None:
+        cfg = job.prepare(cfg, Path(run_dir))
+    plan = placement_plan(cfg, job)
+    check_async_placement(cfg, plan)
     started_at = time.perf_counter()
     from yatt_controller import checkpoint
 
@@ -229,8 +250,7 @@ def run_job(cfg: RunConfig, run_dir: str | Path, job: JobDef) -> dict[str, Any]:
     run = RunDir(path, resume_step=-1 if found is None else found[1].step)
     cfg = absolute_paths(cfg)
     run.write_config(cfg)
-    cfg = with_async_correction(with_schedule(cfg))
-    plan = placement_plan(cfg, job)
+    cfg = with_async_correction(with_schedule(cfg, plan))
     check_hardware(cfg, plan)
     rows = job.dataset or train_rows
     policy_dir, judge_dir = prepare_models(cfg, run, rows)
@@ -246,8 +266,8 @@ def run_job(cfg: RunConfig, run_dir: str | Path, job: JobDef) -> dict[str, Any]:
     start = 0 if found is None else found[1].step + 1
     logger = StepLogger(run, cfg.run.num_steps, start, cfg.run.progress, started_at=started_at)
     runtime = Job(
-        build=functools.partial(job.build, cfg=cfg, policy_dir=policy_dir, judge_dir=judge_dir),
-        step_fn=job.step(cfg, policy_dir, functools.partial(val_rows, cfg)),
+        build=functools.partial(job.build, cfg=cfg, policy_dir=policy_dir, judge_dir=judge_dir, plan=plan),
+        step_fn=job.step(cfg, policy_dir, functools.partial(val_rows, cfg), plan),
         dataset=functools.partial(rows, cfg),
         batch_size=cfg.run.prompts_per_step,
         num_steps=cfg.run.num_steps,

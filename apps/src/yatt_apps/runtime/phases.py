@@ -9,24 +9,27 @@ SPMD step).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from yatt_apps.config import RunConfig
 from yatt_apps.io.data import PromptRow
 
-_TOKENIZERS: dict[str, Any] = {}  # per controller process: model dir -> tokenizer
+if TYPE_CHECKING:
+    from yatt_controller.controller import StepContext
+    from yatt_placement.types import PlacementPlan
 
 
-def tokenizer(path: str):
-    if path not in _TOKENIZERS:
-        from yatt_apps.io.models import load_tokenizer
+@functools.cache
+def tokenizer(path: str) -> Any:
+    """The tokenizer of the model folder `path`, loaded once per process (a controller's steps share it)."""
+    from yatt_apps.io.models import load_tokenizer
 
-        _TOKENIZERS[path] = load_tokenizer(path)
-    return _TOKENIZERS[path]
+    return load_tokenizer(path)
 
 
-def render_prompt(tok, row: PromptRow, system_prompt: str) -> list[int]:
+def render_prompt(tok: Any, row: PromptRow, system_prompt: str) -> list[int]:
     """The chat-templated prompt token ids of one row; a row with images opens its user turn with one
     Qwen2-VL placeholder per image (one pad token each: the engine expands it to the image's size)."""
     placeholders = "<|vision_start|><|image_pad|><|vision_end|>" * len(row.images)
@@ -38,7 +41,7 @@ def render_prompt(tok, row: PromptRow, system_prompt: str) -> list[int]:
 
 
 def make_requests(
-    rows: list[PromptRow], prompt_ids: list[list[int]], sampling, tag: str, seed: int | None
+    rows: list[PromptRow], prompt_ids: list[list[int]], sampling: Any, tag: str, seed: int | None
 ) -> list:
     """One request per prompt. With `seed`, request i samples from seed + i: a resumed run draws the same
     completions as one that never stopped, whatever the engine did before."""
@@ -57,7 +60,7 @@ def make_requests(
     ]
 
 
-def prompt_index(completion) -> int:
+def prompt_index(completion: Any) -> int:
     """The prompt (GRPO group) a completion answers, from its request id `TAG-pI`."""
     return int(completion.request_id.rsplit("-p", 1)[1])
 
@@ -77,11 +80,11 @@ def pad_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: int)
     return {"input_ids": input_ids, "attention_mask": attention, "response_mask": response}
 
 
-def flat(parts) -> list[Any]:
+def flat(parts: Any) -> list[Any]:
     return [item for part in parts for item in part]
 
 
-def sample_seed(cfg: RunConfig, ctx, wave: int = 0, *, step: int | None = None) -> int:
+def sample_seed(cfg: RunConfig, ctx: StepContext, wave: int = 0, *, step: int | None = None) -> int:
     """The base sampling seed of this controller's step (or of `step`, an async batch's launch step); prompt
     i of a wave samples from base + i (< 1000 prompts per wave). Refill waves (wave > 0, DAPO) draw from
     disjoint seeds: wave << 40."""
@@ -113,7 +116,7 @@ def num_chunks(num_prompts: int, num_replicas: int) -> int:
     return max(1, min(num_prompts, 2 * num_replicas))
 
 
-def reward_requests(rows: list[PromptRow], completions: list, tok, *, token_ids: bool = False) -> list:
+def reward_requests(rows: list[PromptRow], completions: list, tok: Any, *, token_ids: bool = False) -> list:
     """One `RewardRequest` per completion: the row's prompt and answer, the decoded response."""
     from yatt_multimodal.types import RewardRequest
 
@@ -130,13 +133,13 @@ def reward_requests(rows: list[PromptRow], completions: list, tok, *, token_ids:
 
 
 def generate_and_score(
-    ctx,
+    ctx: StepContext,
     rows: list[PromptRow],
     prompt_ids: list[list[int]],
-    sampling,
+    sampling: Any,
     tag: str,
     seed: int | None,
-    tok,
+    tok: Any,
     *,
     method: str = "score",
     token_ids: bool = False,
@@ -153,7 +156,7 @@ def generate_and_score(
     return scored
 
 
-def submit_rollout(ctx, requests: list) -> list:
+def submit_rollout(ctx: StepContext, requests: list) -> list:
     """Every chunk of `requests` sent to this controller's least-loaded rollout replicas now (object refs)."""
     from yatt_controller.dispatch import split_evenly
 
@@ -163,8 +166,14 @@ def submit_rollout(ctx, requests: list) -> list:
 
 
 def score_stream(
-    ctx, rows: list[PromptRow], refs: list, tok, *, method: str = "score", token_ids: bool = False
-):
+    ctx: StepContext,
+    rows: list[PromptRow],
+    refs: list,
+    tok: Any,
+    *,
+    method: str = "score",
+    token_ids: bool = False,
+) -> Any:
     """The completions of each rollout ref handed to a reward replica the moment they are done; a `Scored`
     with the stream's busy and overlap seconds. Versions are not checked here (the caller knows its bound)."""
     from yatt_controller.stream import Stage, run_stream
@@ -204,7 +213,7 @@ def score_stream(
     )
 
 
-def check_completions(ctx, completions: list) -> None:
+def check_completions(ctx: StepContext, completions: list) -> None:
     """Never train on another policy's samples; a failed generation fails the step with its message."""
     ctx.check_versions([c.policy_version for c in completions])
     errors = [c.error for c in completions if c.finish_reason == "error"]
@@ -212,7 +221,14 @@ def check_completions(ctx, completions: list) -> None:
         raise ValueError(f"rollout failed for {len(errors)} completion(s): {errors[0]}")
 
 
-def generate(ctx, rows: list[PromptRow], prompt_ids: list[list[int]], sampling, tag: str, seed: int | None):
+def generate(
+    ctx: StepContext,
+    rows: list[PromptRow],
+    prompt_ids: list[list[int]],
+    sampling: Any,
+    tag: str,
+    seed: int | None,
+) -> Any:
     """Completions only (evaluation): the same streaming call with one stage."""
     from yatt_controller.dispatch import split_evenly
     from yatt_controller.stream import Stage, run_stream
@@ -229,7 +245,9 @@ def generate(ctx, rows: list[PromptRow], prompt_ids: list[list[int]], sampling, 
 # ---- advantages ---------------------------------------------------------------------------------------------
 
 
-def group_advantages(cfg: RunConfig, scores, mask, group_ids, components: list[dict[str, float]]):
+def group_advantages(
+    cfg: RunConfig, scores: Any, mask: Any, group_ids: Any, components: list[dict[str, float]]
+) -> Any:
     """`algo.adv_estimator` over the kept rows: scores [B], mask [B, T], group_ids [B]; GDPO also gets each
     reward term's own score [B, K] (terms in `rewards` order; a term that did not score counts 0)."""
     import torch
@@ -245,7 +263,7 @@ def group_advantages(cfg: RunConfig, scores, mask, group_ids, components: list[d
     return advantages
 
 
-def pf_ppo_rows(cfg: RunConfig, ctx, scores) -> list[int]:
+def pf_ppo_rows(cfg: RunConfig, ctx: StepContext, scores: Any) -> list[int]:
     """pf-PPO (arXiv 2503.05066): the rows to train on, drawn with replacement by reward (every row, in
     order, when `algo.pf_ppo_method` is "none"); seeded per controller and step."""
     import torch
@@ -269,7 +287,7 @@ def concat_rows(parts: list[dict[str, Any]]) -> dict[str, Any]:
     return {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
 
 
-def old_logprobs(ctx, batch: dict[str, Any], responses: list) -> tuple[dict[str, Any], Any]:
+def old_logprobs(ctx: StepContext, batch: dict[str, Any], responses: list) -> tuple[dict[str, Any], Any]:
     """Old (this policy) and reference logprobs and entropy [B, T] from this controller's learner ranks, and
     the rollout engine's own logprobs of `responses` (one per row of `batch`) on the same tokens [B, T]."""
     import torch
@@ -284,14 +302,14 @@ def old_logprobs(ctx, batch: dict[str, Any], responses: list) -> tuple[dict[str,
     return lp, rollout_lp
 
 
-def train(ctx, experience: dict[str, Any], group: str | None = None) -> dict[str, float]:
+def train(ctx: StepContext, experience: dict[str, Any], group: str | None = None) -> dict[str, float]:
     """The SPMD update on this controller's learner ranks (or another learner group's, e.g. a critic);
     stats are global (reduced inside the learner), so rank 0's stand for all."""
     learner = ctx.learner if group is None else ctx.services[group]
     return ctx.get(learner.shard_rows("train", experience))[0]
 
 
-def sync_weights(ctx) -> None:
+def sync_weights(ctx: StepContext) -> None:
     """Version v+1 to every rollout replica: the in-process copy where a replica shares a learner rank's
     process, the broadcast group elsewhere. An FSDP2 (or Megatron tensor-parallel) export is a collective,
     so first every controller has each of its own learner ranks gather the full weights (together they cover
@@ -300,19 +318,20 @@ def sync_weights(ctx) -> None:
     ctx.sync_weights()
 
 
-def sleep_engines(ctx, cfg: RunConfig) -> None:
+def sleep_engines(ctx: Any, cfg: RunConfig, plan: PlacementPlan) -> None:
     """Full colocation time-shares devices: the engines release memory before the learner runs. The rollout
     engine sleeps at `placement.sleep_level` (1: caches, and weights offloaded off the accelerator; 2: weights
     discarded, the next weight push restores them); a judge never discards its frozen weights (level <= 1)."""
     level = cfg.placement.sleep_level
-    if cfg.placement.mode == "colocated" and level:
+    if plan.sleeps and level:
         with ctx.phase("sleep"):
             rollout, reward = ctx.services["rollout"], ctx.services["reward"]
             ctx.get(rollout.broadcast("sleep", level) + reward.broadcast("sleep", 1))
 
 
-def wake_engines(ctx, cfg: RunConfig) -> None:
-    if cfg.placement.mode == "colocated" and cfg.placement.sleep_level:
+def wake_engines(ctx: Any, cfg: RunConfig, plan: PlacementPlan) -> None:
+    """The engines slept by `sleep_engines` wake before the next generation."""
+    if plan.sleeps and cfg.placement.sleep_level:
         for name in ("rollout", "reward"):
             ctx.get(ctx.services[name].broadcast("wake_up"))
 
@@ -342,9 +361,9 @@ def sample_sums(
     scored: Scored,
     kept: list[int],
     num_prompts: int,
-    mask,
+    mask: Any,
     lp: dict[str, Any],
-    rollout_lp,
+    rollout_lp: Any,
     scores: list[float] | None = None,
 ) -> dict[str, float]:
     """This controller's sums for `summarize` (all-reduced first): rewards of the trained samples (`scores`,
@@ -374,7 +393,7 @@ def sample_sums(
     return sums
 
 
-def evaluate(ctx, val_rows, cfg: RunConfig, tok) -> dict[str, float]:
+def evaluate(ctx: StepContext, val_rows: Any, cfg: RunConfig, tok: Any) -> dict[str, float]:
     """Greedy accuracy (math_verify against the answer) on this controller's share of the validation rows."""
     from yatt_multimodal.rules import math_reward
     from yatt_multimodal.types import RewardRequest
@@ -400,7 +419,7 @@ def evaluate(ctx, val_rows, cfg: RunConfig, tok) -> dict[str, float]:
     return {"val/correct": float(correct), "val/total": float(len(mine))}
 
 
-def maybe_evaluate(ctx, val_rows, cfg: RunConfig, tok) -> dict[str, float]:
+def maybe_evaluate(ctx: StepContext, val_rows: Any, cfg: RunConfig, tok: Any) -> dict[str, float]:
     """Validation sums every `run.eval_every` steps, step 0 included (empty otherwise)."""
     every = cfg.run.eval_every
     if val_rows is None or not every or ctx.step % every:

@@ -19,6 +19,9 @@ generations in flight (KV cache recomputed) instead of after them, so the push n
 launched batches. A completion then carries tokens of several versions (`Completion.version_runs`); its
 staleness is that of its oldest token, which is still made by the launch step's policy or a later one, so
 the bound k holds. `async/partial_resumed` counts the trained completions that span more than one version.
+
+State: a `Producer` per controller rank, in the `Producers` the step function holds (built with it, so each
+controller process's copy of the step function has its own; nothing lives at module level).
 """
 
 from __future__ import annotations
@@ -33,10 +36,6 @@ import msgspec
 from yatt_apps.config import RunConfig
 from yatt_apps.io.data import PromptRow
 
-_QUEUES: dict[int, deque] = {}  # per controller process: controller rank -> launched batches, oldest first
-_TRAINS: dict[int, deque] = {}  # per controller: recent (start, end) perf_counter times of its train phases
-_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="yatt-producer")
-
 
 @dataclass
 class Launched:
@@ -49,12 +48,8 @@ class Launched:
 
 
 def check_async(cfg: RunConfig) -> None:
-    """Config errors: async needs the engines outside the learner's processes and a GRPO-family job."""
-    if cfg.algo.max_staleness and cfg.placement.mode == "colocated":
-        raise ValueError(
-            "algo.max_staleness > 0 needs placement.mode disaggregated (or partial/dynamic): in full colocation "
-            "rollout and training time-share every device's process, so generation cannot overlap training"
-        )
+    """Config errors of async training (its placement is checked against the plan, in
+    `launch.check_async_placement`)."""
     if cfg.rollout.partial and not cfg.algo.max_staleness:
         raise ValueError(
             "rollout.partial=true needs algo.max_staleness > 0: on-policy steps have no generation in flight "
@@ -62,86 +57,111 @@ def check_async(cfg: RunConfig) -> None:
         )
 
 
-def launch(ctx, cfg: RunConfig, rows: list[PromptRow], tok, step: int) -> Launched:
-    """Submit every rollout call of `rows` now (they queue ahead of this step's weight push), then stream
-    the completions into scoring on a background thread."""
-    from yatt_apps.runtime.phases import (
-        make_requests,
-        render_prompt,
-        sample_seed,
-        score_stream,
-        submit_rollout,
-    )
+class Producer:
+    """One controller's producer: its launched batches (oldest first), the recent (start, end) times of its
+    train phases, and the thread that streams each launched batch into scoring."""
 
-    prompt_ids = [render_prompt(tok, row, cfg.data.system_prompt) for row in rows]
-    seed = sample_seed(cfg, ctx, step=step)
-    refs = submit_rollout(ctx, make_requests(rows, prompt_ids, cfg.sampling, f"s{step}-c{ctx.rank}", seed))
-    future = _POOL.submit(score_stream, ctx, rows, refs, tok)
-    return Launched(step, rows, prompt_ids, future)
+    def __init__(self) -> None:
+        self.queue: deque[Launched] = deque()
+        self.trains: deque[tuple[float, float]] = deque(maxlen=64)
+        self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="yatt-producer")
+
+    def launch(self, ctx: Any, cfg: RunConfig, rows: list[PromptRow], tok: Any, step: int) -> Launched:
+        """Submit every rollout call of `rows` now (they queue ahead of this step's weight push), then stream
+        the completions into scoring on a background thread."""
+        from yatt_apps.runtime.phases import (
+            make_requests,
+            render_prompt,
+            sample_seed,
+            score_stream,
+            submit_rollout,
+        )
+
+        prompt_ids = [render_prompt(tok, row, cfg.data.system_prompt) for row in rows]
+        seed = sample_seed(cfg, ctx, step=step)
+        tag = f"s{step}-c{ctx.rank}"
+        refs = submit_rollout(ctx, make_requests(rows, prompt_ids, cfg.sampling, tag, seed))
+        future = self.pool.submit(score_stream, ctx, rows, refs, tok)
+        return Launched(step, rows, prompt_ids, future)
+
+    def next_batch(self, ctx: Any, cfg: RunConfig, rows: list[PromptRow], tok: Any) -> tuple[Launched, Any]:
+        """Launch this step's batch (and, at the first step, the k after it); return the oldest launched batch
+        and its `Scored` (waited for), whose samples are at most k policy versions old."""
+        k = cfg.algo.max_staleness
+        restored = ctx.state.pop("async_queue", None)
+        if restored is not None:
+            self.queue.clear()
+            self.queue.extend(_restore(restored))
+        if not self.queue:  # a fresh run (or a resumed one without a stored queue): fill the window
+            self.queue.append(self.launch(ctx, cfg, rows, tok, ctx.step))
+            for ahead in range(1, k + 1):
+                self.queue.append(self.launch(ctx, cfg, ctx.next_batch(), tok, ctx.step + ahead))
+        else:
+            self.queue.append(self.launch(ctx, cfg, rows, tok, ctx.step + k))
+        oldest = self.queue.popleft()
+        scored = oldest.scored.result()
+        ctx.check_versions([oldest_version(c) for c in scored.completions], max_staleness=k)
+        return oldest, scored
+
+    def async_sums(
+        self, ctx: Any, scored: Any, kept: list[int], version: int, train: tuple[float, float]
+    ) -> dict[str, float]:
+        """Per trained sample, the updated policy's `version` - the version that made it (sum, count; the max
+        is all-reduced here), and how long this step's training overlapped the rollouts then in flight (the
+        launched batches still being generated or scored when training began or after: a batch's production
+        runs from its first generation request to its last scored chunk; measured when each is consumed)."""
+        ages = [version - oldest_version(scored.completions[i]) for i in kept]
+        resumed = sum(len(set(versions(scored.completions[i]))) > 1 for i in kept)
+        self.trains.append(train)
+        start = scored.stream.get("rollout_start", 0.0)
+        end = scored.stream.get("reward_end", scored.stream.get("rollout_end", 0.0))
+        overlap = sum(max(0.0, min(end, b) - max(start, a)) for a, b in self.trains)
+        peak = ctx.all_reduce({"max": float(max(ages, default=0))}, "max")["max"]
+        return {
+            "async/staleness/sum": float(sum(ages)),
+            "async/samples": float(len(ages)),
+            "async/staleness_max_all": peak,
+            "async/overlap_s": overlap,
+            "async/partial_resumed/sum": float(resumed),  # completions whose tokens span a weight update
+        }
+
+    def store_queue(self, ctx: Any, cfg: RunConfig) -> None:
+        """Before a checkpoint: wait for every launched batch and keep them in the controller's state."""
+        every = cfg.controller.checkpoint_every
+        last = ctx.step == cfg.run.num_steps - 1
+        if not every or ((ctx.step + 1) % every and not last):
+            return
+        ctx.state["async_queue"] = [_encode(item) for item in self.queue]
 
 
-def next_batch(ctx, cfg: RunConfig, rows: list[PromptRow], tok) -> tuple[Launched, Any]:
-    """Launch this step's batch (and, at the first step, the k after it); return the oldest launched batch
-    and its `Scored` (waited for), whose samples are at most k policy versions old."""
-    k = cfg.algo.max_staleness
-    queue = _QUEUES.setdefault(ctx.rank, deque())
-    restored = ctx.state.pop("async_queue", None)
-    if restored is not None:
-        queue.clear()
-        queue.extend(_restore(restored))
-    if not queue:  # a fresh run (or a resumed one without a stored queue): fill the window
-        queue.append(launch(ctx, cfg, rows, tok, ctx.step))
-        for ahead in range(1, k + 1):
-            queue.append(launch(ctx, cfg, ctx.next_batch(), tok, ctx.step + ahead))
-    else:
-        queue.append(launch(ctx, cfg, rows, tok, ctx.step + k))
-    oldest = queue.popleft()
-    scored = oldest.scored.result()
-    ctx.check_versions([oldest_version(c) for c in scored.completions], max_staleness=k)
-    return oldest, scored
+class Producers:
+    """Each controller rank's `Producer`, created on its first step. Held by the step function; a copy sent
+    to another process (the step function travels to every controller) starts empty: batches in flight
+    belong to the process that launched them, and reach a restarted controller only through its checkpoint."""
+
+    def __init__(self) -> None:
+        self.by_rank: dict[int, Producer] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.by_rank = {}
+
+    def of(self, rank: int) -> Producer:
+        """This controller rank's producer."""
+        return self.by_rank.setdefault(rank, Producer())
 
 
-def versions(completion) -> list[int]:
+def versions(completion: Any) -> list[int]:
     """The policy versions of a completion's tokens, run by run (a multi-turn `Trajectory` has one run)."""
     runs = completion.runs() if hasattr(completion, "runs") else []
     return [v for v, _ in runs] or [completion.policy_version]
 
 
-def oldest_version(completion) -> int:
+def oldest_version(completion: Any) -> int:
     """The version a staleness bound is checked against: that of the completion's oldest token."""
     return min(versions(completion))
-
-
-def async_sums(ctx, scored, kept: list[int], version: int, train: tuple[float, float]) -> dict[str, float]:
-    """Per trained sample, the updated policy's `version` - the version that made it (sum, count; the max is
-    all-reduced here), and how long this step's training overlapped the rollouts then in flight (the launched batches
-    still being generated or scored when training began or after: a batch's production runs from its first
-    generation request to its last scored chunk; measured when each batch is consumed)."""
-    ages = [version - oldest_version(scored.completions[i]) for i in kept]
-    resumed = sum(len(set(versions(scored.completions[i]))) > 1 for i in kept)
-    trains = _TRAINS.setdefault(ctx.rank, deque(maxlen=64))
-    trains.append(train)
-    start = scored.stream.get("rollout_start", 0.0)
-    end = scored.stream.get("reward_end", scored.stream.get("rollout_end", 0.0))
-    overlap = sum(max(0.0, min(end, b) - max(start, a)) for a, b in trains)
-    peak = ctx.all_reduce({"max": float(max(ages, default=0))}, "max")["max"]
-    return {
-        "async/staleness/sum": float(sum(ages)),
-        "async/samples": float(len(ages)),
-        "async/staleness_max_all": peak,
-        "async/overlap_s": overlap,
-        "async/partial_resumed/sum": float(resumed),  # completions whose tokens span a weight update
-    }
-
-
-def store_queue(ctx, cfg: RunConfig) -> None:
-    """Before a checkpoint: wait for every launched batch and keep them in the controller's state."""
-    every = cfg.controller.checkpoint_every
-    last = ctx.step == cfg.run.num_steps - 1
-    if not every or ((ctx.step + 1) % every and not last):
-        return
-    queue = _QUEUES.get(ctx.rank, deque())
-    ctx.state["async_queue"] = [_encode(item) for item in queue]
 
 
 def _encode(item: Launched) -> dict[str, Any]:

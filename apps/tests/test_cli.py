@@ -118,8 +118,9 @@ def test_config_prints_every_key_with_a_doc_and_loads_back(preset, capsys, tmp_p
     assert "  lr: 0.25  # peak learning rate (AdamW)" in lines
     assert undocumented(PRESETS[preset]()) == []
     (tmp_path / "c.yaml").write_text(out)
-    want = build_config(RunConfig, PRESETS[preset](), None, ["optim.lr=0.25"])
-    assert build_config(RunConfig, RunConfig(), tmp_path / "c.yaml") == want
+    cls = type(PRESETS[preset]())  # the preset's job's config class (RunConfig, or e.g. PpoConfig)
+    want = build_config(cls, PRESETS[preset](), None, ["optim.lr=0.25"])
+    assert build_config(cls, cls(), tmp_path / "c.yaml") == want
 
 
 def _fake_run(tmp_path, num_steps: int, checkpoint_step: int | None):
@@ -229,3 +230,57 @@ def test_paper_preset_gets_past_placement_and_stops_on_missing_hardware(tmp_path
     err = capsys.readouterr().err
     assert code == 1
     assert "the placement plan (partial) needs 64 devices (8 nodes x 8)" in err and "ray.address" in err
+
+
+# ---- each job's own config -------------------------------------------------------------------------------
+
+# the keys only some jobs have; every job has the shared RunConfig keys
+OWN_KEYS = {
+    "grpo": set(),
+    "grpo-vlm": set(),
+    "dapo": {"dynamic_sampling"},
+    "ppo": {"critic_optim"},
+    "capo": {"capo"},
+    "sft": {"sft"},
+}
+
+
+@pytest.mark.parametrize("name", sorted(OWN_KEYS))
+def test_yatt_config_of_each_job_lists_only_its_keys(name, capsys):
+    assert main(["config", "--job", name]) == 0
+    out = capsys.readouterr().out
+    top = {line.split(":")[0] for line in out.splitlines() if line[:1].isalpha()}
+    shared = set(RunConfig.__struct_fields__)
+    assert top == shared | OWN_KEYS[name]
+    others = set().union(*OWN_KEYS.values()) - OWN_KEYS[name]
+    assert not top & others and f"app: {name}" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["ppo", "--set", "capo.w_whole=1"], "'capo' is a key of the capo job's config, not of ppo's"),
+        (
+            ["grpo", "--set", "critic_optim.lr=1e-3"],
+            "'critic_optim' is a key of the ppo job's config, not of grpo's",
+        ),
+        (["capo", "--set", "dynamic_sampling.max_refill=1"], "'dynamic_sampling' is a key of the dapo job's"),
+        (["config", "--job", "dapo", "--set", "sft.train=x.jsonl"], "'sft' is a key of the sft job's config"),
+    ],
+)
+def test_a_job_rejects_another_jobs_keys(argv, message, capsys, tmp_path):
+    assert main([*argv, "--run-dir", str(tmp_path / "run")]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_job_config_from_a_yaml_file_is_checked_too(tmp_path, capsys):
+    overlay = tmp_path / "o.yaml"
+    overlay.write_text("capo:\n  w_whole: 1.0\n")
+    assert main(["dapo", "--config", str(overlay), "--run-dir", str(tmp_path / "run")]) == 2
+    assert "'capo' is a key of the capo job's config, not of dapo's" in capsys.readouterr().err
+    # the job's own keys load, and a preset of another job keeps only the shared ones
+    assert main(["config", "--job", "capo", "--config", str(overlay)]) == 0
+    assert "w_whole: 1.0" in capsys.readouterr().out
+    assert main(["config", "--job", "grpo", "--preset", "tiny_cpu_ppo"]) == 0
+    out = capsys.readouterr().out
+    assert "app: grpo" in out and "critic_optim" not in out

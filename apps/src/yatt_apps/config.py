@@ -9,7 +9,7 @@ leaf (`yatt_apps.overlay`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
 import msgspec
 from yatt_algos.types import AlgoConfig, LearnerConfig, OptimConfig
@@ -17,6 +17,8 @@ from yatt_controller.types import ControllerSpec
 from yatt_multimodal.types import JudgeSpec, RewardSpec
 from yatt_placement.types import ClusterSpec, PlacementMode, ReplanConfig
 from yatt_rollout.types import SamplingParams
+
+C = TypeVar("C", bound="RunConfig")
 
 
 class _Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -201,7 +203,9 @@ class SFTSpec(_Config, kw_only=True):
 
 
 class RunConfig(_Config, kw_only=True):
-    """A whole job. `app` names its job (`JobDef.name`: grpo, dapo, ppo, capo, grpo-vlm, sft, or a job file's)."""
+    """The run config every job shares (grpo and grpo-vlm use it as is); a job with keys of its own extends
+    it (`DapoConfig`, `PpoConfig`, `CapoConfig`, `SftConfig`), so each job's config holds only the keys it uses
+    and rejects another job's. `app` names its job (`JobDef.name`)."""
 
     app: str = "grpo"
     run: RunSpec = RunSpec()
@@ -215,13 +219,9 @@ class RunConfig(_Config, kw_only=True):
     learner: LearnerConfig = LearnerConfig()
     controller: ControllerSpec = ControllerSpec()
     placement: PlacementConfig = PlacementConfig()
-    capo: CapoSpec = CapoSpec()  # capo
-    dynamic_sampling: DynamicSamplingSpec = DynamicSamplingSpec()  # dapo
-    critic_optim: OptimConfig | None = None  # ppo's critic; None: the policy's `optim`
     rollout: RolloutSpec = RolloutSpec()
     ray: RaySpec = RaySpec()
     log: LogSpec = LogSpec()
-    sft: SFTSpec = SFTSpec()  # sft
 
     def __post_init__(self) -> None:
         if self.run.prompts_per_step % self.controller.num_controllers:
@@ -233,6 +233,43 @@ class RunConfig(_Config, kw_only=True):
             raise ValueError("rewards has a 'genrm' term but judge (the judge model) is not set")
         for problem in hardware_problems(self):
             raise ValueError(problem)
+
+
+class DapoConfig(RunConfig, kw_only=True):
+    """`yatt dapo`: the shared keys and DAPO's dynamic sampling."""
+
+    app: str = "dapo"
+    dynamic_sampling: DynamicSamplingSpec = DynamicSamplingSpec()
+
+
+class PpoConfig(RunConfig, kw_only=True):
+    """`yatt ppo`: the shared keys and the critic's optimizer."""
+
+    app: str = "ppo"
+    critic_optim: OptimConfig | None = None  # the critic's optimizer; None: the policy's `optim`
+
+
+class CapoConfig(RunConfig, kw_only=True):
+    """`yatt capo`: the shared keys and CAPO's credit assignment."""
+
+    app: str = "capo"
+    capo: CapoSpec = CapoSpec()
+
+
+class SftConfig(RunConfig, kw_only=True):
+    """`yatt sft`: the shared keys and the supervised data."""
+
+    app: str = "sft"
+    sft: SFTSpec = SFTSpec()
+
+
+def as_config(cls: type[C], cfg: RunConfig, **changes: Any) -> C:
+    """`cfg` as the config class `cls` (a job's): the keys `cls` has are kept, `changes` applied on top, keys
+    it lacks are dropped (e.g. `yatt grpo --preset tiny_cpu_ppo` keeps the shared keys of PPO's preset) and
+    `app` is the class's default unless `changes` name it."""
+    # `app` is the class's own (a job's config names its job); every other shared key is kept
+    keep = {n: getattr(cfg, n) for n in cfg.__struct_fields__ if n in cls.__struct_fields__ and n != "app"}
+    return cls(**{**keep, **changes})
 
 
 def hardware_problems(cfg: RunConfig) -> list[str]:
@@ -438,15 +475,15 @@ def _tiny_base() -> RunConfig:
     )
 
 
-def tiny_cpu_dapo() -> RunConfig:
+def tiny_cpu_dapo() -> DapoConfig:
     """`yatt dapo` on the tiny task (DAPO, arXiv 2503.14476): the rule terms of `tiny_cpu` without the judge (a
     noisy judge would make every group vary, leaving dynamic sampling nothing to filter), clip-higher 0.28,
     token-mean loss, no KL term, responses up to 8 tokens with the overlong penalty over the last 2 (down to
     -0.5), and dynamic sampling with up to 3 refill waves."""
     base = _tiny_base()
-    return msgspec.structs.replace(
+    return as_config(
+        DapoConfig,
         base,
-        app="dapo",
         run=msgspec.structs.replace(base.run, name="dapo-tiny"),
         judge=None,
         rewards=[spec for spec in base.rewards if spec.kind != "genrm"],
@@ -464,14 +501,14 @@ def tiny_cpu_dapo() -> RunConfig:
     )
 
 
-def tiny_cpu_ppo() -> RunConfig:
+def tiny_cpu_ppo() -> PpoConfig:
     """`yatt ppo` on the tiny task: the rule terms of `tiny_cpu` (no judge), a critic built from the policy's
     config (a one-label token-classification head) with its own learning rate, GAE (gamma 1, lambda 0.95),
     the k1 KL to the reference as a reward penalty (0.01 per token) and no KL loss term."""
     base = _tiny_base()
-    return msgspec.structs.replace(
+    return as_config(
+        PpoConfig,
         base,
-        app="ppo",
         run=msgspec.structs.replace(base.run, name="ppo-tiny"),
         judge=None,
         rewards=[spec for spec in base.rewards if spec.kind != "genrm"],
@@ -482,15 +519,15 @@ def tiny_cpu_ppo() -> RunConfig:
     )
 
 
-def tiny_cpu_capo() -> RunConfig:
+def tiny_cpu_capo() -> CapoConfig:
     """`yatt capo` on the tiny task (CAPO, arXiv 2508.02298): a rule verifier r_v in {0, 1} as the only reward
     term (math_verify on the warm-started policy), the tiny judge warm-started as the step critic (K = 2
     critiques constrained to "Wrong steps: none" / "Wrong steps: 1": a one-step answer is right or wrong),
     intersection voting, W_whole = 2, W_process = 1, token advantages normalized per prompt, PPO-clip."""
     base = _tiny_base()
-    return msgspec.structs.replace(
+    return as_config(
+        CapoConfig,
         base,
-        app="capo",
         run=msgspec.structs.replace(base.run, name="capo-tiny"),
         # the critique prompt is long
         judge=ModelSpec(
@@ -519,14 +556,14 @@ def tiny_cpu_vlm() -> RunConfig:
     )
 
 
-def tiny_cpu_sft() -> RunConfig:
+def tiny_cpu_sft() -> SftConfig:
     """`yatt sft` on the embedded task: a tiny Qwen2 built from a config, trained on the worked answers
     (prompt "a + b =", response the answer) with the loss on response tokens only, 32 rows per step over two
     controllers (data parallel), greedy accuracy on the validation rows every 10 steps; writes RUN_DIR/final."""
     base = _tiny_base()
-    return msgspec.structs.replace(
+    return as_config(
+        SftConfig,
         base,
-        app="sft",
         run=msgspec.structs.replace(base.run, name="sft-tiny", prompts_per_step=32),
         model=ModelSpec(),  # from its random init: SFT is what teaches it the task
         judge=None,

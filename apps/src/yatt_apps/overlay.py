@@ -26,7 +26,8 @@ def _merge(base: dict[str, Any], overlay: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _read_yaml(path: Path) -> dict[str, Any]:
+def read_yaml(path: Path) -> dict[str, Any]:
+    """The YAML mapping of `path`; a missing file or a document that is not a mapping is a ValueError."""
     import yaml
 
     if not path.is_file():
@@ -61,7 +62,7 @@ def build_config(cls: type[T], base: T, yaml_path: str | Path | None = None, ove
     doc = msgspec.to_builtins(base)
     sources = []
     if yaml_path is not None:
-        doc = _merge(doc, _read_yaml(Path(yaml_path)))
+        doc = _merge(doc, read_yaml(Path(yaml_path)))
         sources.append(str(yaml_path))
     for item in overrides:
         doc = _merge(doc, parse_override(item))

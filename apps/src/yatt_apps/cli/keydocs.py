@@ -125,8 +125,8 @@ FIELD_DOCS: dict[str, str] = {
     "CapoSpec.w_whole": "weight of the verifier reward",
     "CapoSpec.w_process": "penalty per token in a wrong step",
     "CapoSpec.critic": "the step critic's judge settings",
-    "RunConfig.capo": "CAPO's credit assignment (yatt capo)",
-    "RunConfig.dynamic_sampling": "DAPO's dynamic sampling (yatt dapo)",
+    "CapoConfig.capo": "CAPO's credit assignment (yatt capo)",
+    "DapoConfig.dynamic_sampling": "DAPO's dynamic sampling (yatt dapo)",
     "AlgoConfig.gspo_clip_ratio_low": "GSPO clip range below 1 (far tighter than PPO's)",
     "AlgoConfig.cispo_clip_ratio_low": "CISPO clip of the IS weight below 1 (1: no lower bound)",
     "AlgoConfig.rollout_is_level": "rollout/train mismatch correction: none, token or sequence weights",
@@ -184,7 +184,12 @@ def _block_above(lines: list[str], row: int, fields: dict[int, str]) -> str:
 
 
 def field_doc(cls: type, name: str) -> str:
-    return FIELD_DOCS.get(f"{cls.__name__}.{name}") or source_docs(cls).get(name, "")
+    """The doc of field `name` of `cls`, from the class that declares it (a job's config inherits most)."""
+    for owner in cls.__mro__:
+        doc = FIELD_DOCS.get(f"{owner.__name__}.{name}") or source_docs(owner).get(name, "")
+        if doc:
+            return doc
+    return ""
 
 
 def _scalar(value: Any) -> str:

@@ -16,6 +16,7 @@ import os
 import sys
 import traceback
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -168,24 +169,42 @@ def chosen_job(args: argparse.Namespace) -> JobDef | None:
 
 def load_config(args: argparse.Namespace) -> tuple[RunConfig, JobDef]:
     """The run's config (the job's preset, or --preset, <- --config <- --set, `app` = the job's name) and job."""
-    from yatt_apps.config import PRESETS, RunConfig
+    from yatt_apps.config import PRESETS, as_config
     from yatt_apps.jobs import find
     from yatt_apps.overlay import build_config
 
     job = chosen_job(args)
     if args.preset is not None and args.preset not in PRESETS:
         raise ValueError(f"--preset {args.preset!r} is not one of {sorted(PRESETS)}")
-    base = (
-        PRESETS[args.preset]()
-        if args.preset
-        else (job.preset() if job is not None else PRESETS["tiny_cpu"]())
-    )
-    cfg = build_config(RunConfig, base, args.config, args.set)
-    if job is None:  # config / plan without --job: the preset's own job
-        job = find(cfg.app)
-    if cfg.app != job.name:
-        cfg = build_config(RunConfig, cfg, None, [f"app={job.name}"])
-    return cfg, job
+    if args.preset:
+        base = PRESETS[args.preset]()
+    else:
+        base = job.preset() if job is not None else PRESETS["tiny_cpu"]()
+    if job is None:  # config / plan without --job: the preset's own job (or --set app=NAME)
+        job = find(next((s.split("=", 1)[1].strip() for s in args.set if s.startswith("app=")), base.app))
+    if type(base) is not job.config or base.app != job.name:
+        base = as_config(job.config, base, app=job.name)
+    check_keys(job, args.config, args.set)
+    return build_config(job.config, base, args.config, args.set), job
+
+
+def check_keys(job: JobDef, yaml_path: str | None, overrides: list[str]) -> None:
+    """A key of another job's config (e.g. `capo` for ppo) is refused, naming the job it belongs to."""
+    from yatt_apps.jobs import registry
+    from yatt_apps.overlay import read_yaml
+
+    keys = [item.split("=", 1)[0].split(".", 1)[0].strip() for item in overrides]
+    keys += list(read_yaml(Path(yaml_path))) if yaml_path else []
+    own = set(job.config.__struct_fields__)
+    for key in keys:
+        owners = sorted(
+            {other.name for other in registry().values() if key in other.config.__struct_fields__}
+        )
+        if key not in own and owners:
+            raise ValueError(
+                f"{key!r} is a key of the {', '.join(owners)} job's config, not of {job.name}'s "
+                f"({job.config.__name__}: {', '.join(job.config.__struct_fields__)})"
+            )
 
 
 def _run(cfg: RunConfig, job: JobDef, run_dir: str, args: argparse.Namespace) -> int:
@@ -243,17 +262,14 @@ def finished_step(run_dir: str, num_steps: int) -> int | None:
 
 def resume_main(args: argparse.Namespace) -> int:
     """Continue a run; a finished run (every step done) says so and exits 0 without starting Ray."""
-    from pathlib import Path
-
-    from yatt_apps.config import RunConfig
     from yatt_apps.jobs import find
-    from yatt_apps.overlay import build_config
+    from yatt_apps.overlay import build_config, read_yaml
 
     path = Path(args.run_dir) / "config.yaml"
     if not path.is_file():
         raise ValueError(f"{args.run_dir} is not a run directory (no config.yaml)")
-    cfg = build_config(RunConfig, RunConfig(), path, args.set)
-    job = chosen_job(args) or find(cfg.app)
+    job = chosen_job(args) or find(str(read_yaml(path).get("app", "grpo")))
+    cfg = build_config(job.config, job.config(), path, args.set)
     done = finished_step(args.run_dir, cfg.run.num_steps)
     if done is not None:
         if not args.json:

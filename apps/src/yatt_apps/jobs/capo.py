@@ -20,7 +20,7 @@ import asyncio
 import functools
 from typing import TYPE_CHECKING, Any
 
-from yatt_apps.config import CapoSpec, RunConfig, tiny_cpu_capo
+from yatt_apps.config import CapoConfig, CapoSpec, tiny_cpu_capo
 from yatt_apps.io.data import PromptRow
 from yatt_apps.runtime.job import JobDef, StepFn, ValRows, build_services
 from yatt_apps.runtime.phases import (
@@ -53,7 +53,7 @@ class CritiqueWorker(RewardWorker):
     tokenizer."""
 
     def __init__(
-        self, cfg: RunConfig, judge_dir: str, policy_dir: str, *, shared_device: bool = True
+        self, cfg: CapoConfig, judge_dir: str, policy_dir: str, *, shared_device: bool = True
     ) -> None:
         from yatt_multimodal.genprm import GenPRM
         from yatt_multimodal.prompt_codecs import HFChatCodec
@@ -130,7 +130,7 @@ def capo_step(
     ctx: StepContext,
     rows: list[PromptRow],
     *,
-    cfg: RunConfig,
+    cfg: CapoConfig,
     policy_dir: str,
     val_rows: ValRows,
     plan: PlacementPlan,
@@ -214,20 +214,20 @@ def capo_metrics(total: dict[str, float]) -> dict[str, float]:
     }
 
 
-def check(cfg: RunConfig) -> None:
+def check(cfg: CapoConfig) -> None:
     if cfg.judge is None:
         raise ValueError("capo needs judge (the critic model): set judge.path or use --preset tiny_cpu_capo")
     if any(spec.kind == "genrm" for spec in cfg.rewards):
         raise ValueError("capo's rewards must be rule terms (the verifier r_v): remove the 'genrm' term")
 
 
-def step_function(cfg: RunConfig, policy_dir: str, val_rows: ValRows, plan: PlacementPlan) -> StepFn:
+def step_function(cfg: CapoConfig, policy_dir: str, val_rows: ValRows, plan: PlacementPlan) -> StepFn:
     check(cfg)
     return functools.partial(capo_step, cfg=cfg, policy_dir=policy_dir, val_rows=val_rows, plan=plan)
 
 
 def capo_services(
-    pool: HostPool, *, cfg: RunConfig, policy_dir: str, judge_dir: str, plan: PlacementPlan
+    pool: HostPool, *, cfg: CapoConfig, policy_dir: str, judge_dir: str, plan: PlacementPlan
 ) -> Services:
     """The default services with CAPO's reward service: the rule terms and the step critic on the judge."""
     return build_services(
@@ -246,6 +246,7 @@ JOB = JobDef(
     help="CAPO: token-level credit from K step critiques of a GenPRM judge, rule verifier, PPO-clip",
     preset=tiny_cpu_capo,
     step=step_function,
+    config=CapoConfig,
     build=capo_services,
     check=check,
 )

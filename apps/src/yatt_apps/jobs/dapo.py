@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from yatt_apps.config import DynamicSamplingSpec, RunConfig, tiny_cpu_dapo
+from yatt_apps.config import DapoConfig, DynamicSamplingSpec, tiny_cpu_dapo
 from yatt_apps.io.data import PromptRow
 from yatt_apps.runtime.job import JobDef, StepFn, ValRows
 from yatt_apps.runtime.phases import (
@@ -156,7 +156,7 @@ def dynamic_sample(
 
 
 def run_wave(
-    ctx: StepContext, rows: list[PromptRow], wave: int, *, cfg: RunConfig, tok: Any, scored: list
+    ctx: StepContext, rows: list[PromptRow], wave: int, *, cfg: DapoConfig, tok: Any, scored: list
 ) -> list[Group]:
     """Generate n completions per prompt streamed into scoring, add DAPO's overlong penalty, and mark the
     groups whose shaped scores vary (yatt_algos' dynamic-sampling filter). Appends the `Scored` to `scored`."""
@@ -213,7 +213,7 @@ def dapo_step(
     ctx: StepContext,
     rows: list[PromptRow],
     *,
-    cfg: RunConfig,
+    cfg: DapoConfig,
     policy_dir: str,
     val_rows: ValRows,
     plan: PlacementPlan,
@@ -301,7 +301,7 @@ def dapo_metrics(total: dict[str, float], waves: int, expansion: float) -> dict[
     }
 
 
-def step_function(cfg: RunConfig, policy_dir: str, val_rows: ValRows, plan: PlacementPlan) -> StepFn:
+def step_function(cfg: DapoConfig, policy_dir: str, val_rows: ValRows, plan: PlacementPlan) -> StepFn:
     return functools.partial(dapo_step, cfg=cfg, policy_dir=policy_dir, val_rows=val_rows, plan=plan)
 
 
@@ -310,4 +310,5 @@ JOB = JobDef(
     help="DAPO: GRPO with clip-higher, token-mean loss, overlong shaping and dynamic sampling (refill)",
     preset=tiny_cpu_dapo,
     step=step_function,
+    config=DapoConfig,
 )

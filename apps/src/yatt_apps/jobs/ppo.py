@@ -18,7 +18,7 @@ import functools
 import io
 from typing import TYPE_CHECKING, Any
 
-from yatt_apps.config import RunConfig, tiny_cpu_ppo
+from yatt_apps.config import PpoConfig, tiny_cpu_ppo
 from yatt_apps.io.data import PromptRow
 from yatt_apps.runtime.job import JobDef, StepFn, ValRows, build_services, policy_roles
 from yatt_apps.runtime.phases import (
@@ -49,7 +49,7 @@ class CriticWorker:
     process's torch.distributed group (calls on one host run one at a time, in the same order on every rank,
     so the two learners' collectives never interleave); alone on its device it opens its own under `key`."""
 
-    def __init__(self, cfg: RunConfig, model_dir: str, key: str, *, worker_info: Any) -> None:
+    def __init__(self, cfg: PpoConfig, model_dir: str, key: str, *, worker_info: Any) -> None:
         import torch
         import torch.distributed as dist
         from transformers import AutoModelForTokenClassification
@@ -119,7 +119,7 @@ def ppo_step(
     ctx: StepContext,
     rows: list[PromptRow],
     *,
-    cfg: RunConfig,
+    cfg: PpoConfig,
     policy_dir: str,
     val_rows: ValRows,
     plan: PlacementPlan,
@@ -189,12 +189,12 @@ def ppo_step(
     return out
 
 
-def step_function(cfg: RunConfig, policy_dir: str, val_rows: ValRows, plan: PlacementPlan) -> StepFn:
+def step_function(cfg: PpoConfig, policy_dir: str, val_rows: ValRows, plan: PlacementPlan) -> StepFn:
     return functools.partial(ppo_step, cfg=cfg, policy_dir=policy_dir, val_rows=val_rows, plan=plan)
 
 
 def ppo_services(
-    pool: HostPool, *, cfg: RunConfig, policy_dir: str, judge_dir: str, plan: PlacementPlan
+    pool: HostPool, *, cfg: PpoConfig, policy_dir: str, judge_dir: str, plan: PlacementPlan
 ) -> Services:
     """The default services plus the critic beside the actor; its weights and optimizer are checkpointed."""
     import uuid
@@ -217,6 +217,7 @@ JOB = JobDef(
     help="PPO with a critic (GAE, KL as a reward penalty, clipped value loss) on rule rewards",
     preset=tiny_cpu_ppo,
     step=step_function,
+    config=PpoConfig,
     roles=functools.partial(policy_roles, critic=True),
     build=ppo_services,
 )

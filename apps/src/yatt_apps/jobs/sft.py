@@ -20,7 +20,9 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from yatt_apps.config import RunConfig, tiny_cpu_sft
+import msgspec
+
+from yatt_apps.config import SftConfig, tiny_cpu_sft
 from yatt_apps.io.data import PromptRow, arithmetic_task
 from yatt_apps.io.sft_data import chat_messages, encode_pair, load_sft_rows, pad_examples
 from yatt_apps.runtime.job import JobDef, StepFn, ValRows
@@ -32,7 +34,7 @@ if TYPE_CHECKING:
     from yatt_placement.types import PlacementPlan
 
 
-def train_rows(cfg: RunConfig) -> list[PromptRow]:
+def train_rows(cfg: SftConfig) -> list[PromptRow]:
     """The SFT rows as PromptRows (answer = the response): the user's file, or the embedded task's answers."""
     if not cfg.sft.train:
         return arithmetic_task(cfg.data.num_train_rows, seed=cfg.run.seed)
@@ -48,7 +50,7 @@ def sft_batch(tok: Any, rows: list[PromptRow], system_prompt: str) -> dict[str, 
 
 
 def sft_step(
-    ctx: StepContext, rows: list[PromptRow], *, cfg: RunConfig, policy_dir: str, val_rows: ValRows
+    ctx: StepContext, rows: list[PromptRow], *, cfg: SftConfig, policy_dir: str, val_rows: ValRows
 ) -> dict[str, float]:
     """One SFT step on this controller's `rows`; metrics reduced over controllers. The run's RUN_DIR/final is
     exported from the last step's checkpoint (yatt_apps.runtime.launch.export_final), as for every job."""
@@ -80,19 +82,25 @@ def sft_step(
     return out
 
 
-def check(cfg: RunConfig) -> None:
+def with_absolute_data(cfg: SftConfig, run_dir: Path) -> SftConfig:
+    """`sft.train` made absolute (the workers may start in another directory)."""
+    train = str(Path(cfg.sft.train).resolve()) if cfg.sft.train else ""
+    return msgspec.structs.replace(cfg, sft=msgspec.structs.replace(cfg.sft, train=train))
+
+
+def check(cfg: SftConfig) -> None:
     if cfg.judge is not None or cfg.rewards:
         raise ValueError("sft trains on responses, not rewards: set judge to null and rewards to []")
     if cfg.model.pipeline_parallel > 1:
         raise ValueError("sft trains with the torch learner: model.pipeline_parallel must be 1")
 
 
-def step_function(cfg: RunConfig, policy_dir: str, val_rows: ValRows, plan: PlacementPlan) -> StepFn:
+def step_function(cfg: SftConfig, policy_dir: str, val_rows: ValRows, plan: PlacementPlan) -> StepFn:
     check(cfg)
     return functools.partial(sft_step, cfg=cfg, policy_dir=policy_dir, val_rows=val_rows)
 
 
-def roles(cfg: RunConfig) -> list:
+def roles(cfg: SftConfig) -> list:
     """The actor (the trained policy) and, when the run evaluates, a rollout engine for greedy accuracy."""
     from yatt_placement.types import RoleSpec
 
@@ -107,7 +115,7 @@ def roles(cfg: RunConfig) -> list:
 
 
 def build(
-    pool: HostPool, *, cfg: RunConfig, policy_dir: str, judge_dir: str, plan: PlacementPlan
+    pool: HostPool, *, cfg: SftConfig, policy_dir: str, judge_dir: str, plan: PlacementPlan
 ) -> Services:
     """The SFT job's services: the SFT learner ranks, and the rollout engine that evaluates (if any)."""
     from yatt_controller.runner import Services
@@ -148,7 +156,7 @@ class SFTWorker:
     """One data-parallel rank of the SFT learner: the yatt-algos torch learner's engine (DDP/FSDP2 group,
     micro-batches, clipping, schedule) with the masked NLL as its objective, one update per batch."""
 
-    def __init__(self, cfg: RunConfig, model_dir: str, key: str, *, worker_info: Any) -> None:
+    def __init__(self, cfg: SftConfig, model_dir: str, key: str, *, worker_info: Any) -> None:
         import msgspec
         import torch
         from yatt_algos.learner.torch_backend import TorchPolicyLearner
@@ -230,8 +238,10 @@ JOB = JobDef(
     help="supervised fine-tuning on prompt/response rows (loss on the response); writes an HF folder",
     preset=tiny_cpu_sft,
     step=step_function,
+    config=SftConfig,
     roles=roles,
     build=build,
     check=check,
+    prepare=with_absolute_data,
     dataset=train_rows,
 )

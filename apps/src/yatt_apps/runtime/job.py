@@ -11,7 +11,6 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from yatt_apps.config import ModelSpec, RunConfig
@@ -31,8 +30,9 @@ __all__ = ["JobDef", "StepFn", "ValRows", "build_services", "policy_roles"]
 ValRows = Callable[[], list[PromptRow]] | None
 # what every controller runs once per step on its batch: (ctx, rows) -> the step's metrics
 StepFn = Callable[["StepContext", list[PromptRow]], dict[str, float]]
-# builds the step function of a run: (cfg, policy_dir, val_rows, plan) -> StepFn
-StepFactory = Callable[[RunConfig, str, ValRows, "PlacementPlan"], StepFn]
+# builds the step function of a run: (cfg, policy_dir, val_rows, plan) -> StepFn, where cfg is an instance of
+# the job's `config` class (hence `...`: a job's factory may take its own subclass of RunConfig)
+StepFactory = Callable[..., StepFn]
 
 
 def num_params(spec: ModelSpec) -> float:
@@ -148,6 +148,7 @@ def build_services(
 class JobDef:
     """A job in one object. `name` is its command (`yatt NAME`, and `app` in its config); `help` its one line
     in `yatt --help`; `preset` its default config (a function of no arguments, also listed under `--preset`);
+    `config` its config class (RunConfig, or a subclass with the job's own keys: `yatt config` shows these);
     `step(cfg, policy_dir, val_rows, plan)` returns the step function every controller runs; `roles(cfg)` what
     the planner places; `build(pool, cfg=, policy_dir=, judge_dir=, plan=)` the services; `check(cfg)` raises
     ValueError for a config the job cannot run; `prepare(cfg, run_dir)` returns the config the run uses (e.g.
@@ -159,12 +160,14 @@ class JobDef:
     help: str
     preset: Callable[[], RunConfig]
     step: StepFactory
-    roles: Callable[[RunConfig], list[RoleSpec]] = policy_roles
+    config: type[RunConfig] = RunConfig
+    # each takes the job's config (an instance of `config`) first, hence `...`
+    roles: Callable[..., list[RoleSpec]] = policy_roles
     build: Callable[..., Services] = build_services
-    check: Callable[[RunConfig], None] | None = None
-    prepare: Callable[[RunConfig, Path], RunConfig] | None = None
+    check: Callable[..., None] | None = None
+    prepare: Callable[..., RunConfig] | None = None
     asynchronous: bool = False
-    dataset: Callable[[RunConfig], Any] | None = None
+    dataset: Callable[..., Any] | None = None
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("-", "").replace("_", "").isalnum():

@@ -138,11 +138,16 @@ def with_schedule(cfg: RunConfig, plan: PlacementPlan) -> RunConfig:
     """The LR schedule spans the run's optimizer updates (run.schedule_steps or run.num_steps, x updates per
     step), whatever optim.num_training_steps said, so the learning rate reaches its floor at the last step."""
     total = (cfg.run.schedule_steps or cfg.run.num_steps) * optimizer_updates_per_step(cfg, plan)
-    optim = msgspec.structs.replace(cfg.optim, num_training_steps=max(total, cfg.optim.num_warmup_steps + 1))
-    critic = cfg.critic_optim
-    if critic is not None:
-        critic = msgspec.structs.replace(critic, num_training_steps=max(total, critic.num_warmup_steps + 1))
-    return msgspec.structs.replace(cfg, optim=optim, critic_optim=critic)
+    from yatt_algos.types import OptimConfig
+
+    # every optimizer of the job's config (the policy's `optim`, PPO's `critic_optim`, ...)
+    optims = {name: getattr(cfg, name) for name in cfg.__struct_fields__}
+    changes = {
+        name: msgspec.structs.replace(o, num_training_steps=max(total, o.num_warmup_steps + 1))
+        for name, o in optims.items()
+        if isinstance(o, OptimConfig)
+    }
+    return msgspec.structs.replace(cfg, **changes)
 
 
 def _init_ray(cfg: RunConfig) -> bool:
@@ -219,7 +224,6 @@ def absolute_paths(cfg: RunConfig) -> RunConfig:
         return str(Path(path).resolve()) if path and not is_hub_id(path) else path
 
     data = replace(cfg.data, train=absolute(cfg.data.train), val=absolute(cfg.data.val))
-    cfg = replace(cfg, sft=replace(cfg.sft, train=absolute(cfg.sft.train)))
     model = replace(cfg.model, path=absolute(cfg.model.path))
     judge = None if cfg.judge is None else replace(cfg.judge, path=absolute(cfg.judge.path))
     return replace(cfg, data=data, model=model, judge=judge)

@@ -25,7 +25,7 @@ class _Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Base of the app's configs: immutable, unknown fields are an error (kw_only stated per class)."""
 
 
-class ModelSpec(_Config, kw_only=True):
+class ModelSpec(_Config, frozen=True, kw_only=True):
     """A model: an HF directory (`path`), or, with `path` empty, a tiny one built from this config and a
     tokenizer trained locally on the task's text (nothing is downloaded)."""
 
@@ -66,7 +66,7 @@ class ModelSpec(_Config, kw_only=True):
             )
 
 
-class DataSpec(_Config, kw_only=True):
+class DataSpec(_Config, frozen=True, kw_only=True):
     """Prompts with answers. Empty `train` uses the embedded arithmetic task."""
 
     train: str = ""
@@ -84,7 +84,7 @@ class DataSpec(_Config, kw_only=True):
             raise ValueError(f"data.max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
 
 
-class PlacementConfig(_Config, kw_only=True):
+class PlacementConfig(_Config, frozen=True, kw_only=True):
     """Where roles run. `num_devices` logical devices on one node for CPU runs; a `cluster` for real ones."""
 
     mode: PlacementMode = "colocated"
@@ -106,7 +106,7 @@ class PlacementConfig(_Config, kw_only=True):
             raise ValueError(f"placement.rollout_replicas must be >= 0, got {self.rollout_replicas}")
 
 
-class RolloutSpec(_Config, kw_only=True):
+class RolloutSpec(_Config, frozen=True, kw_only=True):
     """How the policy's completions are produced: the engine, multi-turn environments, async behaviour."""
 
     engine: Literal["hf", "vllm"] = "hf"
@@ -119,14 +119,14 @@ class RolloutSpec(_Config, kw_only=True):
             raise ValueError(f"rollout.max_turns must be >= 1, got {self.max_turns}")
 
 
-class RaySpec(_Config, kw_only=True):
+class RaySpec(_Config, frozen=True, kw_only=True):
     """Which Ray: `address` joins an existing cluster ("auto", "ray://host:10001", "host:6379") and uses its real
     resources; empty starts the embedded local Ray ($RAY_ADDRESS is honoured when this is empty)."""
 
     address: str = ""
 
 
-class RunSpec(_Config, kw_only=True):
+class RunSpec(_Config, frozen=True, kw_only=True):
     """The loop: how many steps, how many prompts each (global), evaluation, checkpoints, output."""
 
     name: str = "grpo-tiny"
@@ -149,7 +149,7 @@ class RunSpec(_Config, kw_only=True):
             raise ValueError(f"run.eval_every must be >= 0, got {self.eval_every}")
 
 
-class DynamicSamplingSpec(_Config, kw_only=True):
+class DynamicSamplingSpec(_Config, frozen=True, kw_only=True):
     """DAPO's dynamic sampling (filter-and-refill, PAPERS.md), used by `yatt dapo`: at most 1 + max_refill
     waves per step, ceil(gap x expansion x safety) prompts per refill, the expansion an EMA of total/valid
     groups (start 1.0) capped at max_expansion; surplus valid prompts buffered (0: 4 x prompts per controller)."""
@@ -169,7 +169,7 @@ class DynamicSamplingSpec(_Config, kw_only=True):
             raise ValueError(f"dynamic_sampling.ema_decay must be in [0, 1), got {self.ema_decay}")
 
 
-class CapoSpec(_Config, kw_only=True):
+class CapoSpec(_Config, frozen=True, kw_only=True):
     """CAPO's credit assignment (arXiv 2508.02298, PAPERS.md), used by `yatt capo`: the judge model critiques
     each response `critic.num_samples` (K) times with the step-critique template; the K wrong-step sets are
     voted (`voting`) and each token gets R_t = r_v * w_whole - 1[t in a wrong step] * w_process."""
@@ -184,7 +184,7 @@ class CapoSpec(_Config, kw_only=True):
             raise ValueError("capo.w_whole and capo.w_process must be >= 0")
 
 
-class LogSpec(_Config, kw_only=True):
+class LogSpec(_Config, frozen=True, kw_only=True):
     """Where metrics go besides metrics.jsonl and TensorBoard: an optional W&B run (`pip install
     'yatt-apps[wandb]'`; `WANDB_MODE=offline` writes it locally without a network), same metric names."""
 
@@ -193,7 +193,7 @@ class LogSpec(_Config, kw_only=True):
     run_name: str = ""  # "": the run directory's name
 
 
-class SFTSpec(_Config, kw_only=True):
+class SFTSpec(_Config, frozen=True, kw_only=True):
     """`yatt sft`'s data: prompt/response rows (jsonl or parquet); empty `train` uses the embedded task's
     answers. Steps come from `run.num_steps` and `run.prompts_per_step` rows each (the data cycles in epochs)."""
 
@@ -202,7 +202,7 @@ class SFTSpec(_Config, kw_only=True):
     response_key: str = "response"  # the column holding the response to learn
 
 
-class RunConfig(_Config, kw_only=True):
+class RunConfig(_Config, frozen=True, kw_only=True):
     """The run config every job shares (grpo and grpo-vlm use it as is); a job with keys of its own extends
     it (`DapoConfig`, `PpoConfig`, `CapoConfig`, `SftConfig`), so each job's config holds only the keys it uses
     and rejects another job's. `app` names its job (`JobDef.name`)."""
@@ -235,28 +235,28 @@ class RunConfig(_Config, kw_only=True):
             raise ValueError(problem)
 
 
-class DapoConfig(RunConfig, kw_only=True):
+class DapoConfig(RunConfig, frozen=True, kw_only=True):
     """`yatt dapo`: the shared keys and DAPO's dynamic sampling."""
 
     app: str = "dapo"
     dynamic_sampling: DynamicSamplingSpec = DynamicSamplingSpec()
 
 
-class PpoConfig(RunConfig, kw_only=True):
+class PpoConfig(RunConfig, frozen=True, kw_only=True):
     """`yatt ppo`: the shared keys and the critic's optimizer."""
 
     app: str = "ppo"
     critic_optim: OptimConfig | None = None  # the critic's optimizer; None: the policy's `optim`
 
 
-class CapoConfig(RunConfig, kw_only=True):
+class CapoConfig(RunConfig, frozen=True, kw_only=True):
     """`yatt capo`: the shared keys and CAPO's credit assignment."""
 
     app: str = "capo"
     capo: CapoSpec = CapoSpec()
 
 
-class SftConfig(RunConfig, kw_only=True):
+class SftConfig(RunConfig, frozen=True, kw_only=True):
     """`yatt sft`: the shared keys and the supervised data."""
 
     app: str = "sft"

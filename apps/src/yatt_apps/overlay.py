@@ -8,6 +8,7 @@ names its field path (`$.algo.clip_ratio_c`) and where the bad value came from.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -54,10 +55,13 @@ def parse_override(item: str) -> dict[str, Any]:
         raise ValueError(f"--set {item!r}: value is not valid YAML: {err}") from None
     for part in reversed(key.split(".")):
         value = {part: value}
+    assert isinstance(value, dict)  # key.split(".") has at least one part
     return value
 
 
-def build_config(cls: type[T], base: T, yaml_path: str | Path | None = None, overrides: list[str] = ()) -> T:
+def build_config(
+    cls: type[T], base: T, yaml_path: str | Path | None = None, overrides: Sequence[str] = ()
+) -> T:
     """Merge base <- YAML <- overrides and validate as `cls`; a bad field raises ValueError naming it."""
     doc = msgspec.to_builtins(base)
     sources = []

@@ -36,7 +36,7 @@ def _facts(result: PlacementPlan) -> tuple:
 )  # fmt: skip
 def test_each_mode_states_its_facts(mode, devices, facts):
     result = plan(FOUR, [ACTOR, ROLLOUT, JUDGE], mode, profile=EVEN)
-    assert {key: result.devices(key) for key in result.keys()} == devices
+    assert {key: result.devices(key) for key in result.role_keys()} == devices
     assert _facts(result) == facts
 
 
@@ -59,7 +59,7 @@ def test_replicas_devices_and_names_on_a_hand_made_plan():
             RolePlacement(role="genrm", name="judge", replicas=[[6, 7]]),
         ],
     )
-    assert made.keys() == ["actor", "rollout", "judge"]
+    assert made.role_keys() == ["actor", "rollout", "judge"]
     assert made.num_replicas("actor") == 2 and made.num_replicas("judge") == 1 and made.num_replicas("x") == 0
     assert made.devices("rollout") == [2, 3, 4, 5] and made.devices("genrm") == []  # named "judge"
     assert made.streams_into_judge and not made.shares_device("actor", "rollout")

@@ -13,7 +13,7 @@ import functools
 import inspect
 import re
 import textwrap
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 
@@ -158,7 +158,7 @@ def source_docs(cls: type) -> dict[str, str]:
     tree = ast.parse(textwrap.dedent("".join(lines)))
     fields = {
         node.lineno - 1: node.target.id
-        for node in tree.body[0].body
+        for node in cast(ast.ClassDef, tree.body[0]).body
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
     }
     docs = {}
@@ -176,7 +176,7 @@ def _block_above(lines: list[str], row: int, fields: dict[int, str]) -> str:
     row -= 1
     while row >= 0 and row in fields and "  # " not in lines[row]:
         row -= 1
-    block = []
+    block: list[str] = []
     while row >= 0 and lines[row].strip().startswith("#"):
         block.insert(0, lines[row].strip().lstrip("#").strip())
         row -= 1

@@ -5,14 +5,15 @@ the same weights (`from_pretrained` offline). Nothing is downloaded.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from yatt_apps.config import ModelSpec
+from yatt_apps.io.data import PromptRow
 
 
-def tokenizer_corpus(rows: Iterable[object], extra: Iterable[str] = ()) -> list[str]:
+def tokenizer_corpus(rows: Iterable[PromptRow], extra: Iterable[str] = ()) -> list[str]:
     """The text a tiny tokenizer is trained on: every prompt and answer, and any template text."""
     texts = [f"{row.prompt} {row.answer}" for row in rows]
     return texts + list(extra)
@@ -43,7 +44,7 @@ def prepare_model(spec: ModelSpec, out: Path, corpus: list[str], *, key: str = "
     return out
 
 
-def tiny_text_model(spec: ModelSpec, corpus: list[str], extra_tokens: list[str] = ()) -> Any:
+def tiny_text_model(spec: ModelSpec, corpus: list[str], extra_tokens: Sequence[str] = ()) -> Any:
     """(model, tokenizer) of a tiny text model built from `spec`, its tokenizer trained on `corpus`, plus
     `extra_tokens` as whole (never split) tokens."""
     from yatt_rollout.tiny import tiny_causal_lm, train_tokenizer

@@ -80,7 +80,7 @@ class ParquetRows(Sequence):
         return {"path": self.path, "keys": self.keys}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["path"], state["keys"])
+        type(self).__init__(self, state["path"], state["keys"])
 
 
 def open_rows(

@@ -186,7 +186,7 @@ def plot_panels(history: list[dict[str, float]]) -> list[tuple[str, dict[str, li
     panels = []
     for title, patterns in PLOT_PANELS.items():
         keys = [k for k in names if any(fnmatchcase(k, p) for p in patterns)]
-        series = {k: [(row["step"], row[k]) for row in history if k in row] for k in keys}
+        series = {k: [(int(row["step"]), row[k]) for row in history if k in row] for k in keys}
         values = {v for points in series.values() for _, v in points}
         if not values:
             continue

@@ -62,9 +62,11 @@ class CritiqueWorker(RewardWorker):
         from yatt_apps.runtime.workers import build_engine
 
         super().__init__(cfg)  # the rule terms only: the judge model serves the critic
-        judge_tok = load_tokenizer(judge_dir, trust_remote_code=cfg.judge.trust_remote_code)
+        spec = cfg.judge
+        assert spec is not None, "capo's check requires a judge model"
+        judge_tok = load_tokenizer(judge_dir, trust_remote_code=spec.trust_remote_code)
         engine = build_engine(
-            cfg, cfg.judge, cfg.judge.engine, judge_dir, seed=cfg.run.seed + 1, shared_device=shared_device
+            cfg, spec, spec.engine, judge_dir, seed=cfg.run.seed + 1, shared_device=shared_device
         )
         self.engine = engine  # slept and woken like the GenRM's (RewardWorker.sleep / wake_up)
         self.critic = GenPRM(

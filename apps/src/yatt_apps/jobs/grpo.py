@@ -22,6 +22,7 @@ from yatt_apps.runtime.phases import (
     generate_and_score,
     group_advantages,
     judge_sums,
+    learner_of,
     maybe_evaluate,
     old_logprobs,
     pad_batch,
@@ -151,7 +152,7 @@ def logprobs_and_train(ctx: StepContext, experience: dict) -> tuple[dict, dict[s
     """Reference logprobs and the update in one SPMD call on this controller's learner ranks
     (`PolicyWorker.logprobs_and_train`): returns `old_logprobs`'s tensors [B, T] joined in row order, and the
     update's global stats (rank 0's stand for all)."""
-    parts = ctx.get(ctx.learner.shard_rows("logprobs_and_train", experience))
+    parts = ctx.get(learner_of(ctx).shard_rows("logprobs_and_train", experience))
     stats = [part.pop("stats") for part in parts]  # every part's, so that only tensors are joined
     return concat_rows(parts), stats[0]
 

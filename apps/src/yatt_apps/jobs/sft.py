@@ -26,6 +26,7 @@ from yatt_apps.config import SftConfig, tiny_cpu_sft
 from yatt_apps.io.data import PromptRow, arithmetic_task
 from yatt_apps.io.sft_data import chat_messages, encode_pair, load_sft_rows, pad_examples
 from yatt_apps.runtime.job import JobDef, StepFn, ValRows
+from yatt_apps.runtime.phases import learner_of
 
 if TYPE_CHECKING:
     from yatt_controller.controller import StepContext
@@ -60,7 +61,7 @@ def sft_step(
     with ctx.phase("tokenize"):
         batch = sft_batch(tok, rows, cfg.data.system_prompt)
     with ctx.phase("train"):  # SPMD: every learner rank of this controller steps together (all-reduce)
-        stats = ctx.get(ctx.learner.shard_rows("sft", batch))[0]
+        stats = ctx.get(learner_of(ctx).shard_rows("sft", batch))[0]
     needs_rollout = val_rows is not None and cfg.run.eval_every and ctx.step % cfg.run.eval_every == 0
     if needs_rollout and "rollout" in ctx.services:
         with ctx.phase("weight_sync"):

@@ -73,7 +73,9 @@ def _expression_value(prompt: str) -> str:
         return ""
 
 
-register("calculator", CalculatorEnv)
+# yatt_rollout's Environment protocol declares `tools` a settable Sequence, which ToolEnvironment's list
+# attribute cannot match (invariance); a read-only property there would fix it (reported to yatt-rollout)
+register("calculator", CalculatorEnv)  # type: ignore[arg-type]
 
 
 def resolve_env(name: str) -> str:

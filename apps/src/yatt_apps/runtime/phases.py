@@ -18,7 +18,14 @@ from yatt_apps.io.data import PromptRow
 
 if TYPE_CHECKING:
     from yatt_controller.controller import StepContext
+    from yatt_controller.worker_group import WorkerGroup
     from yatt_placement.types import PlacementPlan
+
+
+def learner_of(ctx: StepContext) -> WorkerGroup:
+    """This controller's learner group: every job here declares one (`Services.learner`)."""
+    assert ctx.learner is not None, "the job's services name no learner group"
+    return ctx.learner
 
 
 @functools.cache
@@ -126,7 +133,7 @@ def reward_requests(rows: list[PromptRow], completions: list, tok: Any, *, token
             prompt=rows[prompt_index(c)].prompt,
             response=tok.decode(c.token_ids, skip_special_tokens=True),
             reference=rows[prompt_index(c)].answer,
-            **({"response_token_ids": list(c.token_ids)} if token_ids else {}),
+            response_token_ids=list(c.token_ids) if token_ids else [],
         )
         for c in completions
     ]
@@ -292,7 +299,7 @@ def old_logprobs(ctx: StepContext, batch: dict[str, Any], responses: list) -> tu
     the rollout engine's own logprobs of `responses` (one per row of `batch`) on the same tokens [B, T]."""
     import torch
 
-    lp = concat_rows(ctx.get(ctx.learner.shard_rows("logprobs", batch)))
+    lp = concat_rows(ctx.get(learner_of(ctx).shard_rows("logprobs", batch)))
     rollout_lp = torch.zeros_like(lp["old_logprobs"])
     for row, completion in enumerate(responses):
         logprobs = completion.logprobs
@@ -305,7 +312,7 @@ def old_logprobs(ctx: StepContext, batch: dict[str, Any], responses: list) -> tu
 def train(ctx: StepContext, experience: dict[str, Any], group: str | None = None) -> dict[str, float]:
     """The SPMD update on this controller's learner ranks (or another learner group's, e.g. a critic);
     stats are global (reduced inside the learner), so rank 0's stand for all."""
-    learner = ctx.learner if group is None else ctx.services[group]
+    learner = learner_of(ctx) if group is None else ctx.services[group]
     return ctx.get(learner.shard_rows("train", experience))[0]
 
 
@@ -314,7 +321,7 @@ def sync_weights(ctx: StepContext) -> None:
     process, the broadcast group elsewhere. An FSDP2 (or Megatron tensor-parallel) export is a collective,
     so first every controller has each of its own learner ranks gather the full weights (together they cover
     every rank); the push, made from whichever ranks' hosts the sync uses, then reads those copies."""
-    ctx.get(ctx.learner.broadcast("gather_weights"))
+    ctx.get(learner_of(ctx).broadcast("gather_weights"))
     ctx.sync_weights()
 
 
@@ -345,7 +352,7 @@ def judge_sums(cfg: RunConfig, scored: Scored, kept: list[int]) -> dict[str, flo
     judge = next((s.name or s.kind for s in cfg.rewards if s.kind == "genrm"), None)
     if judge is None:
         return {}
-    rule = next((s.name or s.kind for s in cfg.rewards if s.kind == "math_verify"), None)
+    rule = next((s.name or s.kind for s in cfg.rewards if s.kind == "math_verify"), "")
     parsed = sum(scored.components[i].get(f"{judge}/parsed", 0.0) for i in range(len(scored.completions)))
     both = [c for c in (scored.components[i] for i in kept) if judge in c and rule in c]
     agree = sum((c[judge] > 0) == (c[rule] > 0.5) for c in both)

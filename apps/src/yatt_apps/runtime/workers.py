@@ -424,6 +424,7 @@ class RewardWorker:
             from yatt_multimodal.prompt_codecs import HFChatCodec
 
             spec = cfg.judge
+            assert spec is not None, "a judge folder without judge settings"  # prepare_models makes both
             tok = load_tokenizer(judge_dir, trust_remote_code=spec.trust_remote_code)
             engine = build_engine(
                 cfg, spec, spec.engine, judge_dir, seed=cfg.run.seed + 1, shared_device=shared_device

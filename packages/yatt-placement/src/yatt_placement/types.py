@@ -24,7 +24,7 @@ class _Wire(msgspec.Struct, omit_defaults=True):
     """Base of messages: unknown fields are ignored, defaults are not sent."""
 
 
-class ClusterSpec(_Config, kw_only=True):
+class ClusterSpec(_Config, frozen=True, kw_only=True):
     """The devices a job may use.
 
     Producer: the user's config (apps) or an embedding framework. Consumer: `yatt_placement.plan`,
@@ -49,7 +49,7 @@ class ClusterSpec(_Config, kw_only=True):
         return self.num_nodes * self.devices_per_node
 
 
-class RoleSpec(_Config, kw_only=True):
+class RoleSpec(_Config, frozen=True, kw_only=True):
     """One role of the RL job and the model it runs.
 
     Producer: the user's config (apps). Consumer: the planner, which sizes replicas from it, and the
@@ -109,7 +109,7 @@ class PlacementPlan(_Wire, kw_only=True):
     # A role is named by its key: `RolePlacement.name`, or its role when unnamed (as `planner.role_key`).
     # A role the plan does not hold has no devices and no replicas.
 
-    def keys(self) -> list[str]:
+    def role_keys(self) -> list[str]:
         """The plan's role keys, in plan order."""
         return [placement.name or placement.role for placement in self.roles]
 
@@ -166,7 +166,7 @@ class PhaseStats(_Wire, kw_only=True):
     num_devices: dict[str, int] = {}  # role name -> devices held this step
 
 
-class JobProfile(_Config, kw_only=True):
+class JobProfile(_Config, frozen=True, kw_only=True):
     """Measured cost of one RL step, per role: the device-seconds of work it did (busy seconds x devices held).
 
     Producer: a profiling run (`JobProfile.from_stats` over `PhaseStats`) or the simulator. Consumer: `plan`,
@@ -197,7 +197,7 @@ class JobProfile(_Config, kw_only=True):
         return cls(device_seconds=averages, num_steps=len(stats))
 
 
-class ReplanConfig(_Config, kw_only=True):
+class ReplanConfig(_Config, frozen=True, kw_only=True):
     """Knobs of the dynamic re-planner (`yatt_placement.replanner`): when a measured imbalance is acted on.
 
     Producer: the user's config (apps). Consumer: `DynamicReplanner`.

@@ -15,8 +15,8 @@ import msgspec
 import pytest
 import torch
 from yatt_apps.config import RolloutSpec, tiny_cpu
-from yatt_apps.jobs.grpo import pad_batch
 from yatt_apps.runtime.agent import CalculatorEnv, check_env, mask_env_tokens
+from yatt_apps.runtime.phases import pad_batch
 from yatt_rollout.env import ENVIRONMENTS
 from yatt_rollout.types import Action, ToolCall, Trajectory
 

@@ -41,29 +41,9 @@ def load_sft_rows(
 ) -> list[SFTRow]:
     """Read and validate a jsonl or parquet file; a bad row raises ValueError naming the file, its 1-based line
     (jsonl) or row (parquet), and the field."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"dataset not found: {path}")
-    if path.suffix == ".jsonl":
-        rows = []
-        for lineno, line in enumerate(path.read_text().splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                raw = msgspec.json.decode(line)
-            except msgspec.DecodeError as err:
-                raise ValueError(f"{path}:{lineno}: not valid JSON: {err}") from None
-            rows.append(_row(raw, f"{path}:{lineno}", prompt_key, response_key))
-    elif path.suffix == ".parquet":
-        import pyarrow.parquet as pq
+    from yatt_apps.io.records import read_records
 
-        table = pq.read_table(path).to_pylist()
-        rows = [_row(raw, f"{path}: row {i + 1}", prompt_key, response_key) for i, raw in enumerate(table)]
-    else:
-        raise ValueError(f"{path}: unsupported dataset format {path.suffix!r} (use .jsonl or .parquet)")
-    if not rows:
-        raise ValueError(f"{path}: no rows")
-    return rows
+    return [_row(raw, where, prompt_key, response_key) for where, raw in read_records(path)]
 
 
 def chat_messages(system: str, user: str) -> list[dict[str, str]]:

@@ -24,20 +24,15 @@ from yatt_apps.config import CapoConfig, CapoSpec, tiny_cpu_capo
 from yatt_apps.io.data import PromptRow
 from yatt_apps.runtime.job import JobDef, StepFn, ValRows, build_services
 from yatt_apps.runtime.phases import (
-    generate_and_score,
-    maybe_evaluate,
+    kept_batch,
     old_logprobs,
-    pad_batch,
-    render_prompt,
-    sample_seed,
-    sample_sums,
+    push_weights,
+    rollout_and_score,
     sleep_engines,
-    summarize,
-    sync_weights,
     tokenizer,
-    train,
-    wake_engines,
+    train_policy,
 )
+from yatt_apps.runtime.step_metrics import maybe_evaluate, sample_sums, summarize
 from yatt_apps.runtime.workers import RewardWorker
 
 if TYPE_CHECKING:
@@ -145,30 +140,15 @@ def capo_step(
     tok = tokenizer(policy_dir)
 
     with ctx.phase("rollout_reward"):  # completions streamed into the verifier r_v and K step critiques each
-        prompt_ids = [render_prompt(tok, row, cfg.data.system_prompt) for row in rows]
-        tag = f"s{ctx.step}-c{ctx.rank}"
-        scored = generate_and_score(
-            ctx,
-            rows,
-            prompt_ids,
-            cfg.sampling,
-            tag,
-            sample_seed(cfg, ctx),
-            tok,
-            method="score_and_critique",
-            token_ids=True,
+        prompt_ids, scored = rollout_and_score(
+            ctx, cfg, rows, tok, method="score_and_critique", token_ids=True
         )
         critiques = [msgspec.convert(d, StepCritique) for d in scored.extra["critiques"]]
     sums = maybe_evaluate(ctx, val_rows, cfg, tok)
     sleep_engines(ctx, cfg, plan)
 
     with ctx.phase("advantages"):  # vote, token rewards, normalize over each prompt's tokens
-        kept = [i for i, k in enumerate(scored.keep) if k]
-        batch = pad_batch(
-            [prompt_ids[scored.owner[i]] for i in kept],
-            [scored.completions[i].token_ids for i in kept],
-            tok.pad_token_id,
-        )
+        kept, samples, batch = kept_batch(scored, prompt_ids, tok)
         group_ids = torch.tensor([scored.owner[i] for i in kept])
         verifier = torch.tensor([scored.scores[i] for i in kept], dtype=torch.float32)
         _, advantages, counts = capo_credit(
@@ -183,22 +163,12 @@ def capo_step(
 
     # old (this policy) and reference logprobs, on this controller's learner ranks
     with ctx.phase("logprobs"):
-        lp, rollout_lp = old_logprobs(ctx, batch, [scored.completions[i] for i in kept])
+        lp, rollout_lp = old_logprobs(ctx, batch, samples)
 
     with ctx.phase("train"):  # PPO-clip, SPMD across controllers
-        logprobs = {k: v for k, v in lp.items() if k != "entropy"}
-        experience = {
-            **batch,
-            **logprobs,
-            "advantages": advantages,
-            "rollout_logprobs": rollout_lp,
-            "group_ids": group_ids,
-        }
-        stats = train(ctx, experience)
+        stats = train_policy(ctx, batch, lp, rollout_lp, advantages, group_ids=group_ids)
 
-    with ctx.phase("weight_sync"):
-        wake_engines(ctx, cfg, plan)
-        sync_weights(ctx)
+    push_weights(ctx, cfg, plan)
 
     sums |= sample_sums(scored, kept, len(rows), batch["response_mask"], lp, rollout_lp)
     sums |= counts

@@ -32,20 +32,15 @@ from yatt_apps.io.data import PromptRow
 from yatt_apps.runtime.job import JobDef, StepFn, ValRows
 from yatt_apps.runtime.phases import (
     Scored,
-    generate_and_score,
-    maybe_evaluate,
     old_logprobs,
     pad_batch,
-    render_prompt,
-    sample_seed,
-    sample_sums,
+    push_weights,
+    rollout_and_score,
     sleep_engines,
-    summarize,
-    sync_weights,
     tokenizer,
-    train,
-    wake_engines,
+    train_policy,
 )
+from yatt_apps.runtime.step_metrics import maybe_evaluate, sample_sums, summarize
 
 if TYPE_CHECKING:
     from yatt_controller.controller import StepContext
@@ -164,11 +159,7 @@ def run_wave(
     from yatt_algos.filters import dynamic_sampling_filter, overlong_penalty
 
     with ctx.phase("rollout_reward"):
-        prompt_ids = [render_prompt(tok, row, cfg.data.system_prompt) for row in rows]
-        tag = f"s{ctx.step}-c{ctx.rank}-w{wave}"
-        result = generate_and_score(
-            ctx, rows, prompt_ids, cfg.sampling, tag, sample_seed(cfg, ctx, wave), tok
-        )
+        prompt_ids, result = rollout_and_score(ctx, cfg, rows, tok, wave=wave)
         scored.append(result)
         lengths = torch.tensor([len(c.token_ids) for c in result.completions])
         shaped = torch.tensor(result.scores, dtype=torch.float32) + overlong_penalty(
@@ -248,20 +239,11 @@ def dapo_step(
         lp, rollout_lp = old_logprobs(ctx, batch, samples)
 
     with ctx.phase("train"):  # SPMD across controllers; clip-higher and token-mean come from cfg.algo
-        logprobs = {k: v for k, v in lp.items() if k != "entropy"}
-        experience = {
-            **batch,
-            "response_mask": loss_mask,
-            **logprobs,
-            "advantages": advantages,
-            "rollout_logprobs": rollout_lp,
-            "group_ids": group_ids,
-        }
-        stats = train(ctx, experience)
+        stats = train_policy(
+            ctx, batch, lp, rollout_lp, advantages, group_ids=group_ids, response_mask=loss_mask
+        )
 
-    with ctx.phase("weight_sync"):
-        wake_engines(ctx, cfg, plan)
-        sync_weights(ctx)
+    push_weights(ctx, cfg, plan)
 
     every = merge_scored(scored)
     kept = [i for i, k in enumerate(every.keep) if k]  # per-term rewards over every wave's scored samples

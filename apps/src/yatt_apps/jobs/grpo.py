@@ -19,25 +19,19 @@ from yatt_apps.runtime import producer
 from yatt_apps.runtime.job import JobDef, StepFn, ValRows
 from yatt_apps.runtime.phases import (
     concat_rows,
-    generate_and_score,
     group_advantages,
-    judge_sums,
+    kept_batch,
     learner_of,
-    maybe_evaluate,
     old_logprobs,
-    pad_batch,
     pf_ppo_rows,
-    render_prompt,
-    sample_seed,
-    sample_sums,
+    push_weights,
+    rollout_and_score,
     sleep_engines,
-    summarize,
-    sync_weights,
     take_rows,
     tokenizer,
-    train,
-    wake_engines,
+    train_policy,
 )
+from yatt_apps.runtime.step_metrics import judge_sums, maybe_evaluate, sample_sums, summarize
 from yatt_apps.runtime.workers import learner_backend
 
 if TYPE_CHECKING:
@@ -66,18 +60,12 @@ def grpo_step(
             launched, scored = producers.of(ctx.rank).next_batch(ctx, cfg, rows, tok)
             rows, prompt_ids = launched.rows, launched.prompt_ids
         else:
-            prompt_ids = [render_prompt(tok, row, cfg.data.system_prompt) for row in rows]
-            tag = f"s{ctx.step}-c{ctx.rank}"
-            scored = generate_and_score(ctx, rows, prompt_ids, cfg.sampling, tag, sample_seed(cfg, ctx), tok)
+            prompt_ids, scored = rollout_and_score(ctx, cfg, rows, tok)
     sums = maybe_evaluate(ctx, val_rows, cfg, tok)  # the policy that generated this step's samples
     sleep_engines(ctx, cfg, plan)  # full colocation: the engines give the devices to the learner
 
     with ctx.phase("advantages"):  # a prompt's group never leaves this controller
-        kept = [i for i, k in enumerate(scored.keep) if k]
-        samples = [scored.completions[i] for i in kept]
-        batch = pad_batch(
-            [prompt_ids[scored.owner[i]] for i in kept], [c.token_ids for c in samples], tok.pad_token_id
-        )
+        kept, samples, batch = kept_batch(scored, prompt_ids, tok)
         if cfg.rollout.env:  # multi-turn: the environment's tokens are not the policy's (mask 0)
             from yatt_apps.runtime.agent import mask_env_tokens
 
@@ -103,12 +91,9 @@ def grpo_step(
             rollout_lp = rollout_logprobs(batch, samples)
             lp, stats = logprobs_and_train(ctx, {**experience, "rollout_logprobs": rollout_lp})
         else:
-            logprobs = {k: v for k, v in lp.items() if k != "entropy"}
-            stats = train(ctx, {**experience, **logprobs, "rollout_logprobs": rollout_lp})
+            stats = train_policy(ctx, batch, lp, rollout_lp, advantages, group_ids=group_ids)
 
-    with ctx.phase("weight_sync"):  # version v+1 to every rollout replica; all controllers wait
-        wake_engines(ctx, cfg, plan)
-        sync_weights(ctx)
+    push_weights(ctx, cfg, plan)  # version v+1 to every rollout replica; all controllers wait
 
     sums |= sample_sums(scored, kept, len(rows), batch["response_mask"], lp, rollout_lp)
     sums |= judge_sums(cfg, scored, kept)

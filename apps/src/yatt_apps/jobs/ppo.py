@@ -22,20 +22,16 @@ from yatt_apps.config import PpoConfig, tiny_cpu_ppo
 from yatt_apps.io.data import PromptRow
 from yatt_apps.runtime.job import JobDef, StepFn, ValRows, build_services, policy_roles
 from yatt_apps.runtime.phases import (
-    generate_and_score,
-    maybe_evaluate,
+    kept_batch,
     old_logprobs,
-    pad_batch,
-    render_prompt,
-    sample_seed,
-    sample_sums,
+    push_weights,
+    rollout_and_score,
     sleep_engines,
-    summarize,
-    sync_weights,
     tokenizer,
     train,
-    wake_engines,
+    train_policy,
 )
+from yatt_apps.runtime.step_metrics import maybe_evaluate, sample_sums, summarize
 
 if TYPE_CHECKING:
     from yatt_controller.controller import StepContext
@@ -133,14 +129,8 @@ def ppo_step(
     critic = ctx.services["critic"]
 
     with ctx.phase("rollout_reward"):  # generation streamed into the rule rewards
-        prompt_ids = [render_prompt(tok, row, cfg.data.system_prompt) for row in rows]
-        tag = f"s{ctx.step}-c{ctx.rank}"
-        scored = generate_and_score(ctx, rows, prompt_ids, cfg.sampling, tag, sample_seed(cfg, ctx), tok)
-        kept = [i for i, k in enumerate(scored.keep) if k]
-        samples = [scored.completions[i] for i in kept]
-        batch = pad_batch(
-            [prompt_ids[scored.owner[i]] for i in kept], [c.token_ids for c in samples], tok.pad_token_id
-        )
+        prompt_ids, scored = rollout_and_score(ctx, cfg, rows, tok)
+        kept, samples, batch = kept_batch(scored, prompt_ids, tok)
         mask = batch["response_mask"]
     sums = maybe_evaluate(ctx, val_rows, cfg, tok)
     sleep_engines(ctx, cfg, plan)
@@ -170,13 +160,10 @@ def ppo_step(
         advantages = whiten_across(ctx, advantages, mask)
 
     with ctx.phase("train"):  # the policy, then the critic, each SPMD across controllers
-        logprobs = {k: v for k, v in lp.items() if k != "entropy"}
-        stats = train(ctx, {**batch, **logprobs, "advantages": advantages, "rollout_logprobs": rollout_lp})
+        stats = train_policy(ctx, batch, lp, rollout_lp, advantages)
         critic_stats = train(ctx, {**batch, "returns": returns, "old_values": values}, group="critic")
 
-    with ctx.phase("weight_sync"):
-        wake_engines(ctx, cfg, plan)
-        sync_weights(ctx)
+    push_weights(ctx, cfg, plan)
 
     sums |= sample_sums(scored, kept, len(rows), mask, lp, rollout_lp)
     sums["ppo/kl_reward/sum"] = float(mean_kl) * float(mask.sum())  # KL per token x tokens

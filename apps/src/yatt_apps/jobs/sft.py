@@ -55,7 +55,8 @@ def sft_step(
 ) -> dict[str, float]:
     """One SFT step on this controller's `rows`; metrics reduced over controllers. The run's RUN_DIR/final is
     exported from the last step's checkpoint (yatt_apps.runtime.launch.export_final), as for every job."""
-    from yatt_apps.runtime.phases import evaluate, tokenizer
+    from yatt_apps.runtime.phases import tokenizer
+    from yatt_apps.runtime.step_metrics import evaluate
 
     tok = tokenizer(policy_dir)
     with ctx.phase("tokenize"):

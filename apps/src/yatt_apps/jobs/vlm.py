@@ -25,20 +25,15 @@ from yatt_apps.config import RunConfig, tiny_cpu_vlm
 from yatt_apps.io.data import PromptRow
 from yatt_apps.runtime.job import JobDef, StepFn, ValRows
 from yatt_apps.runtime.phases import (
-    generate_and_score,
-    maybe_evaluate,
+    kept_batch,
     old_logprobs,
-    pad_batch,
-    render_prompt,
-    sample_seed,
-    sample_sums,
+    push_weights,
+    rollout_and_score,
     sleep_engines,
-    summarize,
-    sync_weights,
     tokenizer,
-    train,
-    wake_engines,
+    train_policy,
 )
+from yatt_apps.runtime.step_metrics import maybe_evaluate, sample_sums, summarize
 
 if TYPE_CHECKING:
     from yatt_controller.controller import StepContext
@@ -167,9 +162,7 @@ def vlm_step(
     vision_ids = set(tok.convert_tokens_to_ids(list(VISION_TOKENS)))
 
     with ctx.phase("rollout_reward"):  # the engine loads each row's images; rule terms on the response text
-        prompt_ids = [render_prompt(tok, row, cfg.data.system_prompt) for row in rows]
-        tag = f"s{ctx.step}-c{ctx.rank}"
-        scored = generate_and_score(ctx, rows, prompt_ids, cfg.sampling, tag, sample_seed(cfg, ctx), tok)
+        prompt_ids, scored = rollout_and_score(ctx, cfg, rows, tok)
         scored.keep = [
             k and not vision_ids & set(c.token_ids)
             for k, c in zip(scored.keep, scored.completions, strict=True)
@@ -178,14 +171,8 @@ def vlm_step(
     sleep_engines(ctx, cfg, plan)
 
     with ctx.phase("advantages"):  # expanded prompts and pixels per row, then group-normalized advantages
-        kept = [i for i, k in enumerate(scored.keep) if k]
-        samples = [scored.completions[i] for i in kept]
         vision = [prompt_vision(tok, processor, ids, row) for ids, row in zip(prompt_ids, rows, strict=True)]
-        batch = pad_batch(
-            [vision[scored.owner[i]]["prompt_ids"] for i in kept],
-            [c.token_ids for c in samples],
-            tok.pad_token_id,
-        )
+        kept, samples, batch = kept_batch(scored, [v["prompt_ids"] for v in vision], tok)
         batch |= vision_batch(
             [vision[scored.owner[i]] for i in kept], batch, tok.convert_tokens_to_ids("<|image_pad|>")
         )
@@ -199,19 +186,9 @@ def vlm_step(
         lp, rollout_lp = old_logprobs(ctx, batch, samples)
 
     with ctx.phase("train"):  # SPMD across controllers
-        logprobs = {k: v for k, v in lp.items() if k != "entropy"}
-        experience = {
-            **batch,
-            **logprobs,
-            "advantages": advantages,
-            "rollout_logprobs": rollout_lp,
-            "group_ids": group_ids,
-        }
-        stats = train(ctx, experience)
+        stats = train_policy(ctx, batch, lp, rollout_lp, advantages, group_ids=group_ids)
 
-    with ctx.phase("weight_sync"):
-        wake_engines(ctx, cfg, plan)
-        sync_weights(ctx)
+    push_weights(ctx, cfg, plan)
 
     sums |= sample_sums(scored, kept, len(rows), batch["response_mask"], lp, rollout_lp)
     return summarize(ctx.all_reduce(sums), stats, ctx.world_size)

@@ -284,3 +284,22 @@ def test_a_job_config_from_a_yaml_file_is_checked_too(tmp_path, capsys):
     assert main(["config", "--job", "grpo", "--preset", "tiny_cpu_ppo"]) == 0
     out = capsys.readouterr().out
     assert "app: grpo" in out and "critic_optim" not in out
+
+
+def test_yatt_run_names_a_file_without_a_job(tmp_path, capsys):
+    empty = tmp_path / "not_a_job.py"
+    empty.write_text("X = 1\n")
+    assert main(["run", str(empty)]) == 2
+    assert f"{empty}: defines no JOB = JobDef(...) (found NoneType for JOB)" in capsys.readouterr().err
+    assert main(["run", str(tmp_path / "missing.py")]) == 2
+    assert "missing.py: not a Python file" in capsys.readouterr().err
+
+
+def test_the_registry_holds_every_shipped_job_under_its_config_app():
+    from yatt_apps.jobs import registry
+
+    jobs = registry()
+    assert list(jobs) == ["grpo", "dapo", "ppo", "capo", "grpo-vlm", "sft"]
+    for name, job in jobs.items():  # each job's preset is its own config class, naming the job
+        cfg = job.preset()
+        assert type(cfg) is job.config and cfg.app == name

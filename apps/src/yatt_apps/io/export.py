@@ -142,13 +142,25 @@ def _names(path: Path) -> list[str]:
 
 
 def run_config(run_dir: Path) -> RunConfig:
+    """The run's saved config as its job's config class (a shipped job's, by `app`); a job of a user's own
+    file is read as the shared `RunConfig` keys (what export needs: the model, the learner's LoRA)."""
+    import msgspec
+
     from yatt_apps.config import RunConfig
-    from yatt_apps.overlay import build_config
+    from yatt_apps.jobs import registry
+    from yatt_apps.overlay import read_yaml
 
     path = run_dir / "config.yaml"
     if not path.is_file():
         raise ValueError(f"{run_dir} is not a run directory (no config.yaml)")
-    return build_config(RunConfig, RunConfig(), path)
+    doc = read_yaml(path)
+    job = registry().get(str(doc.get("app", "")))
+    cls = job.config if job is not None else RunConfig
+    shared = {k: v for k, v in doc.items() if k in cls.__struct_fields__}
+    try:
+        return msgspec.convert(shared, cls, strict=False)
+    except msgspec.ValidationError as err:
+        raise ValueError(f"invalid config (from {path}): {err}") from None
 
 
 def policy_dir(run_dir: Path, cfg: RunConfig) -> Path:

@@ -1,6 +1,6 @@
 """Asynchronous training with bounded staleness against synchronous, on the real tiny GRPO job with its judge.
 
-The same job (`yatt_apps.launch.run_job`: tiny Qwen2 policy and judge, rule rewards + GenRM) on 4 logical
+The same job (`yatt_apps.runtime.launch.run_job`: tiny Qwen2 policy and judge, rule rewards + GenRM) on 4 logical
 devices in a disaggregated layout, with `algo.max_staleness` 0, 1 and 2, same seeds, in one Ray session: median
 seconds per step (start-up and the first steps excluded), completion tokens per second, the reward curve of
 each, and the largest staleness any trained sample had.
@@ -53,8 +53,8 @@ def config(staleness: int, num_steps: int, partial: bool = False, learners: int 
 
 def run_all(num_steps: int, partial: bool = False, learners: int = 1) -> dict[int, list[dict]]:
     import ray
-    from yatt_apps.grpo import JOB
-    from yatt_apps.launch import ENV, run_job
+    from yatt_apps.jobs.grpo import JOB
+    from yatt_apps.runtime.launch import ENV, run_job
 
     for key, value in ENV.items():
         os.environ.setdefault(key, value)

@@ -5,7 +5,7 @@ What is compared. One GRPO step = generate G completions for each of P prompts, 
 (AdamW, clip 1.0) over the whole batch. Both sides use:
 - the same model directory, at two sizes (`--sizes`): `tiny`, the preset's Qwen2 (hidden 64, 2 layers, head_dim
   32, fp32), and `small` (hidden 256, 4 layers, 4 heads of 64, 64 new tokens: generation dominates), each with
-  a tokenizer trained locally on the embedded arithmetic task, built once by `yatt_apps.models.prepare_model`;
+  a tokenizer trained locally on the embedded arithmetic task, built once by `yatt_apps.io.models.prepare_model`;
 - the same prompts (the embedded arithmetic task, chat-templated by the tokenizer's ChatML template), P prompts
   x G samples per step, at most L new tokens, temperature 1.0, top-p 1.0, no top-k;
 - the same reward: math_verify against the answer (weight 1) + a format regex `^\\s*-?\\d+` (weight 0.5), both
@@ -15,7 +15,7 @@ What is compared. One GRPO step = generate G completions for each of P prompts, 
   per rank. Both therefore skip the separate old-policy forward (the training forward's detached logprobs are
   the old ones) and run the reference forward beside the update.
 
-YATT runs the real app: `yatt_apps.launch.run_job` with the `tiny_cpu` preset minus the judge, colocated, in
+YATT runs the real app: `yatt_apps.runtime.launch.run_job` with the `tiny_cpu` preset minus the judge, colocated, in
 each layout of `--layouts` (`2c2d`: two parallel controllers on two logical devices, a learner rank each over
 gloo DDP; `1c1d`: one controller, one device), all in one Ray session; per device a policy learner rank with
 its reference, an HF rollout engine and a reward worker. A logical device is an equal share of the machine's
@@ -75,8 +75,8 @@ LAYOUTS = {"2c2d": 2, "1c1d": 1}
 def build_policy(root: Path, num_rows: int, size: str) -> str:
     """The shared model directory of `size`, built once (tokenizer trained on the task)."""
     from yatt_apps.config import ModelSpec
-    from yatt_apps.data import arithmetic_task
-    from yatt_apps.models import prepare_model, tokenizer_corpus
+    from yatt_apps.io.data import arithmetic_task
+    from yatt_apps.io.models import prepare_model, tokenizer_corpus
 
     corpus = tokenizer_corpus(arithmetic_task(num_rows, seed=0))
     return str(prepare_model(ModelSpec(**SIZES[size]), root / f"policy-{size}", corpus))
@@ -137,6 +137,7 @@ def yatt_config(policy_dir: str, args: argparse.Namespace, num_steps: int, layou
         f"algo.kl_loss_coef={KL_COEF}",
         "algo.num_updates_per_batch=1",
         "controller.checkpoint_every=0",
+        "controller.count_driver_bytes=true",  # the summary reports the driver's bytes
         # a CPU has no device memory to hand over: the engines keep their weights between steps (level 2
         # would discard them and the next push restore them)
         "placement.sleep_level=0",
@@ -145,8 +146,8 @@ def yatt_config(policy_dir: str, args: argparse.Namespace, num_steps: int, layou
 
 
 def run_yatt(policy_dir: str, root: Path, args: argparse.Namespace, layout: str) -> dict:
-    from yatt_apps.grpo import JOB
-    from yatt_apps.launch import run_job
+    from yatt_apps.jobs.grpo import JOB
+    from yatt_apps.runtime.launch import run_job
 
     cfg = yatt_config(policy_dir, args, args.warmup + args.steps, layout)
     started, run_dir = time.perf_counter(), root / f"yatt-run-{layout}"
@@ -216,7 +217,7 @@ def run_trl(policy_dir: str, root: Path, args: argparse.Namespace, threads: int)
     import torch
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
-    from yatt_apps.data import arithmetic_task
+    from yatt_apps.io.data import arithmetic_task
 
     rows = arithmetic_task(args.num_rows, seed=0)
     data = Dataset.from_list(

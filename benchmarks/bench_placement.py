@@ -12,7 +12,7 @@
    static split, chosen in hindsight.
 The figures of 1-3 come from the simulator's hardware and workload model (see yatt_placement.simulator), not
 from a cluster.
-4. Live: the real tiny GRPO job with its real tiny judge (`yatt_apps.launch.run_job`, one shared local Ray, 4
+4. Live: the real tiny GRPO job with its real tiny judge (`yatt_apps.runtime.launch.run_job`, one shared local Ray, 4
    logical devices, one controller) under colocated, partial and dynamic placement (dynamic started at a poor
    split: 3 rollout devices, 1 judge), measured seconds per step (median after the first) beside the
    simulator's prediction for the same config. The simulator's two speed constants (per-iteration overhead
@@ -177,8 +177,8 @@ def live_runs(num_steps: int) -> dict:
     from pathlib import Path
 
     import ray
-    from yatt_apps.grpo import JOB
-    from yatt_apps.launch import ENV, run_job
+    from yatt_apps.jobs.grpo import JOB
+    from yatt_apps.runtime.launch import ENV, run_job
 
     for key, value in ENV.items():
         os.environ.setdefault(key, value)
@@ -205,7 +205,7 @@ def live_runs(num_steps: int) -> dict:
 
 def live_scenario(cfg, steps: list[dict], overhead_s: float, flops: float) -> Scenario:
     """The simulator's view of the live job: its roles and cluster, the measured lengths, fitted speeds."""
-    from yatt_apps.grpo import JOB
+    from yatt_apps.jobs.grpo import JOB
     from yatt_placement.simulator import Hardware, Workload
 
     judge = cfg.rewards[-1].judge

@@ -28,7 +28,13 @@ def _example(name: str):
 
 
 def test_every_example_is_tested():
-    tested = {"losses_in_your_loop", "engine_as_generator", "controller_hosts_your_classes", "trl_judge"}
+    tested = {
+        "losses_in_your_loop",
+        "engine_as_generator",
+        "controller_hosts_your_classes",
+        "trl_judge",
+        "own_job",
+    }
     assert {p.stem for p in EXAMPLES.glob("*.py")} == tested
 
 
@@ -124,3 +130,54 @@ def test_trl_judge():
     # the judge's verdicts parse (mostly) and move the scores: the comparison is not one of zeros
     assert sum(s["statuses"].get("ok", 0) for s in result["steps"]) >= 8
     assert any(a not in (None, 0.0) for s in result["steps"] for a in s["adapter_scores"])
+
+
+# ---- a job of your own, through the `yatt` command (examples/own_job.py) --------------------------------------
+
+
+def _yatt(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "yatt_apps.cli", *argv],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+
+
+def test_own_job_config_and_plan_come_from_its_file(tmp_path):
+    """`yatt config --job FILE` and `yatt plan --job FILE` read the file's JOB: its preset, no judge."""
+    out = _yatt("config", "--job", str(EXAMPLES / "own_job.py"), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "app: grpo-brevity" in out.stdout and "judge: null" in out.stdout
+    out = _yatt("plan", "--job", str(EXAMPLES / "own_job.py"), "--json", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    plan = json.loads(out.stdout.strip().splitlines()[-1])
+    assert sorted(r["role"] for r in plan["roles"]) == ["actor", "reward", "rollout"]  # no judge role
+
+
+@pytest.mark.slow
+def test_own_job_runs_through_yatt_run(tmp_path):
+    """`yatt run examples/own_job.py`: 2 steps of 8 prompts x 4 samples on two controllers; every sample's
+    score is the configured rules plus the file's own term (reward/mean = exact + 0.2 format + 0.5 brevity)."""
+    run_dir = tmp_path / "run"
+    sets = ["run.num_steps=2", "run.prompts_per_step=8", "sampling.n=4", "run.eval_every=0"]
+    argv = ["run", str(EXAMPLES / "own_job.py"), "--run-dir", str(run_dir), "--json"]
+    out = _yatt(*argv, *(a for s in sets for a in ("--set", s)), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["step"] == 1 and summary["restarts"] == 0
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [0, 1]
+    for row in rows:
+        assert row["reward_status/ok"] == 32.0  # 8 prompts x 4 samples, all scored
+        assert 0.0 < row["reward/brevity_mean"] <= 1.0
+        expected = (
+            row["reward/math_verify_mean"]
+            + 0.2 * row["reward/format_mean"]
+            + 0.5 * row["reward/brevity_mean"]
+        )
+        assert row["reward/mean"] == pytest.approx(expected, abs=1e-9)
+    assert "app: grpo-brevity" in (run_dir / "config.yaml").read_text()

@@ -62,7 +62,7 @@ def ray_session():
     import os
 
     import ray
-    from yatt_apps.launch import ENV
+    from yatt_apps.runtime.launch import ENV
 
     for key, value in ENV.items():
         os.environ.setdefault(key, value)

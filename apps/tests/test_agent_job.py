@@ -14,9 +14,9 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
-from yatt_apps.agent import CalculatorEnv, check_env, mask_env_tokens
 from yatt_apps.config import RolloutSpec, tiny_cpu
-from yatt_apps.grpo import pad_batch
+from yatt_apps.runtime.agent import CalculatorEnv, check_env, mask_env_tokens
+from yatt_apps.runtime.phases import pad_batch
 from yatt_rollout.env import ENVIRONMENTS
 from yatt_rollout.types import Action, ToolCall, Trajectory
 
@@ -75,10 +75,12 @@ def test_check_env_names_the_key():
         ValueError, match=r"rollout.env is supported by the \['grpo'\] app\(s\), not app='ppo'"
     ):
         check_env(msgspec.structs.replace(cfg, app="ppo", rollout=RolloutSpec(env="calculator")))
-    with pytest.raises(ValueError, match=r"rollout.env 'yatt_apps.agent:Missing': cannot load 'Missing'"):
-        check_env(msgspec.structs.replace(cfg, rollout=RolloutSpec(env="yatt_apps.agent:Missing")))
-    check_env(msgspec.structs.replace(cfg, rollout=RolloutSpec(env="yatt_apps.agent:CalculatorEnv")))
-    assert ENVIRONMENTS["yatt_apps.agent:CalculatorEnv"] is CalculatorEnv
+    with pytest.raises(
+        ValueError, match=r"rollout.env 'yatt_apps.runtime.agent:Missing': cannot load 'Missing'"
+    ):
+        check_env(msgspec.structs.replace(cfg, rollout=RolloutSpec(env="yatt_apps.runtime.agent:Missing")))
+    check_env(msgspec.structs.replace(cfg, rollout=RolloutSpec(env="yatt_apps.runtime.agent:CalculatorEnv")))
+    assert ENVIRONMENTS["yatt_apps.runtime.agent:CalculatorEnv"] is CalculatorEnv
 
 
 @pytest.mark.slow
@@ -103,6 +105,8 @@ def test_grpo_calculator_job_two_steps(tmp_path: Path, engine: str):
         "sampling.n=4",
         "--set",
         "run.eval_every=1",
+        "--set",
+        "controller.count_driver_bytes=true",
         "--json",
     ]
     out = subprocess.run(

@@ -11,12 +11,12 @@ import time
 
 import msgspec
 import pytest
-from yatt_apps.cli import main
+from yatt_apps.cli.main import main
 from yatt_apps.config import PRESETS, ControllerSpec, PlacementConfig, RunConfig
-from yatt_apps.grpo import JOB
-from yatt_apps.jobs import build_services
-from yatt_apps.launch import run_job
-from yatt_apps.workers import RolloutWorker
+from yatt_apps.jobs.grpo import JOB
+from yatt_apps.runtime.job import build_services
+from yatt_apps.runtime.launch import run_job
+from yatt_apps.runtime.workers import RolloutWorker
 from yatt_placement.types import ClusterSpec
 
 

@@ -32,7 +32,7 @@ from yatt_apps.config import (
     RunConfig,
     tiny_cpu,
 )
-from yatt_apps.models import prepare_model
+from yatt_apps.io.models import prepare_model
 from yatt_placement.types import ClusterSpec
 
 replace = msgspec.structs.replace
@@ -190,8 +190,8 @@ def test_actor_replica_spans_tensor_x_pipeline_devices():
     makes each replica's consecutive worker ranks one model-parallel group (stage = position // tp)."""
     pytest.importorskip("megatron.core")
     from megatron.core.parallel_state import RankGenerator
-    from yatt_apps.jobs import policy_roles
-    from yatt_apps.workers import megatron_layout
+    from yatt_apps.runtime.job import policy_roles
+    from yatt_apps.runtime.workers import megatron_layout
     from yatt_placement.planner import plan
 
     cfg = _with(
@@ -224,7 +224,7 @@ def test_actor_replica_spans_tensor_x_pipeline_devices():
 def test_vllm_tensor_parallel_executor_on_cpu(monkeypatch):
     """On the CPU a vLLM replica's TP workers are vLLM's own processes ("mp": its Ray executor refuses the CPU
     platform), without automatic NUMA binding unless the user set one; on CUDA they are Ray workers."""
-    from yatt_apps import workers
+    from yatt_apps.runtime import workers
 
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     assert workers._vllm_tp_executor() == "mp" and os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
@@ -245,7 +245,7 @@ def test_possible_combinations_pass():
 
 
 def test_backend_and_dtype_resolution():
-    from yatt_apps.workers import device, dtype_name, learner_backend, sync_backend
+    from yatt_apps.runtime.workers import device, dtype_name, learner_backend, sync_backend
 
     base = tiny_cpu()
     assert learner_backend(base) == "ddp"
@@ -263,7 +263,7 @@ def test_backend_and_dtype_resolution():
 def test_tensor_parallel_peers_hold_no_engine():
     """A replica over k devices: its first worker serves (vLLM's TP spans them); the k - 1 peers build nothing
     and answer with nothing (dispatch returns the first worker's answer)."""
-    from yatt_apps.workers import RewardWorker, RolloutWorker
+    from yatt_apps.runtime.workers import RewardWorker, RolloutWorker
     from yatt_controller.types import WorkerInfo
 
     peer = WorkerInfo(role="rollout", dp_rank=0, dp_size=1, tp_rank=1, tp_size=2)
@@ -340,10 +340,10 @@ def small(*, devices: int = 2, **sections) -> RunConfig:
 
 
 def run(cfg: RunConfig, run_dir: Path) -> dict:
-    from yatt_apps.cli import STEP_FACTORIES, _load
-    from yatt_apps.launch import run_job
+    from yatt_apps.jobs import find
+    from yatt_apps.runtime.launch import run_job
 
-    return run_job(cfg, run_dir, _load(STEP_FACTORIES[cfg.app]))
+    return run_job(cfg, run_dir, find(cfg.app))
 
 
 def metrics(run_dir: Path) -> dict[int, dict]:
@@ -436,7 +436,7 @@ def ray_session():
     """One local Ray for the job tests; the Megatron workers see the test-only CPU shim's switch."""
     os.environ[MEGATRON_CPU_SHIM] = "1"  # inherited by every worker process Ray starts from here
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", "/tmp/yatt-inductor-cache")
-    from yatt_apps.launch import ENV
+    from yatt_apps.runtime.launch import ENV
 
     for key, value in ENV.items():
         os.environ.setdefault(key, value)
@@ -592,8 +592,8 @@ def test_hf_engine_and_torch_learner_in_bf16_on_cuda(tmp_path):
     """model.dtype auto is bf16 on CUDA: the engine and the learner sit on the device in bf16, the learner's
     logprobs of the engine's samples agree within bf16 rounding, and an update is finite with a gradient."""
     import torch
-    from yatt_apps.phases import pad_batch
-    from yatt_apps.workers import _torch_learners, build_engine
+    from yatt_apps.runtime.phases import pad_batch
+    from yatt_apps.runtime.workers import _torch_learners, build_engine
     from yatt_rollout.types import GenerateRequest, Prompt, SamplingParams
 
     cfg = tiny_cpu()

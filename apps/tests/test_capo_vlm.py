@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from yatt_apps.capo import capo_credit
 from yatt_apps.config import CapoSpec
+from yatt_apps.jobs.capo import capo_credit
 from yatt_multimodal.types import StepCritique
 
 
@@ -128,13 +128,15 @@ def test_genprm_spans_through_a_real_tokenizer(policy_tok):
 
 def test_capo_step_function_checks_config():
     import msgspec
-    from yatt_apps.capo import step_function
     from yatt_apps.config import tiny_cpu, tiny_cpu_capo
+    from yatt_apps.jobs.capo import JOB, step_function
+    from yatt_apps.runtime.launch import placement_plan
 
+    plan = placement_plan(tiny_cpu_capo(), JOB)
     with pytest.raises(ValueError, match=r"capo needs judge \(the critic model\)"):
-        step_function(msgspec.structs.replace(tiny_cpu_capo(), judge=None), "policy")
+        step_function(msgspec.structs.replace(tiny_cpu_capo(), judge=None), "policy", None, plan)
     with pytest.raises(ValueError, match=r"capo's rewards must be rule terms"):
-        step_function(msgspec.structs.replace(tiny_cpu(), app="capo"), "policy")
+        step_function(msgspec.structs.replace(tiny_cpu(), app="capo"), "policy", None, plan)
 
 
 # ---- grpo-vlm ------------------------------------------------------------------------------------------
@@ -150,8 +152,8 @@ def _red_squares(path: Path) -> int:
 
 
 def test_embedded_image_task(tmp_path):
-    from yatt_apps.data import load_rows
-    from yatt_apps.vlm import write_image_task
+    from yatt_apps.io.data import load_rows
+    from yatt_apps.jobs.vlm import write_image_task
 
     path = write_image_task(tmp_path, "train", 12, seed=3)
     rows = load_rows(path)
@@ -167,9 +169,9 @@ def test_vlm_prompt_and_batch(tmp_path):
     rollout prompt has 1, and 16 patches of 3 * 2 * 14 * 14 = 1176 values."""
     import msgspec
     from transformers import Qwen2VLImageProcessorPil
-    from yatt_apps.data import PromptRow, load_rows
-    from yatt_apps.phases import pad_batch, render_prompt
-    from yatt_apps.vlm import prompt_vision, vision_batch, write_image_task
+    from yatt_apps.io.data import PromptRow, load_rows
+    from yatt_apps.jobs.vlm import prompt_vision, vision_batch, write_image_task
+    from yatt_apps.runtime.phases import pad_batch, render_prompt
     from yatt_rollout.tiny import VISION_TOKENS, train_tokenizer
 
     tok = train_tokenizer(["How many red squares? 3"] * 4, vocab_size=300, extra_special_tokens=VISION_TOKENS)
@@ -202,7 +204,7 @@ def _yatt(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
 def test_grpo_vlm_corrupt_image_exits_2(tmp_path, capsys):
     """Checked when the file is read, before any model or Ray starts: the file, row and image are named."""
     from PIL import Image
-    from yatt_apps.cli import main
+    from yatt_apps.cli.main import main
 
     Image.new("RGB", (56, 56), "red").save(tmp_path / "ok.png")
     (tmp_path / "bad.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\x00" * 20)
@@ -225,7 +227,16 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 @pytest.mark.slow
 def test_capo_runs_two_steps(tmp_path):
-    out = _yatt("capo", "--run-dir", str(tmp_path / "run"), "--set", "run.num_steps=2", cwd=tmp_path)
+    out = _yatt(
+        "capo",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--set",
+        "run.num_steps=2",
+        "--set",
+        "controller.count_driver_bytes=true",
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["driver_bytes"] < 300_000 and summary["step"] == 1

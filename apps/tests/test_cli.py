@@ -5,16 +5,17 @@ prints a config that loads back; resuming a finished run starts nothing."""
 import json
 
 import pytest
-from yatt_apps.cli import STEP_FACTORIES, _load, main
+from yatt_apps.cli.main import main
 from yatt_apps.config import PRESETS, RunConfig
-from yatt_apps.launch import placement_plan
+from yatt_apps.jobs import find
+from yatt_apps.runtime.launch import placement_plan
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_presets_validate_and_plan(name):
     cfg = PRESETS[name]()
     assert isinstance(cfg, RunConfig)
-    plan = placement_plan(cfg, _load(STEP_FACTORIES[cfg.app]))
+    plan = placement_plan(cfg, find(cfg.app))
     actor = next(r for r in plan.roles if r.role == "actor")
     assert len(actor.replicas) == cfg.controller.num_controllers  # one controller per data-parallel rank
 
@@ -104,7 +105,7 @@ def test_help_lists_presets_and_main_keys(capsys):
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_config_prints_every_key_with_a_doc_and_loads_back(preset, capsys, tmp_path):
-    from yatt_apps.keydocs import undocumented
+    from yatt_apps.cli.keydocs import undocumented
     from yatt_apps.overlay import build_config
 
     assert main(["config", "--preset", preset, "--set", "optim.lr=0.25"]) == 0
@@ -117,8 +118,9 @@ def test_config_prints_every_key_with_a_doc_and_loads_back(preset, capsys, tmp_p
     assert "  lr: 0.25  # peak learning rate (AdamW)" in lines
     assert undocumented(PRESETS[preset]()) == []
     (tmp_path / "c.yaml").write_text(out)
-    want = build_config(RunConfig, PRESETS[preset](), None, ["optim.lr=0.25"])
-    assert build_config(RunConfig, RunConfig(), tmp_path / "c.yaml") == want
+    cls = type(PRESETS[preset]())  # the preset's job's config class (RunConfig, or e.g. PpoConfig)
+    want = build_config(cls, PRESETS[preset](), None, ["optim.lr=0.25"])
+    assert build_config(cls, cls(), tmp_path / "c.yaml") == want
 
 
 def _fake_run(tmp_path, num_steps: int, checkpoint_step: int | None):
@@ -142,12 +144,12 @@ def build_config_for_steps(num_steps: int) -> RunConfig:
 
 
 def test_resume_of_a_finished_run_starts_nothing(tmp_path, capsys, monkeypatch):
-    import yatt_apps.launch
+    import yatt_apps.runtime.launch
 
     def no_run(*args, **kwargs):
         raise AssertionError("a finished run must not start a job")
 
-    monkeypatch.setattr(yatt_apps.launch, "run_job", no_run)
+    monkeypatch.setattr(yatt_apps.runtime.launch, "run_job", no_run)
     run_dir = _fake_run(tmp_path, num_steps=5, checkpoint_step=4)
     assert main(["resume", str(run_dir)]) == 0
     out = capsys.readouterr().out.splitlines()
@@ -159,7 +161,7 @@ def test_resume_of_a_finished_run_starts_nothing(tmp_path, capsys, monkeypatch):
 
 
 def test_finished_by_final_model_or_not_finished(tmp_path):
-    from yatt_apps.cli import finished_step
+    from yatt_apps.cli.main import finished_step
 
     run_dir = _fake_run(tmp_path, num_steps=5, checkpoint_step=2)
     assert finished_step(str(run_dir), 5) is None  # checkpoint of step 2, 5 steps to do
@@ -173,7 +175,7 @@ def test_finished_by_final_model_or_not_finished(tmp_path):
 
 
 def test_interrupted_message_names_the_last_step_and_checkpoint(tmp_path):
-    from yatt_apps.interrupt import interrupted_message
+    from yatt_apps.runtime.interrupt import interrupted_message
 
     run_dir = _fake_run(tmp_path, num_steps=5, checkpoint_step=1)
     assert interrupted_message(str(run_dir)).startswith("interrupted before the first step; resume with: ")
@@ -192,7 +194,7 @@ def test_sigint_guard_first_raises_second_exits_130(tmp_path):
 
     code = (
         "import os, signal, sys, time\n"
-        "from yatt_apps.interrupt import SigintGuard\n"
+        "from yatt_apps.runtime.interrupt import SigintGuard\n"
         "with SigintGuard():\n"
         "    try:\n"
         "        os.kill(os.getpid(), signal.SIGINT); time.sleep(30)\n"
@@ -228,3 +230,76 @@ def test_paper_preset_gets_past_placement_and_stops_on_missing_hardware(tmp_path
     err = capsys.readouterr().err
     assert code == 1
     assert "the placement plan (partial) needs 64 devices (8 nodes x 8)" in err and "ray.address" in err
+
+
+# ---- each job's own config -------------------------------------------------------------------------------
+
+# the keys only some jobs have; every job has the shared RunConfig keys
+OWN_KEYS = {
+    "grpo": set(),
+    "grpo-vlm": set(),
+    "dapo": {"dynamic_sampling"},
+    "ppo": {"critic_optim"},
+    "capo": {"capo"},
+    "sft": {"sft"},
+}
+
+
+@pytest.mark.parametrize("name", sorted(OWN_KEYS))
+def test_yatt_config_of_each_job_lists_only_its_keys(name, capsys):
+    assert main(["config", "--job", name]) == 0
+    out = capsys.readouterr().out
+    top = {line.split(":")[0] for line in out.splitlines() if line[:1].isalpha()}
+    shared = set(RunConfig.__struct_fields__)
+    assert top == shared | OWN_KEYS[name]
+    others = set().union(*OWN_KEYS.values()) - OWN_KEYS[name]
+    assert not top & others and f"app: {name}" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["ppo", "--set", "capo.w_whole=1"], "'capo' is a key of the capo job's config, not of ppo's"),
+        (
+            ["grpo", "--set", "critic_optim.lr=1e-3"],
+            "'critic_optim' is a key of the ppo job's config, not of grpo's",
+        ),
+        (["capo", "--set", "dynamic_sampling.max_refill=1"], "'dynamic_sampling' is a key of the dapo job's"),
+        (["config", "--job", "dapo", "--set", "sft.train=x.jsonl"], "'sft' is a key of the sft job's config"),
+    ],
+)
+def test_a_job_rejects_another_jobs_keys(argv, message, capsys, tmp_path):
+    assert main([*argv, "--run-dir", str(tmp_path / "run")]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_job_config_from_a_yaml_file_is_checked_too(tmp_path, capsys):
+    overlay = tmp_path / "o.yaml"
+    overlay.write_text("capo:\n  w_whole: 1.0\n")
+    assert main(["dapo", "--config", str(overlay), "--run-dir", str(tmp_path / "run")]) == 2
+    assert "'capo' is a key of the capo job's config, not of dapo's" in capsys.readouterr().err
+    # the job's own keys load, and a preset of another job keeps only the shared ones
+    assert main(["config", "--job", "capo", "--config", str(overlay)]) == 0
+    assert "w_whole: 1.0" in capsys.readouterr().out
+    assert main(["config", "--job", "grpo", "--preset", "tiny_cpu_ppo"]) == 0
+    out = capsys.readouterr().out
+    assert "app: grpo" in out and "critic_optim" not in out
+
+
+def test_yatt_run_names_a_file_without_a_job(tmp_path, capsys):
+    empty = tmp_path / "not_a_job.py"
+    empty.write_text("X = 1\n")
+    assert main(["run", str(empty)]) == 2
+    assert f"{empty}: defines no JOB = JobDef(...) (found NoneType for JOB)" in capsys.readouterr().err
+    assert main(["run", str(tmp_path / "missing.py")]) == 2
+    assert "missing.py: not a Python file" in capsys.readouterr().err
+
+
+def test_the_registry_holds_every_shipped_job_under_its_config_app():
+    from yatt_apps.jobs import registry
+
+    jobs = registry()
+    assert list(jobs) == ["grpo", "dapo", "ppo", "capo", "grpo-vlm", "sft"]
+    for name, job in jobs.items():  # each job's preset is its own config class, naming the job
+        cfg = job.preset()
+        assert type(cfg) is job.config and cfg.app == name

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from yatt_apps.cli import main
+from yatt_apps.cli.main import main
 from yatt_apps.config import PRESETS, DynamicSamplingSpec
-from yatt_apps.dapo import (
+from yatt_apps.io.data import PromptRow
+from yatt_apps.jobs.dapo import (
     Group,
     draw_prompts,
     dynamic_sample,
@@ -26,7 +27,6 @@ from yatt_apps.dapo import (
     select_groups,
     update_expansion,
 )
-from yatt_apps.data import PromptRow
 
 SPEC = DynamicSamplingSpec()  # max_refill 3, safety 1.2, decay 0.9, max expansion 10
 
@@ -185,7 +185,7 @@ def test_ppo_whitening_spans_every_controller():
     """Two controllers' halves whitened together equal yatt_algos' masked_whiten of the whole batch."""
     torch = pytest.importorskip("torch")
     from yatt_algos.advantages import masked_whiten
-    from yatt_apps.ppo import whiten_across
+    from yatt_apps.jobs.ppo import whiten_across
 
     adv = torch.tensor(
         [[0.0, 1.0, 2.0, 9.0], [3.0, -1.0, 0.0, 0.0], [4.0, 4.0, 1.0, 0.0], [0.5, 2.0, 0.0, 7.0]]
@@ -219,8 +219,8 @@ def test_critic_worker_fits_returns_and_round_trips_its_state(tmp_path):
     (+1 on rows whose prompt starts with "1", -1 otherwise) cut the value loss more than tenfold; its
     checkpoint state restores the same values into a fresh worker."""
     torch = pytest.importorskip("torch")
-    from yatt_apps.models import prepare_model
-    from yatt_apps.ppo import CriticWorker
+    from yatt_apps.io.models import prepare_model
+    from yatt_apps.jobs.ppo import CriticWorker
     from yatt_controller.types import WorkerInfo
 
     cfg = PRESETS["tiny_cpu_ppo"]()
@@ -271,7 +271,7 @@ def _metrics(run_dir: Path) -> list[dict]:
 def test_dapo_runs_two_steps(tmp_path):
     run_dir = tmp_path / "dapo"
     summary = _yatt("dapo", "--run-dir", str(run_dir), "--set", "run.num_steps=2", "--set", "run.eval_every=0",
-                    cwd=tmp_path)  # fmt: skip
+                    "--set", "controller.count_driver_bytes=true", cwd=tmp_path)  # fmt: skip
     assert summary["driver_bytes"] < 300_000 and summary["restarts"] == 0
     rows = _metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1]
@@ -298,12 +298,23 @@ PPO_LEARN = ["--set", "model.warm_start=none", "--set", "model.warm_start_steps=
              "{pattern: '^\\s*-?\\d+'}}, {kind: regex, name: offset, weight: 1.0, options: {pattern: ''}}]"]  # fmt: skip
 
 
+# the driver counts the bytes it receives only when asked (controller.count_driver_bytes)
+COUNT_BYTES = ["--set", "controller.count_driver_bytes=true"]
+
+
 @pytest.fixture(scope="module")
 def ppo_run(tmp_path_factory) -> Path:
     """8 PPO steps on the tiny preset (plus the offset term), fixed seed, a checkpoint every 2 steps."""
     run_dir = tmp_path_factory.mktemp("ppo") / "learn"
     summary = _yatt(
-        "ppo", "--run-dir", str(run_dir), "--set", "run.num_steps=8", *PPO_LEARN, cwd=run_dir.parent
+        "ppo",
+        "--run-dir",
+        str(run_dir),
+        "--set",
+        "run.num_steps=8",
+        *PPO_LEARN,
+        *COUNT_BYTES,
+        cwd=run_dir.parent,
     )
     assert summary["driver_bytes"] < 300_000 and summary["restarts"] == 0
     return run_dir

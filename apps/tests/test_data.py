@@ -5,7 +5,7 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from yatt_apps.data import PromptRow, arithmetic_task, check_prompt_lengths, load_rows
+from yatt_apps.io.data import PromptRow, arithmetic_task, check_prompt_lengths, load_rows
 
 
 def _jsonl(tmp_path, rows, name="train.jsonl"):

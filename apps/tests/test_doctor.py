@@ -2,7 +2,7 @@
 
 import json
 
-from yatt_apps.cli import main
+from yatt_apps.cli.main import main
 
 
 def test_doctor_round_trip(capsys):

@@ -12,9 +12,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from yatt_algos.learner.torch_engine import apply_lora
 from yatt_algos.types import LearnerConfig
 from yatt_apps.config import ModelSpec, RunConfig
-from yatt_apps.data import arithmetic_task
-from yatt_apps.export import export_checkpoint, save_hf
-from yatt_apps.models import load_causal_lm, prepare_model, tokenizer_corpus
+from yatt_apps.io.data import arithmetic_task
+from yatt_apps.io.export import export_checkpoint, save_hf
+from yatt_apps.io.models import load_causal_lm, prepare_model, tokenizer_corpus
 from yatt_apps.overlay import build_config, to_yaml
 from yatt_controller import checkpoint
 
@@ -101,3 +101,18 @@ def test_export_checkpoint_of_a_lora_learner(policy_dir, tmp_path):
     assert record["step"] == 7 and record["lora_merged"] is True
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
     torch.testing.assert_close(_logits(loaded), _logits(model), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "preset", ["tiny_cpu", "tiny_cpu_dapo", "tiny_cpu_ppo", "tiny_cpu_capo", "tiny_cpu_sft"]
+)
+def test_a_runs_config_reads_back_as_its_jobs_config(tmp_path, preset):
+    """export (and the final model of every run) reads config.yaml as the job's own config class: a PPO run's
+    `critic_optim` is its key, not an unknown one."""
+    from yatt_apps.config import PRESETS
+    from yatt_apps.io.export import run_config
+    from yatt_apps.overlay import to_yaml
+
+    cfg = PRESETS[preset]()
+    (tmp_path / "config.yaml").write_text(to_yaml(cfg))
+    assert run_config(tmp_path) == cfg

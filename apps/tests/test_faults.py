@@ -17,11 +17,11 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from yatt_apps.cli import STEP_FACTORIES, _load
 from yatt_apps.config import PRESETS, ControllerSpec, PlacementConfig
-from yatt_apps.jobs import build_services
-from yatt_apps.launch import run_job
-from yatt_apps.workers import RolloutWorker
+from yatt_apps.jobs import find
+from yatt_apps.runtime.job import build_services
+from yatt_apps.runtime.launch import run_job
+from yatt_apps.runtime.workers import RolloutWorker
 from yatt_placement.types import ClusterSpec
 
 pytestmark = pytest.mark.slow
@@ -72,7 +72,7 @@ def test_killed_rollout_replica_is_replaced_without_a_restart(ray_session, tmp_p
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray workers cannot import test modules
     DyingRollout.marker = str(tmp_path / "killed")
     cfg = config(num_steps=3)
-    job = _load(STEP_FACTORIES[cfg.app])
+    job = find(cfg.app)
     dying = dataclasses.replace(job, build=functools.partial(build_services, rollout_cls=DyingRollout))
     faulty = run_job(cfg, tmp_path / "faulty", dying)
     assert Path(DyingRollout.marker).exists()  # the replica's process was killed mid-step

@@ -41,6 +41,7 @@ def learning_run(tmp_path_factory) -> Path:
     # the newest 5 of the 6 checkpoints (steps 1, 3, ..., 9, 10) kept: the resume test starts from step 3's
     argv = ["grpo", "--run-dir", str(run_dir), "--set", "run.num_steps=11", "--set", "run.eval_every=10"]
     argv += ["--set", "controller.checkpoint_every=2", "--set", "controller.keep_checkpoints=5"]
+    argv += ["--set", "controller.count_driver_bytes=true"]
     summary = _yatt(*argv, cwd=run_dir.parent)
     # parallel controllers: only step reports pass through the driver (counted at Ray's API in the driver)
     assert summary["driver_bytes"] < 300_000 and summary["restarts"] == 0

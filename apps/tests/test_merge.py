@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 
 from safetensors.torch import load_file, save_file  # noqa: E402
 from yatt_algos.bone_soup import bone_soup_merge  # noqa: E402
-from yatt_apps.cli import main  # noqa: E402
+from yatt_apps.cli.main import main  # noqa: E402
 from yatt_rollout.tiny import save_tiny, tiny_causal_lm, train_tokenizer  # noqa: E402
 
 CORPUS = ["1 + 2 = 3", "7 - 4 = 3", "Is the answer correct? Yes No"] * 8
@@ -206,7 +206,7 @@ def test_parser_stays_light():
     import subprocess
     import sys
 
-    code = ("import sys, yatt_apps.cli as c; p = c.build_parser(); "
+    code = ("import sys, yatt_apps.cli.main as c; p = c.build_parser(); "
             "a = p.parse_args(['merge', '--backbones', 'x', 'y', '--beta', '0.7', '--preference', '1', '0', "
             "'--out', 'z']); assert a.preference == [1.0, 0.0] and a.alpha is None, a; "
             "assert 'torch' not in sys.modules and 'safetensors' not in sys.modules")  # fmt: skip

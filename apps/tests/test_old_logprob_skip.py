@@ -8,16 +8,16 @@ import msgspec
 import pytest
 import torch
 from yatt_apps.config import ModelSpec, RunConfig
-from yatt_apps.grpo import logprobs_and_train, old_logprobs_from_update, rollout_logprobs
-from yatt_apps.workers import PolicyWorker
+from yatt_apps.jobs.grpo import logprobs_and_train, old_logprobs_from_update, rollout_logprobs
+from yatt_apps.runtime.workers import PolicyWorker
 
 ONE_RANK = SimpleNamespace(dp_size=1, tp_size=1, dp_rank=0, tp_rank=0)
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from yatt_apps.data import arithmetic_task
-    from yatt_apps.models import prepare_model, tokenizer_corpus
+    from yatt_apps.io.data import arithmetic_task
+    from yatt_apps.io.models import prepare_model, tokenizer_corpus
 
     corpus = tokenizer_corpus(arithmetic_task(64, seed=0))
     return str(prepare_model(ModelSpec(), tmp_path_factory.mktemp("skip") / "policy", corpus))

@@ -12,9 +12,9 @@ import math
 
 import msgspec
 import pytest
-from yatt_apps.cli import STEP_FACTORIES, _load
 from yatt_apps.config import PRESETS, ControllerSpec, PlacementConfig, RunConfig
-from yatt_apps.launch import run_job
+from yatt_apps.jobs import find
+from yatt_apps.runtime.launch import run_job
 from yatt_placement.types import ClusterSpec, ReplanConfig
 
 pytestmark = pytest.mark.slow
@@ -31,7 +31,11 @@ def small(preset: str, mode: str, controller: str, *, devices: int, **placement)
         run=replace(cfg.run, num_steps=2, prompts_per_step=4, eval_every=0, progress=False),
         sampling=replace(cfg.sampling, n=4),
         controller=ControllerSpec(
-            mode=controller, num_controllers=num_controllers, heartbeat_interval_s=1.0, hang_timeout_s=240.0
+            mode=controller,
+            num_controllers=num_controllers,
+            heartbeat_interval_s=1.0,
+            hang_timeout_s=240.0,
+            count_driver_bytes=True,  # the parallel cases assert the driver's bytes
         ),
         placement=PlacementConfig(
             mode=mode,
@@ -42,7 +46,7 @@ def small(preset: str, mode: str, controller: str, *, devices: int, **placement)
 
 
 def run(cfg: RunConfig, tmp_path, name: str) -> dict:
-    return run_job(cfg, tmp_path / name, _load(STEP_FACTORIES[cfg.app]))
+    return run_job(cfg, tmp_path / name, find(cfg.app))
 
 
 def check(summary: dict, cfg: RunConfig) -> None:

@@ -4,9 +4,9 @@ and ETA from the steps after it (hand-worked numbers; the clock is driven by the
 from __future__ import annotations
 
 import pytest
-from yatt_apps import progress
-from yatt_apps.progress import StepLogger
-from yatt_apps.rundir import RunDir, read_metrics
+from yatt_apps.io.rundir import RunDir, read_metrics
+from yatt_apps.runtime import progress
+from yatt_apps.runtime.progress import StepLogger
 from yatt_controller.types import StepReport
 
 

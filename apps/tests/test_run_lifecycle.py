@@ -121,7 +121,7 @@ def two_step_run(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def exported(two_step_run) -> dict[int, Path]:
-    from yatt_apps.cli import main
+    from yatt_apps.cli.main import main
 
     out = {}
     for step in (0, 1):
@@ -136,7 +136,7 @@ def _learner_reference(run_dir: Path, step: int):
     """The learner's policy at `step`, straight from the checkpoint blob: the initial model with the blob's
     model weights loaded."""
     import torch
-    from yatt_apps.models import load_causal_lm
+    from yatt_apps.io.models import load_causal_lm
 
     state = torch.load(run_dir / "checkpoints" / f"step-{step:08d}" / "learner-0.0.bin", weights_only=True)
     model = load_causal_lm(run_dir / "models" / "policy")
@@ -177,7 +177,7 @@ def test_merge_of_two_exported_folders(exported, tmp_path):
     import torch
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
-    from yatt_apps.merge import merge_directories
+    from yatt_apps.jobs.merge import merge_directories
 
     record = merge_directories(
         [exported[0], exported[1]], tmp_path / "merged", beta=0.7, preference=[0.5, 0.5]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from yatt_apps.rundir import RunDir, last_step, read_metrics
+from yatt_apps.io.rundir import RunDir, last_step, read_metrics
 
 
 class Cfg(msgspec.Struct, kw_only=True, frozen=True):
@@ -172,7 +172,7 @@ def _wandb_records(run: Path):
 
 
 def test_summary_panels_show_accuracy_agreement_and_each_reward_term():
-    from yatt_apps.rundir import plot_panels
+    from yatt_apps.io.rundir import plot_panels
 
     history = [
         {

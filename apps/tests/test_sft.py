@@ -11,10 +11,17 @@ import sys
 import pytest
 import torch
 from yatt_apps.config import PRESETS
-from yatt_apps.data import arithmetic_task
-from yatt_apps.models import load_causal_lm, prepare_model, tokenizer_corpus
-from yatt_apps.sft import SFTWorker, sft_batch
-from yatt_apps.sft_data import chat_messages, encode_pair, load_sft_rows, masked_nll, pad_examples, token_nll
+from yatt_apps.io.data import arithmetic_task
+from yatt_apps.io.models import load_causal_lm, prepare_model, tokenizer_corpus
+from yatt_apps.io.sft_data import (
+    chat_messages,
+    encode_pair,
+    load_sft_rows,
+    masked_nll,
+    pad_examples,
+    token_nll,
+)
+from yatt_apps.jobs.sft import SFTWorker, sft_batch
 from yatt_controller.types import WorkerInfo
 
 
@@ -30,7 +37,7 @@ def policy_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tok(policy_dir):
-    from yatt_apps.models import load_tokenizer
+    from yatt_apps.io.models import load_tokenizer
 
     return load_tokenizer(policy_dir)
 

@@ -8,10 +8,16 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from yatt_apps import warmstart
 from yatt_apps.config import ModelSpec
-from yatt_apps.data import PromptRow, arithmetic_task
-from yatt_apps.models import load_causal_lm, load_tokenizer, prepare_model, tiny_text_model, tokenizer_corpus
+from yatt_apps.io.data import PromptRow, arithmetic_task
+from yatt_apps.io.models import (
+    load_causal_lm,
+    load_tokenizer,
+    prepare_model,
+    tiny_text_model,
+    tokenizer_corpus,
+)
+from yatt_apps.runtime import warmstart
 from yatt_multimodal.math_answers import verify_math
 from yatt_multimodal.types import RewardRequest
 
@@ -114,7 +120,7 @@ def preset_models(tmp_path_factory):
     from types import SimpleNamespace
 
     from yatt_apps.config import tiny_cpu
-    from yatt_apps.launch import prepare_models
+    from yatt_apps.runtime.launch import prepare_models
 
     tmp = tmp_path_factory.mktemp("warm")
     cfg = tiny_cpu()
@@ -126,7 +132,7 @@ def preset_models(tmp_path_factory):
 def test_warm_policy_answers_some_validation_prompts(preset_models):
     """Greedy accuracy on the default run's validation rows: above zero, with headroom for RL."""
     import torch
-    from yatt_apps.launch import val_rows
+    from yatt_apps.runtime.launch import val_rows
 
     cfg, policy, _ = preset_models
     model, tok = load_causal_lm(policy), load_tokenizer(policy)

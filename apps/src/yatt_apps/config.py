@@ -9,7 +9,7 @@ leaf (`yatt_apps.overlay`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
 import msgspec
 from yatt_algos.types import AlgoConfig, LearnerConfig, OptimConfig
@@ -18,12 +18,14 @@ from yatt_multimodal.types import JudgeSpec, RewardSpec
 from yatt_placement.types import ClusterSpec, PlacementMode, ReplanConfig
 from yatt_rollout.types import SamplingParams
 
+C = TypeVar("C", bound="RunConfig")
+
 
 class _Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Base of the app's configs: immutable, unknown fields are an error (kw_only stated per class)."""
 
 
-class ModelSpec(_Config, kw_only=True):
+class ModelSpec(_Config, frozen=True, kw_only=True):
     """A model: an HF directory (`path`), or, with `path` empty, a tiny one built from this config and a
     tokenizer trained locally on the task's text (nothing is downloaded)."""
 
@@ -44,7 +46,7 @@ class ModelSpec(_Config, kw_only=True):
     # the engine serving this model where it is served (the judge's; the policy's is `rollout.engine`)
     engine: Literal["hf", "vllm"] = "hf"
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
-    # A tiny model (path empty) warm-started by a short SFT on the embedded arithmetic task (yatt_apps.warmstart):
+    # A tiny model (path empty) warm-started by a short SFT on the embedded arithmetic task (yatt_apps.runtime.warmstart):
     # "policy" on its answers, "genrm" as a verify_yes_no judge, "step_critique" as CAPO's step critic. The result
     # is cached under $YATT_CACHE_DIR (default ~/.cache/yatt/models), keyed by everything that shapes it.
     warm_start: Literal["none", "policy", "genrm", "step_critique"] = "none"
@@ -64,7 +66,7 @@ class ModelSpec(_Config, kw_only=True):
             )
 
 
-class DataSpec(_Config, kw_only=True):
+class DataSpec(_Config, frozen=True, kw_only=True):
     """Prompts with answers. Empty `train` uses the embedded arithmetic task."""
 
     train: str = ""
@@ -82,7 +84,7 @@ class DataSpec(_Config, kw_only=True):
             raise ValueError(f"data.max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
 
 
-class PlacementConfig(_Config, kw_only=True):
+class PlacementConfig(_Config, frozen=True, kw_only=True):
     """Where roles run. `num_devices` logical devices on one node for CPU runs; a `cluster` for real ones."""
 
     mode: PlacementMode = "colocated"
@@ -104,7 +106,7 @@ class PlacementConfig(_Config, kw_only=True):
             raise ValueError(f"placement.rollout_replicas must be >= 0, got {self.rollout_replicas}")
 
 
-class RolloutSpec(_Config, kw_only=True):
+class RolloutSpec(_Config, frozen=True, kw_only=True):
     """How the policy's completions are produced: the engine, multi-turn environments, async behaviour."""
 
     engine: Literal["hf", "vllm"] = "hf"
@@ -117,14 +119,14 @@ class RolloutSpec(_Config, kw_only=True):
             raise ValueError(f"rollout.max_turns must be >= 1, got {self.max_turns}")
 
 
-class RaySpec(_Config, kw_only=True):
+class RaySpec(_Config, frozen=True, kw_only=True):
     """Which Ray: `address` joins an existing cluster ("auto", "ray://host:10001", "host:6379") and uses its real
     resources; empty starts the embedded local Ray ($RAY_ADDRESS is honoured when this is empty)."""
 
     address: str = ""
 
 
-class RunSpec(_Config, kw_only=True):
+class RunSpec(_Config, frozen=True, kw_only=True):
     """The loop: how many steps, how many prompts each (global), evaluation, checkpoints, output."""
 
     name: str = "grpo-tiny"
@@ -147,7 +149,7 @@ class RunSpec(_Config, kw_only=True):
             raise ValueError(f"run.eval_every must be >= 0, got {self.eval_every}")
 
 
-class DynamicSamplingSpec(_Config, kw_only=True):
+class DynamicSamplingSpec(_Config, frozen=True, kw_only=True):
     """DAPO's dynamic sampling (filter-and-refill, PAPERS.md), used by `yatt dapo`: at most 1 + max_refill
     waves per step, ceil(gap x expansion x safety) prompts per refill, the expansion an EMA of total/valid
     groups (start 1.0) capped at max_expansion; surplus valid prompts buffered (0: 4 x prompts per controller)."""
@@ -167,7 +169,7 @@ class DynamicSamplingSpec(_Config, kw_only=True):
             raise ValueError(f"dynamic_sampling.ema_decay must be in [0, 1), got {self.ema_decay}")
 
 
-class CapoSpec(_Config, kw_only=True):
+class CapoSpec(_Config, frozen=True, kw_only=True):
     """CAPO's credit assignment (arXiv 2508.02298, PAPERS.md), used by `yatt capo`: the judge model critiques
     each response `critic.num_samples` (K) times with the step-critique template; the K wrong-step sets are
     voted (`voting`) and each token gets R_t = r_v * w_whole - 1[t in a wrong step] * w_process."""
@@ -182,7 +184,7 @@ class CapoSpec(_Config, kw_only=True):
             raise ValueError("capo.w_whole and capo.w_process must be >= 0")
 
 
-class LogSpec(_Config, kw_only=True):
+class LogSpec(_Config, frozen=True, kw_only=True):
     """Where metrics go besides metrics.jsonl and TensorBoard: an optional W&B run (`pip install
     'yatt-apps[wandb]'`; `WANDB_MODE=offline` writes it locally without a network), same metric names."""
 
@@ -191,7 +193,7 @@ class LogSpec(_Config, kw_only=True):
     run_name: str = ""  # "": the run directory's name
 
 
-class SFTSpec(_Config, kw_only=True):
+class SFTSpec(_Config, frozen=True, kw_only=True):
     """`yatt sft`'s data: prompt/response rows (jsonl or parquet); empty `train` uses the embedded task's
     answers. Steps come from `run.num_steps` and `run.prompts_per_step` rows each (the data cycles in epochs)."""
 
@@ -200,8 +202,10 @@ class SFTSpec(_Config, kw_only=True):
     response_key: str = "response"  # the column holding the response to learn
 
 
-class RunConfig(_Config, kw_only=True):
-    """A whole job. `app` names the step function (grpo, dapo, ppo, capo, grpo-vlm)."""
+class RunConfig(_Config, frozen=True, kw_only=True):
+    """The run config every job shares (grpo and grpo-vlm use it as is); a job with keys of its own extends
+    it (`DapoConfig`, `PpoConfig`, `CapoConfig`, `SftConfig`), so each job's config holds only the keys it uses
+    and rejects another job's. `app` names its job (`JobDef.name`)."""
 
     app: str = "grpo"
     run: RunSpec = RunSpec()
@@ -215,13 +219,9 @@ class RunConfig(_Config, kw_only=True):
     learner: LearnerConfig = LearnerConfig()
     controller: ControllerSpec = ControllerSpec()
     placement: PlacementConfig = PlacementConfig()
-    capo: CapoSpec = CapoSpec()  # capo
-    dynamic_sampling: DynamicSamplingSpec = DynamicSamplingSpec()  # dapo
-    critic_optim: OptimConfig | None = None  # ppo's critic; None: the policy's `optim`
     rollout: RolloutSpec = RolloutSpec()
     ray: RaySpec = RaySpec()
     log: LogSpec = LogSpec()
-    sft: SFTSpec = SFTSpec()  # sft
 
     def __post_init__(self) -> None:
         if self.run.prompts_per_step % self.controller.num_controllers:
@@ -233,6 +233,43 @@ class RunConfig(_Config, kw_only=True):
             raise ValueError("rewards has a 'genrm' term but judge (the judge model) is not set")
         for problem in hardware_problems(self):
             raise ValueError(problem)
+
+
+class DapoConfig(RunConfig, frozen=True, kw_only=True):
+    """`yatt dapo`: the shared keys and DAPO's dynamic sampling."""
+
+    app: str = "dapo"
+    dynamic_sampling: DynamicSamplingSpec = DynamicSamplingSpec()
+
+
+class PpoConfig(RunConfig, frozen=True, kw_only=True):
+    """`yatt ppo`: the shared keys and the critic's optimizer."""
+
+    app: str = "ppo"
+    critic_optim: OptimConfig | None = None  # the critic's optimizer; None: the policy's `optim`
+
+
+class CapoConfig(RunConfig, frozen=True, kw_only=True):
+    """`yatt capo`: the shared keys and CAPO's credit assignment."""
+
+    app: str = "capo"
+    capo: CapoSpec = CapoSpec()
+
+
+class SftConfig(RunConfig, frozen=True, kw_only=True):
+    """`yatt sft`: the shared keys and the supervised data."""
+
+    app: str = "sft"
+    sft: SFTSpec = SFTSpec()
+
+
+def as_config(cls: type[C], cfg: RunConfig, **changes: Any) -> C:
+    """`cfg` as the config class `cls` (a job's): the keys `cls` has are kept, `changes` applied on top, keys
+    it lacks are dropped (e.g. `yatt grpo --preset tiny_cpu_ppo` keeps the shared keys of PPO's preset) and
+    `app` is the class's default unless `changes` name it."""
+    # `app` is the class's own (a job's config names its job); every other shared key is kept
+    keep = {n: getattr(cfg, n) for n in cfg.__struct_fields__ if n in cls.__struct_fields__ and n != "app"}
+    return cls(**{**keep, **changes})
 
 
 def hardware_problems(cfg: RunConfig) -> list[str]:
@@ -362,7 +399,7 @@ def megatron_device_ok(cfg: RunConfig) -> bool:
 
 # The tiny judge's verdicts are constrained to the two phrases its parser reads (`JudgeSpec.choices`); it reads
 # verify_yes_no v2 (the solution last, next to the verdict: a tiny judge learns that comparison quickly). The
-# warm start (yatt_apps.warmstart) trains the tiny judges on exactly these templates.
+# warm start (yatt_apps.runtime.warmstart) trains the tiny judges on exactly these templates.
 TINY_VERDICTS = ["Verdict: Yes", "Verdict: No"]
 TINY_JUDGE = JudgeSpec(
     template_version=2,
@@ -389,7 +426,7 @@ def tiny_cpu() -> RunConfig:
     """The default: GRPO on the embedded arithmetic task, a tiny Qwen2 policy and a tiny Qwen2 judge built from
     configs, two parallel controllers on two logical devices (colocated), a few minutes on a 2-core CPU.
 
-    Both tiny models are warm-started on the task (`yatt_apps.warmstart`, cached): the policy partly (it
+    Both tiny models are warm-started on the task (`yatt_apps.runtime.warmstart`, cached): the policy partly (it
     answers some validation prompts, leaving headroom for RL), the judge as a verify_yes_no (v2) grader of
     right, near-miss and malformed answers. Rewards: exact answer (math_verify), a format term (the response
     starts with an integer), and the GenRM judge with K=2 verdicts constrained to its two verdict phrases (every
@@ -438,15 +475,15 @@ def _tiny_base() -> RunConfig:
     )
 
 
-def tiny_cpu_dapo() -> RunConfig:
+def tiny_cpu_dapo() -> DapoConfig:
     """`yatt dapo` on the tiny task (DAPO, arXiv 2503.14476): the rule terms of `tiny_cpu` without the judge (a
     noisy judge would make every group vary, leaving dynamic sampling nothing to filter), clip-higher 0.28,
     token-mean loss, no KL term, responses up to 8 tokens with the overlong penalty over the last 2 (down to
     -0.5), and dynamic sampling with up to 3 refill waves."""
     base = _tiny_base()
-    return msgspec.structs.replace(
+    return as_config(
+        DapoConfig,
         base,
-        app="dapo",
         run=msgspec.structs.replace(base.run, name="dapo-tiny"),
         judge=None,
         rewards=[spec for spec in base.rewards if spec.kind != "genrm"],
@@ -464,14 +501,14 @@ def tiny_cpu_dapo() -> RunConfig:
     )
 
 
-def tiny_cpu_ppo() -> RunConfig:
+def tiny_cpu_ppo() -> PpoConfig:
     """`yatt ppo` on the tiny task: the rule terms of `tiny_cpu` (no judge), a critic built from the policy's
     config (a one-label token-classification head) with its own learning rate, GAE (gamma 1, lambda 0.95),
     the k1 KL to the reference as a reward penalty (0.01 per token) and no KL loss term."""
     base = _tiny_base()
-    return msgspec.structs.replace(
+    return as_config(
+        PpoConfig,
         base,
-        app="ppo",
         run=msgspec.structs.replace(base.run, name="ppo-tiny"),
         judge=None,
         rewards=[spec for spec in base.rewards if spec.kind != "genrm"],
@@ -482,15 +519,15 @@ def tiny_cpu_ppo() -> RunConfig:
     )
 
 
-def tiny_cpu_capo() -> RunConfig:
+def tiny_cpu_capo() -> CapoConfig:
     """`yatt capo` on the tiny task (CAPO, arXiv 2508.02298): a rule verifier r_v in {0, 1} as the only reward
     term (math_verify on the warm-started policy), the tiny judge warm-started as the step critic (K = 2
     critiques constrained to "Wrong steps: none" / "Wrong steps: 1": a one-step answer is right or wrong),
     intersection voting, W_whole = 2, W_process = 1, token advantages normalized per prompt, PPO-clip."""
     base = _tiny_base()
-    return msgspec.structs.replace(
+    return as_config(
+        CapoConfig,
         base,
-        app="capo",
         run=msgspec.structs.replace(base.run, name="capo-tiny"),
         # the critique prompt is long
         judge=ModelSpec(
@@ -519,14 +556,14 @@ def tiny_cpu_vlm() -> RunConfig:
     )
 
 
-def tiny_cpu_sft() -> RunConfig:
+def tiny_cpu_sft() -> SftConfig:
     """`yatt sft` on the embedded task: a tiny Qwen2 built from a config, trained on the worked answers
     (prompt "a + b =", response the answer) with the loss on response tokens only, 32 rows per step over two
     controllers (data parallel), greedy accuracy on the validation rows every 10 steps; writes RUN_DIR/final."""
     base = _tiny_base()
-    return msgspec.structs.replace(
+    return as_config(
+        SftConfig,
         base,
-        app="sft",
         run=msgspec.structs.replace(base.run, name="sft-tiny", prompts_per_step=32),
         model=ModelSpec(),  # from its random init: SFT is what teaches it the task
         judge=None,

@@ -8,6 +8,7 @@ names its field path (`$.algo.clip_ratio_c`) and where the bad value came from.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -26,7 +27,8 @@ def _merge(base: dict[str, Any], overlay: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _read_yaml(path: Path) -> dict[str, Any]:
+def read_yaml(path: Path) -> dict[str, Any]:
+    """The YAML mapping of `path`; a missing file or a document that is not a mapping is a ValueError."""
     import yaml
 
     if not path.is_file():
@@ -53,15 +55,18 @@ def parse_override(item: str) -> dict[str, Any]:
         raise ValueError(f"--set {item!r}: value is not valid YAML: {err}") from None
     for part in reversed(key.split(".")):
         value = {part: value}
+    assert isinstance(value, dict)  # key.split(".") has at least one part
     return value
 
 
-def build_config(cls: type[T], base: T, yaml_path: str | Path | None = None, overrides: list[str] = ()) -> T:
+def build_config(
+    cls: type[T], base: T, yaml_path: str | Path | None = None, overrides: Sequence[str] = ()
+) -> T:
     """Merge base <- YAML <- overrides and validate as `cls`; a bad field raises ValueError naming it."""
     doc = msgspec.to_builtins(base)
     sources = []
     if yaml_path is not None:
-        doc = _merge(doc, _read_yaml(Path(yaml_path)))
+        doc = _merge(doc, read_yaml(Path(yaml_path)))
         sources.append(str(yaml_path))
     for item in overrides:
         doc = _merge(doc, parse_override(item))

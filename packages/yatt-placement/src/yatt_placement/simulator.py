@@ -32,7 +32,7 @@ import msgspec
 
 from yatt_placement.memory import estimate_memory_gb
 from yatt_placement.planner import role_key
-from yatt_placement.types import ClusterSpec, JobProfile, PhaseStats, PlacementPlan, RoleSpec
+from yatt_placement.types import ClusterSpec, JobProfile, PhaseStats, PlacementMode, PlacementPlan, RoleSpec
 
 GB = 1e9
 
@@ -233,7 +233,7 @@ class Simulator:
         rate = rng.betavariate(wl.solve_rate_alpha, wl.solve_rate_beta)
         rewards = []
         for _ in lengths:
-            correct = rng.random() < rate
+            correct: int = rng.random() < rate  # 0/1, or with judges the count that marks it right
             if wl.judgements:
                 agree = sum(rng.random() < wl.judge_accuracy for _ in range(wl.judgements))
                 correct = agree if correct else wl.judgements - agree
@@ -309,7 +309,9 @@ def profile(
     return JobProfile.from_stats(stats)
 
 
-def profiled_plan(scenario: Scenario, mode: str, *, rounds: int = 2, seed: int = 0) -> PlacementPlan:
+def profiled_plan(
+    scenario: Scenario, mode: PlacementMode, *, rounds: int = 2, seed: int = 0
+) -> PlacementPlan:
     """Plan from a profile, then re-profile under that plan and plan again (`rounds` times in all).
 
     Busy time measured under full colocation overstates a role whose engines are latency-bound there (a small
@@ -321,4 +323,6 @@ def profiled_plan(scenario: Scenario, mode: str, *, rounds: int = 2, seed: int =
     for _ in range(rounds):
         measured = profile(scenario, placement, seed=seed)
         placement = plan(scenario.cluster, scenario.roles, mode, profile=measured)
+    if placement is None:
+        raise ValueError(f"profiled_plan needs rounds >= 1, got {rounds}")
     return placement

@@ -24,7 +24,7 @@ class _Wire(msgspec.Struct, omit_defaults=True):
     """Base of messages: unknown fields are ignored, defaults are not sent."""
 
 
-class ClusterSpec(_Config, kw_only=True):
+class ClusterSpec(_Config, frozen=True, kw_only=True):
     """The devices a job may use.
 
     Producer: the user's config (apps) or an embedding framework. Consumer: `yatt_placement.plan`,
@@ -49,7 +49,7 @@ class ClusterSpec(_Config, kw_only=True):
         return self.num_nodes * self.devices_per_node
 
 
-class RoleSpec(_Config, kw_only=True):
+class RoleSpec(_Config, frozen=True, kw_only=True):
     """One role of the RL job and the model it runs.
 
     Producer: the user's config (apps). Consumer: the planner, which sizes replicas from it, and the
@@ -105,6 +105,54 @@ class PlacementPlan(_Wire, kw_only=True):
     version: int = 0
     reason: str = ""
 
+    # ---- facts a job reads instead of comparing mode strings -------------------------------------------
+    # A role is named by its key: `RolePlacement.name`, or its role when unnamed (as `planner.role_key`).
+    # A role the plan does not hold has no devices and no replicas.
+
+    def role_keys(self) -> list[str]:
+        """The plan's role keys, in plan order."""
+        return [placement.name or placement.role for placement in self.roles]
+
+    def placement(self, key: str) -> RolePlacement | None:
+        """The placement of role `key`, or None when the plan has no such role."""
+        return next((p for p in self.roles if (p.name or p.role) == key), None)
+
+    def devices(self, key: str) -> list[int]:
+        """The global device ids role `key` runs on (every replica's), sorted; [] for an absent role."""
+        placement = self.placement(key)
+        return sorted({d for replica in placement.replicas for d in replica}) if placement else []
+
+    def num_replicas(self, key: str) -> int:
+        """How many replicas (model-parallel groups) role `key` has; 0 for an absent role."""
+        placement = self.placement(key)
+        return len(placement.replicas) if placement else 0
+
+    def shares_device(self, key_a: str, key_b: str) -> bool:
+        """Whether roles `key_a` and `key_b` hold at least one device in common (so their memory is shared
+        and their processes may be the same one). False when either role is absent."""
+        return bool(set(self.devices(key_a)) & set(self.devices(key_b)))
+
+    @property
+    def sleeps(self) -> bool:
+        """Roles time-share every device phase by phase (full colocation): each engine releases its memory
+        (sleep / offload) before the learner runs and wakes before it generates again."""
+        return self.mode == "colocated"
+
+    @property
+    def streams_into_judge(self) -> bool:
+        """Rollout and a generative judge (a `genrm` role) run concurrently on disjoint devices, so finished
+        samples stream from one into the other while generation continues (partial colocation, dynamic,
+        disaggregated). False without a judge or where they share a device (full colocation)."""
+        judges = [p.name or p.role for p in self.roles if p.role == "genrm"]
+        rollout = self.placement("rollout")
+        return bool(judges and rollout) and not any(self.shares_device("rollout", key) for key in judges)
+
+    @property
+    def movable(self) -> bool:
+        """The devices of the split roles may move between steps (dynamic: the re-planner re-partitions at a
+        weight-sync boundary); a static plan keeps every role where it is for the whole run."""
+        return self.mode == "dynamic"
+
 
 class PhaseStats(_Wire, kw_only=True):
     """Measured busy time of each role over one RL step.
@@ -118,7 +166,7 @@ class PhaseStats(_Wire, kw_only=True):
     num_devices: dict[str, int] = {}  # role name -> devices held this step
 
 
-class JobProfile(_Config, kw_only=True):
+class JobProfile(_Config, frozen=True, kw_only=True):
     """Measured cost of one RL step, per role: the device-seconds of work it did (busy seconds x devices held).
 
     Producer: a profiling run (`JobProfile.from_stats` over `PhaseStats`) or the simulator. Consumer: `plan`,
@@ -149,7 +197,7 @@ class JobProfile(_Config, kw_only=True):
         return cls(device_seconds=averages, num_steps=len(stats))
 
 
-class ReplanConfig(_Config, kw_only=True):
+class ReplanConfig(_Config, frozen=True, kw_only=True):
     """Knobs of the dynamic re-planner (`yatt_placement.replanner`): when a measured imbalance is acted on.
 
     Producer: the user's config (apps). Consumer: `DynamicReplanner`.

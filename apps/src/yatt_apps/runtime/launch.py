@@ -11,19 +11,22 @@ import functools
 import json
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from yatt_apps.config import RunConfig
-from yatt_apps.data import PromptRow, arithmetic_task, load_rows
-from yatt_apps.jobs import JobDef
-from yatt_apps.models import load_tokenizer, prepare_model, tokenizer_corpus
-from yatt_apps.progress import StepLogger
-from yatt_apps.row_sources import open_rows, stream_check
-from yatt_apps.rundir import RunDir
+from yatt_apps.io.data import PromptRow, arithmetic_task, load_rows
+from yatt_apps.io.models import load_tokenizer, prepare_model, tokenizer_corpus
+from yatt_apps.io.row_sources import open_rows, stream_check
+from yatt_apps.io.rundir import RunDir
+from yatt_apps.runtime.job import JobDef
+from yatt_apps.runtime.progress import StepLogger
+
+if TYPE_CHECKING:
+    from yatt_placement.types import PlacementPlan
 
 # Set before Ray is imported. RAY_ENABLE_UV_RUN_RUNTIME_ENV=0: under `uv run`, Ray would otherwise package the
 # working directory (the whole checkout, .venv included) as every worker's runtime env and start them in a copy.
@@ -55,8 +58,10 @@ def val_rows(cfg: RunConfig) -> list[PromptRow]:
     )
 
 
-def placement_plan(cfg: RunConfig, job: JobDef):
-    """The job's roles placed on the configured cluster, sized from `placement.profile` when one is given."""
+def placement_plan(cfg: RunConfig, job: JobDef) -> PlacementPlan:
+    """The job's roles placed on the configured cluster, sized from `placement.profile` when one is given.
+    The one place (with `job.policy_roles`, which sizes the roles) where the apps read `placement.mode`:
+    everything after asks the plan (`shares_device`, `sleeps`, `movable`, ...)."""
     from yatt_placement.planner import plan
     from yatt_placement.types import JobProfile
 
@@ -64,21 +69,23 @@ def placement_plan(cfg: RunConfig, job: JobDef):
     return plan(cfg.placement.cluster, job.roles(cfg), cfg.placement.mode, profile=profile)
 
 
-def replan_hook(cfg: RunConfig, job: JobDef, plan, log_path: Path | None = None):
+def replan_hook(
+    cfg: RunConfig, job: JobDef, plan: PlacementPlan, log_path: Path | None = None
+) -> Callable[[int, dict[str, float]], PlacementPlan | None] | None:
     """Dynamic placement: the driver's per-step hook. It turns the hosts' measured busy seconds of the step
     (device-seconds per role) into `PhaseStats` (mean busy seconds per device of each movable role) for
     `DynamicReplanner`, and returns the new plan it decides (applied by the runtime at the next weight-sync
     boundary), else None. With `log_path` (RUN_DIR/placement.jsonl), every decision is appended as one JSON
     line: the step, each movable role's busy seconds per device and devices, whether it moved, and why (or why
     not): what a user reads to see why the devices did or did not move."""
-    if cfg.placement.mode != "dynamic":
+    if not plan.movable:
         return None
     from yatt_placement.replanner import DynamicReplanner
     from yatt_placement.types import PhaseStats
 
     planner = DynamicReplanner(cfg.placement.cluster, job.roles(cfg), plan, cfg.placement.replan)
 
-    def replan(step: int, busy: dict[str, float]):
+    def replan(step: int, busy: dict[str, float]) -> PlacementPlan | None:
         devices = {key: planner.devices(key) for key in planner.movable()}
         per_device = {key: busy.get(key, 0.0) / n for key, n in devices.items()}
         step_time = max(max(per_device.values(), default=0.0), 1e-6)
@@ -100,6 +107,16 @@ def replan_hook(cfg: RunConfig, job: JobDef, plan, log_path: Path | None = None)
     return replan
 
 
+def check_async_placement(cfg: RunConfig, plan: PlacementPlan) -> None:
+    """Async training (`algo.max_staleness > 0`) overlaps generation with training, which a plan whose roles
+    time-share every device phase by phase (`plan.sleeps`: full colocation) cannot do."""
+    if cfg.algo.max_staleness and plan.sleeps:
+        raise ValueError(
+            "algo.max_staleness > 0 needs placement.mode disaggregated (or partial/dynamic): in full colocation "
+            "rollout and training time-share every device's process, so generation cannot overlap training"
+        )
+
+
 def with_async_correction(cfg: RunConfig) -> RunConfig:
     """Async training corrects for the behaviour policy (the rollout engine's logprobs) with token-level
     truncated importance sampling, cap `algo.rollout_is_threshold` (2 by default), unless a level is set."""
@@ -108,24 +125,29 @@ def with_async_correction(cfg: RunConfig) -> RunConfig:
     return msgspec.structs.replace(cfg, algo=msgspec.structs.replace(cfg.algo, rollout_is_level="token"))
 
 
-def optimizer_updates_per_step(cfg: RunConfig) -> int:
-    """Optimizer steps one RL step makes on a learner rank: updates per batch x mini-batches per update."""
+def optimizer_updates_per_step(cfg: RunConfig, plan: PlacementPlan) -> int:
+    """Optimizer steps one RL step makes on a learner rank: updates per batch x mini-batches per update. The
+    step's samples split over the plan's actor replicas (data-parallel ranks)."""
     samples = cfg.run.prompts_per_step * cfg.sampling.n
-    ranks = cfg.placement.cluster.num_devices if cfg.placement.mode != "disaggregated" else 0
-    per_rank = samples // max(ranks or cfg.controller.num_controllers, 1)
+    per_rank = samples // max(plan.num_replicas("actor") or cfg.controller.num_controllers, 1)
     mini = cfg.optim.mini_batch_size
     return cfg.algo.num_updates_per_batch * (-(-per_rank // mini) if mini else 1)
 
 
-def with_schedule(cfg: RunConfig) -> RunConfig:
+def with_schedule(cfg: RunConfig, plan: PlacementPlan) -> RunConfig:
     """The LR schedule spans the run's optimizer updates (run.schedule_steps or run.num_steps, x updates per
     step), whatever optim.num_training_steps said, so the learning rate reaches its floor at the last step."""
-    total = (cfg.run.schedule_steps or cfg.run.num_steps) * optimizer_updates_per_step(cfg)
-    optim = msgspec.structs.replace(cfg.optim, num_training_steps=max(total, cfg.optim.num_warmup_steps + 1))
-    critic = cfg.critic_optim
-    if critic is not None:
-        critic = msgspec.structs.replace(critic, num_training_steps=max(total, critic.num_warmup_steps + 1))
-    return msgspec.structs.replace(cfg, optim=optim, critic_optim=critic)
+    total = (cfg.run.schedule_steps or cfg.run.num_steps) * optimizer_updates_per_step(cfg, plan)
+    from yatt_algos.types import OptimConfig
+
+    # every optimizer of the job's config (the policy's `optim`, PPO's `critic_optim`, ...)
+    optims = {name: getattr(cfg, name) for name in cfg.__struct_fields__}
+    changes = {
+        name: msgspec.structs.replace(o, num_training_steps=max(total, o.num_warmup_steps + 1))
+        for name, o in optims.items()
+        if isinstance(o, OptimConfig)
+    }
+    return msgspec.structs.replace(cfg, **changes)
 
 
 def _init_ray(cfg: RunConfig) -> bool:
@@ -152,7 +174,7 @@ def _init_ray(cfg: RunConfig) -> bool:
     return True
 
 
-def check_hardware(cfg: RunConfig, plan) -> None:
+def check_hardware(cfg: RunConfig, plan: PlacementPlan) -> None:
     """A plan of real models that needs more devices than this machine has, with no cluster to join, stops
     here with what it needs. Tiny models (no model.path) run on logical devices anywhere, as on CPU."""
     if cfg.ray.address or os.environ.get("RAY_ADDRESS") or not cfg.model.path:
@@ -169,7 +191,7 @@ def check_hardware(cfg: RunConfig, plan) -> None:
         )
 
 
-def prepare_models(cfg: RunConfig, run: RunDir, dataset=train_rows) -> tuple[str, str]:
+def prepare_models(cfg: RunConfig, run: RunDir, dataset: Any = train_rows) -> tuple[str, str]:
     """The policy's and the judge's model directories; tiny ones are built with a tokenizer trained on the
     task's text (the only time the driver reads every row's text)."""
     tiny = not cfg.model.path or (cfg.judge is not None and not cfg.judge.path)
@@ -182,9 +204,9 @@ def prepare_models(cfg: RunConfig, run: RunDir, dataset=train_rows) -> tuple[str
     return policy_dir, judge_dir
 
 
-def check_data(cfg: RunConfig, policy_dir: str, dataset=train_rows) -> None:
+def check_data(cfg: RunConfig, policy_dir: str, dataset: Any = train_rows) -> None:
     """Every training row validated and its prompt length checked, one row at a time, none held."""
-    from yatt_apps.phases import render_prompt
+    from yatt_apps.runtime.phases import render_prompt
 
     tok = load_tokenizer(policy_dir)
     system, limit = cfg.data.system_prompt, cfg.data.max_prompt_tokens
@@ -197,12 +219,11 @@ def absolute_paths(cfg: RunConfig) -> RunConfig:
     replace = msgspec.structs.replace
 
     def absolute(path: str) -> str:
-        from yatt_apps.model_sources import is_hub_id
+        from yatt_apps.io.model_sources import is_hub_id
 
         return str(Path(path).resolve()) if path and not is_hub_id(path) else path
 
     data = replace(cfg.data, train=absolute(cfg.data.train), val=absolute(cfg.data.val))
-    cfg = replace(cfg, sft=replace(cfg.sft, train=absolute(cfg.sft.train)))
     model = replace(cfg.model, path=absolute(cfg.model.path))
     judge = None if cfg.judge is None else replace(cfg.judge, path=absolute(cfg.judge.path))
     return replace(cfg, data=data, model=model, judge=judge)
@@ -215,11 +236,15 @@ def run_job(cfg: RunConfig, run_dir: str | Path, job: JobDef) -> dict[str, Any]:
     if cfg.algo.max_staleness and not job.asynchronous:
         raise ValueError(f"algo.max_staleness > 0: the {cfg.app} job trains on-policy only (use yatt grpo)")
     if cfg.rollout.env:  # an unknown environment or an app without multi-turn support fails here
-        from yatt_apps.agent import check_env
+        from yatt_apps.runtime.agent import check_env
 
         check_env(cfg)
     if job.check is not None:
         job.check(cfg)
+    if job.prepare is not None:
+        cfg = job.prepare(cfg, Path(run_dir))
+    plan = placement_plan(cfg, job)
+    check_async_placement(cfg, plan)
     started_at = time.perf_counter()
     from yatt_controller import checkpoint
 
@@ -229,8 +254,7 @@ def run_job(cfg: RunConfig, run_dir: str | Path, job: JobDef) -> dict[str, Any]:
     run = RunDir(path, resume_step=-1 if found is None else found[1].step)
     cfg = absolute_paths(cfg)
     run.write_config(cfg)
-    cfg = with_async_correction(with_schedule(cfg))
-    plan = placement_plan(cfg, job)
+    cfg = with_async_correction(with_schedule(cfg, plan))
     check_hardware(cfg, plan)
     rows = job.dataset or train_rows
     policy_dir, judge_dir = prepare_models(cfg, run, rows)
@@ -246,8 +270,8 @@ def run_job(cfg: RunConfig, run_dir: str | Path, job: JobDef) -> dict[str, Any]:
     start = 0 if found is None else found[1].step + 1
     logger = StepLogger(run, cfg.run.num_steps, start, cfg.run.progress, started_at=started_at)
     runtime = Job(
-        build=functools.partial(job.build, cfg=cfg, policy_dir=policy_dir, judge_dir=judge_dir),
-        step_fn=job.step(cfg, policy_dir, functools.partial(val_rows, cfg)),
+        build=functools.partial(job.build, cfg=cfg, policy_dir=policy_dir, judge_dir=judge_dir, plan=plan),
+        step_fn=job.step(cfg, policy_dir, functools.partial(val_rows, cfg), plan),
         dataset=functools.partial(rows, cfg),
         batch_size=cfg.run.prompts_per_step,
         num_steps=cfg.run.num_steps,
@@ -284,7 +308,7 @@ def export_final(run: RunDir, cfg: RunConfig) -> Path | None:
     runtime always checkpoints it when checkpointing is on); None when there is no such checkpoint."""
     from yatt_controller import checkpoint
 
-    from yatt_apps.export import find_checkpoint, load_policy, policy_dir, run_config, save_hf
+    from yatt_apps.io.export import find_checkpoint, load_policy, policy_dir, run_config, save_hf
 
     found = checkpoint.latest(str(run.checkpoints))
     if found is None or found[1].step != cfg.run.num_steps - 1:

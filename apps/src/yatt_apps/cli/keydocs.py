@@ -13,13 +13,13 @@ import functools
 import inspect
 import re
 import textwrap
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 
 # docs for fields whose source has no comment, by "Class.field"
 FIELD_DOCS: dict[str, str] = {
-    "RunConfig.app": "the step function: grpo, dapo, ppo, capo or grpo-vlm (set by the job command)",
+    "RunConfig.app": "the job: grpo, dapo, ppo, capo, grpo-vlm, sft, or a job file's name (set by the job command)",
     "RunConfig.sampling": "the policy's sampling per prompt (n completions per prompt)",
     "RunConfig.rewards": "the reward terms, summed with their weights (kind: math_verify, regex, genrm, ...)",
     "RunSpec.name": "the run's name: the run directory is run.out_dir/NAME-TIME",
@@ -125,8 +125,8 @@ FIELD_DOCS: dict[str, str] = {
     "CapoSpec.w_whole": "weight of the verifier reward",
     "CapoSpec.w_process": "penalty per token in a wrong step",
     "CapoSpec.critic": "the step critic's judge settings",
-    "RunConfig.capo": "CAPO's credit assignment (yatt capo)",
-    "RunConfig.dynamic_sampling": "DAPO's dynamic sampling (yatt dapo)",
+    "CapoConfig.capo": "CAPO's credit assignment (yatt capo)",
+    "DapoConfig.dynamic_sampling": "DAPO's dynamic sampling (yatt dapo)",
     "AlgoConfig.gspo_clip_ratio_low": "GSPO clip range below 1 (far tighter than PPO's)",
     "AlgoConfig.cispo_clip_ratio_low": "CISPO clip of the IS weight below 1 (1: no lower bound)",
     "AlgoConfig.rollout_is_level": "rollout/train mismatch correction: none, token or sequence weights",
@@ -158,7 +158,7 @@ def source_docs(cls: type) -> dict[str, str]:
     tree = ast.parse(textwrap.dedent("".join(lines)))
     fields = {
         node.lineno - 1: node.target.id
-        for node in tree.body[0].body
+        for node in cast(ast.ClassDef, tree.body[0]).body
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
     }
     docs = {}
@@ -176,7 +176,7 @@ def _block_above(lines: list[str], row: int, fields: dict[int, str]) -> str:
     row -= 1
     while row >= 0 and row in fields and "  # " not in lines[row]:
         row -= 1
-    block = []
+    block: list[str] = []
     while row >= 0 and lines[row].strip().startswith("#"):
         block.insert(0, lines[row].strip().lstrip("#").strip())
         row -= 1
@@ -184,7 +184,12 @@ def _block_above(lines: list[str], row: int, fields: dict[int, str]) -> str:
 
 
 def field_doc(cls: type, name: str) -> str:
-    return FIELD_DOCS.get(f"{cls.__name__}.{name}") or source_docs(cls).get(name, "")
+    """The doc of field `name` of `cls`, from the class that declares it (a job's config inherits most)."""
+    for owner in cls.__mro__:
+        doc = FIELD_DOCS.get(f"{owner.__name__}.{name}") or source_docs(owner).get(name, "")
+        if doc:
+            return doc
+    return ""
 
 
 def _scalar(value: Any) -> str:

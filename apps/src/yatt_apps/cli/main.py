@@ -16,51 +16,38 @@ import os
 import sys
 import traceback
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-# subcommand -> (help, "module:function" taking the parsed args and returning an exit code, kind)
+if TYPE_CHECKING:
+    from yatt_apps.config import RunConfig
+    from yatt_apps.runtime.job import JobDef
+
+# plain subcommand -> (help, "module:function" taking the parsed args and returning an exit code, kind); the
+# job commands (`grpo`, `ppo`, ...) come from the job registry (`yatt_apps.jobs`), one per JobDef
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "doctor": ("check the installation: packages, backends, devices, and a wire/codec/model round trip",
-               "yatt_apps.doctor:main", "plain"),
-    "grpo": ("GRPO with rule rewards and a generative reward model (default: the tiny CPU run)",
-             "yatt_apps.cli:job_main", "job"),
-    "dapo": ("DAPO: GRPO with clip-higher, token-mean loss, overlong shaping and dynamic sampling (refill)",
-             "yatt_apps.cli:job_main", "job"),
-    "ppo": ("PPO with a critic (GAE, KL as a reward penalty, clipped value loss) on rule rewards",
-            "yatt_apps.cli:job_main", "job"),
-    "capo": ("CAPO: token-level credit from K step critiques of a GenPRM judge, rule verifier, PPO-clip",
-             "yatt_apps.cli:job_main", "job"),
-    "grpo-vlm": ("GRPO on a vision-language policy with image prompts (default: tiny Qwen2-VL, counting squares)",
-                 "yatt_apps.vlm:job_main", "job"),
-    "config": ("print the full resolved config as YAML, one doc comment per key (--preset, --config, --set)",
-               "yatt_apps.cli:config_main", "job"),
-    "sft": ("supervised fine-tuning on prompt/response rows (loss on the response); writes an HF folder",
-            "yatt_apps.cli:job_main", "job"),
-    "plan": ("print the placement plan of a config as a table (or --json)", "yatt_apps.cli:plan_main", "job"),
-    "resume": ("continue a run from its newest complete checkpoint", "yatt_apps.cli:resume_main", "resume"),
+               "yatt_apps.cli.doctor:main", "plain"),
+    "run": ("run a job defined in your own Python file (JOB = JobDef(...)): yatt run path/to/job.py [--set ...]",
+            "yatt_apps.cli.main:file_main", "file"),
+    "config": ("print the full resolved config as YAML, one doc comment per key (--job, --preset, --config, --set)",
+               "yatt_apps.cli.main:config_main", "job"),
+    "plan": ("print the placement plan of a config as a table (or --json)", "yatt_apps.cli.main:plan_main", "job"),
+    "resume": ("continue a run from its newest complete checkpoint", "yatt_apps.cli.main:resume_main", "resume"),
     "export": ("write a run's trained policy (newest checkpoint, or --step N) as an HF folder, LoRA merged",
-               "yatt_apps.export:main", "plain"),
+               "yatt_apps.io.export:main", "plain"),
     "merge": ("Bone Soup: merge saved backbones into one HF model for a preference over objectives",
-              "yatt_apps.merge:main", "plain"),
+              "yatt_apps.jobs.merge:main", "plain"),
 }  # fmt: skip
+JOB_MAIN = "yatt_apps.cli.main:job_main"
 
-# app name -> "module:JOB", the job's declaration (yatt_apps.jobs.JobDef): step, roles, services, checks
-STEP_FACTORIES: dict[str, str] = {
-    "grpo": "yatt_apps.grpo:JOB",
-    "dapo": "yatt_apps.dapo:JOB",
-    "ppo": "yatt_apps.ppo:JOB",
-    "capo": "yatt_apps.capo:JOB",
-    "grpo-vlm": "yatt_apps.vlm:JOB",
-    "sft": "yatt_apps.sft:JOB",
-}
 
-# job command -> its preset when --preset is not given (otherwise tiny_cpu)
-DEFAULT_PRESETS: dict[str, str] = {
-    "dapo": "tiny_cpu_dapo",
-    "ppo": "tiny_cpu_ppo",
-    "capo": "tiny_cpu_capo",
-    "grpo-vlm": "tiny_cpu_vlm",
-    "sft": "tiny_cpu_sft",
-}
+def commands() -> dict[str, tuple[str, str, str]]:
+    """Every subcommand: the registry's jobs first (in registry order), then the plain commands."""
+    from yatt_apps.jobs import registry
+
+    jobs = {name: (job.help, JOB_MAIN, "job") for name, job in registry().items()}
+    return {**jobs, **COMMANDS}
 
 
 def _module(target: str):
@@ -111,7 +98,22 @@ def presets_help() -> str:
     return "presets (--preset NAME):\n" + "\n".join(lines)
 
 
+def add_job_options(cmd: argparse.ArgumentParser, *, job_option: bool) -> None:
+    """The options of a command that builds a config: preset, YAML overlay, overrides, run directory."""
+    if job_option:
+        cmd.add_argument(
+            "--job", help="the job whose config this is (a name or a job file; default: the preset's)"
+        )
+    cmd.add_argument(
+        "--preset", help="a named preset (listed below; default: the job's own, tiny_cpu for grpo)"
+    )
+    cmd.add_argument("--config", help="a YAML file overlaying the preset")
+    cmd.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one field")
+    cmd.add_argument("--run-dir", help="where the run writes (default: run.out_dir/run.name-TIME)")
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The `yatt` parser: one subcommand per registered job, and the plain commands."""
     epilog = f"{presets_help()}\n\n{MAIN_KEYS}"
     raw = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(
@@ -121,28 +123,27 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=raw,
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, (help_text, _, kind) in COMMANDS.items():
-        job = kind == "job"
+    for name, (help_text, target, kind) in commands().items():
         cmd = sub.add_parser(
-            name, help=help_text, description=help_text, epilog=epilog if job else None, formatter_class=raw
+            name,
+            help=help_text,
+            description=help_text,
+            epilog=epilog if kind in ("job", "file") else None,
+            formatter_class=raw,
         )
         cmd.add_argument("--json", action="store_true", help="print only the JSON summary")
         if kind == "job":
-            cmd.add_argument(
-                "--preset",
-                help="a named preset (listed below; default: tiny_cpu, or tiny_cpu_APP for the other apps)",
-            )
-            cmd.add_argument("--config", help="a YAML file overlaying the preset")
-            cmd.add_argument(
-                "--set", action="append", default=[], metavar="KEY=VALUE", help="override one field"
-            )
-            cmd.add_argument("--run-dir", help="where the run writes (default: run.out_dir/run.name-TIME)")
+            add_job_options(cmd, job_option=name in ("config", "plan"))
+        elif kind == "file":
+            cmd.add_argument("job_file", help="a Python file that defines JOB = JobDef(...)")
+            add_job_options(cmd, job_option=False)
         elif kind == "plain":  # a plain command's own options: its module's optional add_arguments(parser)
-            add_arguments = getattr(_module(COMMANDS[name][1]), "add_arguments", None)
+            add_arguments = getattr(_module(target), "add_arguments", None)
             if add_arguments is not None:
                 add_arguments(cmd)
         elif kind == "resume":
             cmd.add_argument("run_dir", help="a run directory written by a job command")
+            cmd.add_argument("--job", help="the job file of a run started with `yatt run FILE.py`")
             cmd.add_argument(
                 "--set",
                 action="append",
@@ -153,27 +154,65 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def load_config(args: argparse.Namespace):
-    from yatt_apps.config import PRESETS, RunConfig
+def chosen_job(args: argparse.Namespace) -> JobDef | None:
+    """The job a command names: `yatt NAME`, `yatt run FILE.py`, or `--job NAME|FILE` (config, plan,
+    resume); None where the config's `app` decides (config and plan without --job)."""
+    from yatt_apps.jobs import find, load_file
+
+    name = getattr(args, "job_file", None) or getattr(args, "job", None)
+    if name:
+        return load_file(name) if name.endswith(".py") else find(name)
+    if args.command in ("config", "plan", "resume"):
+        return None
+    return find(args.command)
+
+
+def load_config(args: argparse.Namespace) -> tuple[RunConfig, JobDef]:
+    """The run's config (the job's preset, or --preset, <- --config <- --set, `app` = the job's name) and job."""
+    from yatt_apps.config import PRESETS, as_config
+    from yatt_apps.jobs import find
     from yatt_apps.overlay import build_config
 
-    preset = args.preset or DEFAULT_PRESETS.get(args.command, "tiny_cpu")
-    if preset not in PRESETS:
-        raise ValueError(f"--preset {preset!r} is not one of {sorted(PRESETS)}")
-    cfg = build_config(RunConfig, PRESETS[preset](), args.config, args.set)
-    if args.command in STEP_FACTORIES and cfg.app != args.command:
-        cfg = build_config(RunConfig, cfg, None, [f"app={args.command}"])
-    return cfg
+    job = chosen_job(args)
+    if args.preset is not None and args.preset not in PRESETS:
+        raise ValueError(f"--preset {args.preset!r} is not one of {sorted(PRESETS)}")
+    if args.preset:
+        base = PRESETS[args.preset]()
+    else:
+        base = job.preset() if job is not None else PRESETS["tiny_cpu"]()
+    if job is None:  # config / plan without --job: the preset's own job (or --set app=NAME)
+        job = find(next((s.split("=", 1)[1].strip() for s in args.set if s.startswith("app=")), base.app))
+    if type(base) is not job.config or base.app != job.name:
+        base = as_config(job.config, base, app=job.name)
+    check_keys(job, args.config, args.set)
+    return build_config(job.config, base, args.config, args.set), job
 
 
-def _run(cfg, run_dir: str, args: argparse.Namespace) -> int:
-    from yatt_apps.interrupt import EXIT_INTERRUPTED, GUARD, interrupted_message
-    from yatt_apps.launch import run_job
+def check_keys(job: JobDef, yaml_path: str | None, overrides: list[str]) -> None:
+    """A key of another job's config (e.g. `capo` for ppo) is refused, naming the job it belongs to."""
+    from yatt_apps.jobs import registry
+    from yatt_apps.overlay import read_yaml
 
-    if cfg.app not in STEP_FACTORIES:
-        raise ValueError(f"app {cfg.app!r} is not one of {sorted(STEP_FACTORIES)}")
+    keys = [item.split("=", 1)[0].split(".", 1)[0].strip() for item in overrides]
+    keys += list(read_yaml(Path(yaml_path))) if yaml_path else []
+    own = set(job.config.__struct_fields__)
+    for key in keys:
+        owners = sorted(
+            {other.name for other in registry().values() if key in other.config.__struct_fields__}
+        )
+        if key not in own and owners:
+            raise ValueError(
+                f"{key!r} is a key of the {', '.join(owners)} job's config, not of {job.name}'s "
+                f"({job.config.__name__}: {', '.join(job.config.__struct_fields__)})"
+            )
+
+
+def _run(cfg: RunConfig, job: JobDef, run_dir: str, args: argparse.Namespace) -> int:
+    from yatt_apps.runtime.interrupt import EXIT_INTERRUPTED, GUARD, interrupted_message
+    from yatt_apps.runtime.launch import run_job
+
     try:
-        summary = run_job(cfg, run_dir, _load(STEP_FACTORIES[cfg.app]))
+        summary = run_job(cfg, run_dir, job)
     except (KeyboardInterrupt, Exception) as err:  # run_job's cleanup has run: Ray is shut down
         if not (isinstance(err, KeyboardInterrupt) or GUARD.count):
             raise
@@ -189,12 +228,18 @@ def _run(cfg, run_dir: str, args: argparse.Namespace) -> int:
 
 
 def job_main(args: argparse.Namespace) -> int:
+    """`yatt NAME`: run a registered job."""
     import time
     from pathlib import Path
 
-    cfg = load_config(args)
+    cfg, job = load_config(args)
     run_dir = args.run_dir or str(Path(cfg.run.out_dir) / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    return _run(cfg, run_dir, args)
+    return _run(cfg, job, run_dir, args)
+
+
+def file_main(args: argparse.Namespace) -> int:
+    """`yatt run FILE.py`: run the job a user's file declares, exactly as a registered one."""
+    return job_main(args)
 
 
 def finished_step(run_dir: str, num_steps: int) -> int | None:
@@ -204,7 +249,7 @@ def finished_step(run_dir: str, num_steps: int) -> int | None:
 
     from yatt_controller import checkpoint
 
-    from yatt_apps.rundir import last_step
+    from yatt_apps.io.rundir import last_step
 
     found = checkpoint.latest(str(Path(run_dir) / "checkpoints"))
     if found is not None and found[1].step >= num_steps - 1:
@@ -217,15 +262,14 @@ def finished_step(run_dir: str, num_steps: int) -> int | None:
 
 def resume_main(args: argparse.Namespace) -> int:
     """Continue a run; a finished run (every step done) says so and exits 0 without starting Ray."""
-    from pathlib import Path
-
-    from yatt_apps.config import RunConfig
-    from yatt_apps.overlay import build_config
+    from yatt_apps.jobs import find
+    from yatt_apps.overlay import build_config, read_yaml
 
     path = Path(args.run_dir) / "config.yaml"
     if not path.is_file():
         raise ValueError(f"{args.run_dir} is not a run directory (no config.yaml)")
-    cfg = build_config(RunConfig, RunConfig(), path, args.set)
+    job = chosen_job(args) or find(str(read_yaml(path).get("app", "grpo")))
+    cfg = build_config(job.config, job.config(), path, args.set)
     done = finished_step(args.run_dir, cfg.run.num_steps)
     if done is not None:
         if not args.json:
@@ -233,15 +277,18 @@ def resume_main(args: argparse.Namespace) -> int:
             print(f"run {args.run_dir} is finished: its last step ({done}) is done; to train longer: {more}")
         print(json.dumps({"run_dir": args.run_dir, "finished": True, "step": done}))
         return 0
-    return _run(cfg, args.run_dir, args)
+    return _run(cfg, job, args.run_dir, args)
 
 
 def config_main(args: argparse.Namespace) -> int:
     """Print the resolved config (preset <- --config <- --set) as YAML with a doc comment per key."""
-    from yatt_apps.keydocs import commented_yaml
+    from yatt_apps.cli.keydocs import commented_yaml
 
-    cfg = load_config(args)
-    preset = args.preset or DEFAULT_PRESETS.get(args.command, "tiny_cpu")
+    cfg, job = load_config(args)
+    from yatt_apps.config import PRESETS
+
+    named = [name for name, fn in PRESETS.items() if fn is job.preset]
+    preset = args.preset or (named[0] if named else f"{job.name}'s own")
     print(f"# yatt config: preset {preset}" + (f", overlay {args.config}" if args.config else ""))
     print("\n".join(commented_yaml(cfg)))
     return 0
@@ -250,10 +297,10 @@ def config_main(args: argparse.Namespace) -> int:
 def plan_main(args: argparse.Namespace) -> int:
     import msgspec
 
-    from yatt_apps.launch import placement_plan
+    from yatt_apps.runtime.launch import placement_plan
 
-    cfg = load_config(args)
-    plan = placement_plan(cfg, _load(STEP_FACTORIES[cfg.app]))
+    cfg, job = load_config(args)
+    plan = placement_plan(cfg, job)
     if not args.json:
         print(f"mode {plan.mode} on {plan.num_devices} devices: {plan.reason}")
         for role in plan.roles:
@@ -264,12 +311,12 @@ def plan_main(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from yatt_apps.interrupt import EXIT_INTERRUPTED, GUARD
+    from yatt_apps.runtime.interrupt import EXIT_INTERRUPTED, GUARD
 
     args = build_parser().parse_args(argv)
     try:
         with GUARD:
-            return _load(COMMANDS[args.command][1])(args)
+            return _load(commands()[args.command][1])(args)
     except KeyboardInterrupt:  # outside a run (a job's own is handled in _run): nothing to clean up
         print(f"yatt {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

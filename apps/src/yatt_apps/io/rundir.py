@@ -160,7 +160,7 @@ class RunDir:
         return plot_summary(self.history(), self.path / "summary.png") if plot else None
 
 
-def open_wandb(path: Path, log: Any, config: dict[str, Any]):
+def open_wandb(path: Path, log: Any, config: dict[str, Any]) -> Any:
     """A W&B run writing under RUN_DIR/wandb (mode from WANDB_MODE; offline needs no network). Each attempt
     of a run (the first, every `yatt resume`) is its own W&B run grouped under the run directory's name:
     W&B keeps a run's steps increasing, so a resumed attempt could not log its steps again into the first."""
@@ -186,7 +186,7 @@ def plot_panels(history: list[dict[str, float]]) -> list[tuple[str, dict[str, li
     panels = []
     for title, patterns in PLOT_PANELS.items():
         keys = [k for k in names if any(fnmatchcase(k, p) for p in patterns)]
-        series = {k: [(row["step"], row[k]) for row in history if k in row] for k in keys}
+        series = {k: [(int(row["step"]), row[k]) for row in history if k in row] for k in keys}
         values = {v for points in series.values() for _, v in points}
         if not values:
             continue

@@ -18,27 +18,28 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from yatt_apps.config import CapoSpec, RunConfig
-from yatt_apps.data import PromptRow
-from yatt_apps.jobs import JobDef, build_services
-from yatt_apps.phases import (
-    generate_and_score,
-    maybe_evaluate,
+from yatt_apps.config import CapoConfig, CapoSpec, tiny_cpu_capo
+from yatt_apps.io.data import PromptRow
+from yatt_apps.runtime.job import JobDef, StepFn, ValRows, build_services
+from yatt_apps.runtime.phases import (
+    kept_batch,
     old_logprobs,
-    pad_batch,
-    render_prompt,
-    sample_seed,
-    sample_sums,
+    push_weights,
+    rollout_and_score,
     sleep_engines,
-    summarize,
-    sync_weights,
     tokenizer,
-    train,
-    wake_engines,
+    train_policy,
 )
-from yatt_apps.workers import RewardWorker
+from yatt_apps.runtime.step_metrics import maybe_evaluate, sample_sums, summarize
+from yatt_apps.runtime.workers import RewardWorker
+
+if TYPE_CHECKING:
+    from yatt_controller.controller import StepContext
+    from yatt_controller.runner import Services
+    from yatt_controller.worker_group import HostPool
+    from yatt_placement.types import PlacementPlan
 
 
 class CritiqueWorker(RewardWorker):
@@ -46,16 +47,22 @@ class CritiqueWorker(RewardWorker):
     critic on the judge model's own engine in this process, mapping steps to tokens with the policy's
     tokenizer."""
 
-    def __init__(self, cfg: RunConfig, judge_dir: str, policy_dir: str) -> None:
+    def __init__(
+        self, cfg: CapoConfig, judge_dir: str, policy_dir: str, *, shared_device: bool = True
+    ) -> None:
         from yatt_multimodal.genprm import GenPRM
         from yatt_multimodal.prompt_codecs import HFChatCodec
 
-        from yatt_apps.models import load_tokenizer
-        from yatt_apps.workers import build_engine
+        from yatt_apps.io.models import load_tokenizer
+        from yatt_apps.runtime.workers import build_engine
 
         super().__init__(cfg)  # the rule terms only: the judge model serves the critic
-        judge_tok = load_tokenizer(judge_dir, trust_remote_code=cfg.judge.trust_remote_code)
-        engine = build_engine(cfg, cfg.judge, cfg.judge.engine, judge_dir, seed=cfg.run.seed + 1)
+        spec = cfg.judge
+        assert spec is not None, "capo's check requires a judge model"
+        judge_tok = load_tokenizer(judge_dir, trust_remote_code=spec.trust_remote_code)
+        engine = build_engine(
+            cfg, spec, spec.engine, judge_dir, seed=cfg.run.seed + 1, shared_device=shared_device
+        )
         self.engine = engine  # slept and woken like the GenRM's (RewardWorker.sleep / wake_up)
         self.critic = GenPRM(
             engine, HFChatCodec(judge_tok), cfg.capo.critic, tokenizer=load_tokenizer(policy_dir)
@@ -73,7 +80,14 @@ class CritiqueWorker(RewardWorker):
 
 
 def capo_credit(
-    verifier, critiques: list, prompt_lens: list[int], response_mask, group_ids, spec: CapoSpec, *, eps: float
+    verifier: Any,
+    critiques: list,
+    prompt_lens: list[int],
+    response_mask: Any,
+    group_ids: Any,
+    spec: CapoSpec,
+    *,
+    eps: float,
 ) -> tuple[Any, Any, dict[str, float]]:
     """Token rewards R [B, T], advantages [B, T] and counts, for rows laid out as prompt then response.
 
@@ -110,7 +124,13 @@ def capo_credit(
 
 
 def capo_step(
-    ctx, rows: list[PromptRow], *, cfg: RunConfig, policy_dir: str, val_rows=None
+    ctx: StepContext,
+    rows: list[PromptRow],
+    *,
+    cfg: CapoConfig,
+    policy_dir: str,
+    val_rows: ValRows,
+    plan: PlacementPlan,
 ) -> dict[str, float]:
     """One CAPO step on this controller's `rows`; returns metrics already reduced over controllers."""
     import msgspec
@@ -120,30 +140,15 @@ def capo_step(
     tok = tokenizer(policy_dir)
 
     with ctx.phase("rollout_reward"):  # completions streamed into the verifier r_v and K step critiques each
-        prompt_ids = [render_prompt(tok, row, cfg.data.system_prompt) for row in rows]
-        tag = f"s{ctx.step}-c{ctx.rank}"
-        scored = generate_and_score(
-            ctx,
-            rows,
-            prompt_ids,
-            cfg.sampling,
-            tag,
-            sample_seed(cfg, ctx),
-            tok,
-            method="score_and_critique",
-            token_ids=True,
+        prompt_ids, scored = rollout_and_score(
+            ctx, cfg, rows, tok, method="score_and_critique", token_ids=True
         )
         critiques = [msgspec.convert(d, StepCritique) for d in scored.extra["critiques"]]
     sums = maybe_evaluate(ctx, val_rows, cfg, tok)
-    sleep_engines(ctx, cfg)
+    sleep_engines(ctx, cfg, plan)
 
     with ctx.phase("advantages"):  # vote, token rewards, normalize over each prompt's tokens
-        kept = [i for i, k in enumerate(scored.keep) if k]
-        batch = pad_batch(
-            [prompt_ids[scored.owner[i]] for i in kept],
-            [scored.completions[i].token_ids for i in kept],
-            tok.pad_token_id,
-        )
+        kept, samples, batch = kept_batch(scored, prompt_ids, tok)
         group_ids = torch.tensor([scored.owner[i] for i in kept])
         verifier = torch.tensor([scored.scores[i] for i in kept], dtype=torch.float32)
         _, advantages, counts = capo_credit(
@@ -158,22 +163,12 @@ def capo_step(
 
     # old (this policy) and reference logprobs, on this controller's learner ranks
     with ctx.phase("logprobs"):
-        lp, rollout_lp = old_logprobs(ctx, batch, [scored.completions[i] for i in kept])
+        lp, rollout_lp = old_logprobs(ctx, batch, samples)
 
     with ctx.phase("train"):  # PPO-clip, SPMD across controllers
-        logprobs = {k: v for k, v in lp.items() if k != "entropy"}
-        experience = {
-            **batch,
-            **logprobs,
-            "advantages": advantages,
-            "rollout_logprobs": rollout_lp,
-            "group_ids": group_ids,
-        }
-        stats = train(ctx, experience)
+        stats = train_policy(ctx, batch, lp, rollout_lp, advantages, group_ids=group_ids)
 
-    with ctx.phase("weight_sync"):
-        wake_engines(ctx, cfg)
-        sync_weights(ctx)
+    push_weights(ctx, cfg, plan)
 
     sums |= sample_sums(scored, kept, len(rows), batch["response_mask"], lp, rollout_lp)
     sums |= counts
@@ -191,28 +186,39 @@ def capo_metrics(total: dict[str, float]) -> dict[str, float]:
     }
 
 
-def check(cfg: RunConfig) -> None:
+def check(cfg: CapoConfig) -> None:
     if cfg.judge is None:
         raise ValueError("capo needs judge (the critic model): set judge.path or use --preset tiny_cpu_capo")
     if any(spec.kind == "genrm" for spec in cfg.rewards):
         raise ValueError("capo's rewards must be rule terms (the verifier r_v): remove the 'genrm' term")
 
 
-def step_function(cfg: RunConfig, policy_dir: str, val_rows=None):
+def step_function(cfg: CapoConfig, policy_dir: str, val_rows: ValRows, plan: PlacementPlan) -> StepFn:
     check(cfg)
-    return functools.partial(capo_step, cfg=cfg, policy_dir=policy_dir, val_rows=val_rows)
+    return functools.partial(capo_step, cfg=cfg, policy_dir=policy_dir, val_rows=val_rows, plan=plan)
 
 
-def capo_services(pool, *, cfg: RunConfig, policy_dir: str, judge_dir: str):
+def capo_services(
+    pool: HostPool, *, cfg: CapoConfig, policy_dir: str, judge_dir: str, plan: PlacementPlan
+) -> Services:
     """The default services with CAPO's reward service: the rule terms and the step critic on the judge."""
     return build_services(
         pool,
         cfg=cfg,
         policy_dir=policy_dir,
         judge_dir=judge_dir,
+        plan=plan,
         reward_cls=CritiqueWorker,
         reward_args=(cfg, judge_dir, policy_dir),
     )
 
 
-JOB = JobDef(step=step_function, build=capo_services, check=check)
+JOB = JobDef(
+    name="capo",
+    help="CAPO: token-level credit from K step critiques of a GenPRM judge, rule verifier, PPO-clip",
+    preset=tiny_cpu_capo,
+    step=step_function,
+    config=CapoConfig,
+    build=capo_services,
+    check=check,
+)

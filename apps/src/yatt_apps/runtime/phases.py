@@ -1,6 +1,8 @@
 """The phases every RL job shares, each one call from a step function: prompts to requests, generation
-streamed into scoring, old and reference logprobs, the SPMD update, the weight push, evaluation and the
-metric sums. A job module (grpo, dapo, ppo, capo, vlm) keeps its own flat step that calls these in order.
+streamed into scoring, the trained batch, old and reference logprobs, the SPMD update, the weight push (the
+step's metrics and evaluation: `step_metrics`). A job module (grpo, dapo, ppo, capo, vlm) keeps its own flat
+step that calls these in order: `rollout_and_score`, `kept_batch`, `old_logprobs`, `train_policy`,
+`push_weights`.
 
 Every learner call goes to *this controller's own learner ranks* with `shard_rows`: one rank in parallel mode
 (the controller's own), every rank in single mode (the batch is split by rows, so each DDP rank joins the
@@ -9,24 +11,34 @@ SPMD step).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from yatt_apps.config import RunConfig
-from yatt_apps.data import PromptRow
+from yatt_apps.io.data import PromptRow
 
-_TOKENIZERS: dict[str, Any] = {}  # per controller process: model dir -> tokenizer
-
-
-def tokenizer(path: str):
-    if path not in _TOKENIZERS:
-        from yatt_apps.models import load_tokenizer
-
-        _TOKENIZERS[path] = load_tokenizer(path)
-    return _TOKENIZERS[path]
+if TYPE_CHECKING:
+    from yatt_controller.controller import StepContext
+    from yatt_controller.worker_group import WorkerGroup
+    from yatt_placement.types import PlacementPlan
 
 
-def render_prompt(tok, row: PromptRow, system_prompt: str) -> list[int]:
+def learner_of(ctx: StepContext) -> WorkerGroup:
+    """This controller's learner group: every job here declares one (`Services.learner`)."""
+    assert ctx.learner is not None, "the job's services name no learner group"
+    return ctx.learner
+
+
+@functools.cache
+def tokenizer(path: str) -> Any:
+    """The tokenizer of the model folder `path`, loaded once per process (a controller's steps share it)."""
+    from yatt_apps.io.models import load_tokenizer
+
+    return load_tokenizer(path)
+
+
+def render_prompt(tok: Any, row: PromptRow, system_prompt: str) -> list[int]:
     """The chat-templated prompt token ids of one row; a row with images opens its user turn with one
     Qwen2-VL placeholder per image (one pad token each: the engine expands it to the image's size)."""
     placeholders = "<|vision_start|><|image_pad|><|vision_end|>" * len(row.images)
@@ -38,7 +50,7 @@ def render_prompt(tok, row: PromptRow, system_prompt: str) -> list[int]:
 
 
 def make_requests(
-    rows: list[PromptRow], prompt_ids: list[list[int]], sampling, tag: str, seed: int | None
+    rows: list[PromptRow], prompt_ids: list[list[int]], sampling: Any, tag: str, seed: int | None
 ) -> list:
     """One request per prompt. With `seed`, request i samples from seed + i: a resumed run draws the same
     completions as one that never stopped, whatever the engine did before."""
@@ -57,7 +69,7 @@ def make_requests(
     ]
 
 
-def prompt_index(completion) -> int:
+def prompt_index(completion: Any) -> int:
     """The prompt (GRPO group) a completion answers, from its request id `TAG-pI`."""
     return int(completion.request_id.rsplit("-p", 1)[1])
 
@@ -77,11 +89,11 @@ def pad_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: int)
     return {"input_ids": input_ids, "attention_mask": attention, "response_mask": response}
 
 
-def flat(parts) -> list[Any]:
+def flat(parts: Any) -> list[Any]:
     return [item for part in parts for item in part]
 
 
-def sample_seed(cfg: RunConfig, ctx, wave: int = 0, *, step: int | None = None) -> int:
+def sample_seed(cfg: RunConfig, ctx: StepContext, wave: int = 0, *, step: int | None = None) -> int:
     """The base sampling seed of this controller's step (or of `step`, an async batch's launch step); prompt
     i of a wave samples from base + i (< 1000 prompts per wave). Refill waves (wave > 0, DAPO) draw from
     disjoint seeds: wave << 40."""
@@ -113,7 +125,7 @@ def num_chunks(num_prompts: int, num_replicas: int) -> int:
     return max(1, min(num_prompts, 2 * num_replicas))
 
 
-def reward_requests(rows: list[PromptRow], completions: list, tok, *, token_ids: bool = False) -> list:
+def reward_requests(rows: list[PromptRow], completions: list, tok: Any, *, token_ids: bool = False) -> list:
     """One `RewardRequest` per completion: the row's prompt and answer, the decoded response."""
     from yatt_multimodal.types import RewardRequest
 
@@ -123,20 +135,20 @@ def reward_requests(rows: list[PromptRow], completions: list, tok, *, token_ids:
             prompt=rows[prompt_index(c)].prompt,
             response=tok.decode(c.token_ids, skip_special_tokens=True),
             reference=rows[prompt_index(c)].answer,
-            **({"response_token_ids": list(c.token_ids)} if token_ids else {}),
+            response_token_ids=list(c.token_ids) if token_ids else [],
         )
         for c in completions
     ]
 
 
 def generate_and_score(
-    ctx,
+    ctx: StepContext,
     rows: list[PromptRow],
     prompt_ids: list[list[int]],
-    sampling,
+    sampling: Any,
     tag: str,
     seed: int | None,
-    tok,
+    tok: Any,
     *,
     method: str = "score",
     token_ids: bool = False,
@@ -153,7 +165,40 @@ def generate_and_score(
     return scored
 
 
-def submit_rollout(ctx, requests: list) -> list:
+def rollout_and_score(
+    ctx: StepContext,
+    cfg: RunConfig,
+    rows: list[PromptRow],
+    tok: Any,
+    *,
+    wave: int | None = None,
+    method: str = "score",
+    token_ids: bool = False,
+) -> tuple[list[list[int]], Scored]:
+    """The steps' first phase: every row's chat-templated prompt, and n completions each streamed into scoring
+    (`generate_and_score`), tagged with the step and controller (and refill `wave`, which also moves the
+    sampling seed). Returns (prompt ids per row, `Scored`)."""
+    prompt_ids = [render_prompt(tok, row, cfg.data.system_prompt) for row in rows]
+    tag = f"s{ctx.step}-c{ctx.rank}" + ("" if wave is None else f"-w{wave}")
+    seed = sample_seed(cfg, ctx, wave or 0)
+    scored = generate_and_score(
+        ctx, rows, prompt_ids, cfg.sampling, tag, seed, tok, method=method, token_ids=token_ids
+    )
+    return prompt_ids, scored
+
+
+def kept_batch(
+    scored: Scored, prompt_ids: list[list[int]], tok: Any
+) -> tuple[list[int], list[Any], dict[str, Any]]:
+    """The samples a step trains on: indices of the kept completions, the completions, and their padded batch
+    (`pad_batch`: each under its prompt's ids [B, T])."""
+    kept = [i for i, k in enumerate(scored.keep) if k]
+    samples = [scored.completions[i] for i in kept]
+    prompts = [prompt_ids[scored.owner[i]] for i in kept]
+    return kept, samples, pad_batch(prompts, [c.token_ids for c in samples], tok.pad_token_id)
+
+
+def submit_rollout(ctx: StepContext, requests: list) -> list:
     """Every chunk of `requests` sent to this controller's least-loaded rollout replicas now (object refs)."""
     from yatt_controller.dispatch import split_evenly
 
@@ -163,8 +208,14 @@ def submit_rollout(ctx, requests: list) -> list:
 
 
 def score_stream(
-    ctx, rows: list[PromptRow], refs: list, tok, *, method: str = "score", token_ids: bool = False
-):
+    ctx: StepContext,
+    rows: list[PromptRow],
+    refs: list,
+    tok: Any,
+    *,
+    method: str = "score",
+    token_ids: bool = False,
+) -> Any:
     """The completions of each rollout ref handed to a reward replica the moment they are done; a `Scored`
     with the stream's busy and overlap seconds. Versions are not checked here (the caller knows its bound)."""
     from yatt_controller.stream import Stage, run_stream
@@ -204,7 +255,7 @@ def score_stream(
     )
 
 
-def check_completions(ctx, completions: list) -> None:
+def check_completions(ctx: StepContext, completions: list) -> None:
     """Never train on another policy's samples; a failed generation fails the step with its message."""
     ctx.check_versions([c.policy_version for c in completions])
     errors = [c.error for c in completions if c.finish_reason == "error"]
@@ -212,7 +263,14 @@ def check_completions(ctx, completions: list) -> None:
         raise ValueError(f"rollout failed for {len(errors)} completion(s): {errors[0]}")
 
 
-def generate(ctx, rows: list[PromptRow], prompt_ids: list[list[int]], sampling, tag: str, seed: int | None):
+def generate(
+    ctx: StepContext,
+    rows: list[PromptRow],
+    prompt_ids: list[list[int]],
+    sampling: Any,
+    tag: str,
+    seed: int | None,
+) -> Any:
     """Completions only (evaluation): the same streaming call with one stage."""
     from yatt_controller.dispatch import split_evenly
     from yatt_controller.stream import Stage, run_stream
@@ -229,7 +287,9 @@ def generate(ctx, rows: list[PromptRow], prompt_ids: list[list[int]], sampling, 
 # ---- advantages ---------------------------------------------------------------------------------------------
 
 
-def group_advantages(cfg: RunConfig, scores, mask, group_ids, components: list[dict[str, float]]):
+def group_advantages(
+    cfg: RunConfig, scores: Any, mask: Any, group_ids: Any, components: list[dict[str, float]]
+) -> Any:
     """`algo.adv_estimator` over the kept rows: scores [B], mask [B, T], group_ids [B]; GDPO also gets each
     reward term's own score [B, K] (terms in `rewards` order; a term that did not score counts 0)."""
     import torch
@@ -245,7 +305,7 @@ def group_advantages(cfg: RunConfig, scores, mask, group_ids, components: list[d
     return advantages
 
 
-def pf_ppo_rows(cfg: RunConfig, ctx, scores) -> list[int]:
+def pf_ppo_rows(cfg: RunConfig, ctx: StepContext, scores: Any) -> list[int]:
     """pf-PPO (arXiv 2503.05066): the rows to train on, drawn with replacement by reward (every row, in
     order, when `algo.pf_ppo_method` is "none"); seeded per controller and step."""
     import torch
@@ -269,12 +329,12 @@ def concat_rows(parts: list[dict[str, Any]]) -> dict[str, Any]:
     return {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
 
 
-def old_logprobs(ctx, batch: dict[str, Any], responses: list) -> tuple[dict[str, Any], Any]:
+def old_logprobs(ctx: StepContext, batch: dict[str, Any], responses: list) -> tuple[dict[str, Any], Any]:
     """Old (this policy) and reference logprobs and entropy [B, T] from this controller's learner ranks, and
     the rollout engine's own logprobs of `responses` (one per row of `batch`) on the same tokens [B, T]."""
     import torch
 
-    lp = concat_rows(ctx.get(ctx.learner.shard_rows("logprobs", batch)))
+    lp = concat_rows(ctx.get(learner_of(ctx).shard_rows("logprobs", batch)))
     rollout_lp = torch.zeros_like(lp["old_logprobs"])
     for row, completion in enumerate(responses):
         logprobs = completion.logprobs
@@ -284,172 +344,59 @@ def old_logprobs(ctx, batch: dict[str, Any], responses: list) -> tuple[dict[str,
     return lp, rollout_lp
 
 
-def train(ctx, experience: dict[str, Any], group: str | None = None) -> dict[str, float]:
+def train(ctx: StepContext, experience: dict[str, Any], group: str | None = None) -> dict[str, float]:
     """The SPMD update on this controller's learner ranks (or another learner group's, e.g. a critic);
     stats are global (reduced inside the learner), so rank 0's stand for all."""
-    learner = ctx.learner if group is None else ctx.services[group]
+    learner = learner_of(ctx) if group is None else ctx.services[group]
     return ctx.get(learner.shard_rows("train", experience))[0]
 
 
-def sync_weights(ctx) -> None:
+def train_policy(
+    ctx: StepContext,
+    batch: dict[str, Any],
+    lp: dict[str, Any],
+    rollout_lp: Any,
+    advantages: Any,
+    **extra: Any,
+) -> dict[str, float]:
+    """The policy's SPMD update on `batch` with its old/reference logprobs `lp` (entropy is a metric, not an
+    input), the rollout engine's logprobs and the advantages; `extra` adds (or replaces) experience keys
+    (`group_ids`, a loss `response_mask`)."""
+    logprobs = {k: v for k, v in lp.items() if k != "entropy"}
+    experience = {**batch, **logprobs, "advantages": advantages, "rollout_logprobs": rollout_lp}
+    return train(ctx, experience | extra)
+
+
+def push_weights(ctx: StepContext, cfg: RunConfig, plan: PlacementPlan) -> None:
+    """The steps' last phase: the engines wake (where they slept) and version v+1 reaches every rollout
+    replica; all controllers wait."""
+    with ctx.phase("weight_sync"):
+        wake_engines(ctx, cfg, plan)
+        sync_weights(ctx)
+
+
+def sync_weights(ctx: StepContext) -> None:
     """Version v+1 to every rollout replica: the in-process copy where a replica shares a learner rank's
     process, the broadcast group elsewhere. An FSDP2 (or Megatron tensor-parallel) export is a collective,
     so first every controller has each of its own learner ranks gather the full weights (together they cover
     every rank); the push, made from whichever ranks' hosts the sync uses, then reads those copies."""
-    ctx.get(ctx.learner.broadcast("gather_weights"))
+    ctx.get(learner_of(ctx).broadcast("gather_weights"))
     ctx.sync_weights()
 
 
-def sleep_engines(ctx, cfg: RunConfig) -> None:
+def sleep_engines(ctx: Any, cfg: RunConfig, plan: PlacementPlan) -> None:
     """Full colocation time-shares devices: the engines release memory before the learner runs. The rollout
     engine sleeps at `placement.sleep_level` (1: caches, and weights offloaded off the accelerator; 2: weights
     discarded, the next weight push restores them); a judge never discards its frozen weights (level <= 1)."""
     level = cfg.placement.sleep_level
-    if cfg.placement.mode == "colocated" and level:
+    if plan.sleeps and level:
         with ctx.phase("sleep"):
             rollout, reward = ctx.services["rollout"], ctx.services["reward"]
             ctx.get(rollout.broadcast("sleep", level) + reward.broadcast("sleep", 1))
 
 
-def wake_engines(ctx, cfg: RunConfig) -> None:
-    if cfg.placement.mode == "colocated" and cfg.placement.sleep_level:
+def wake_engines(ctx: Any, cfg: RunConfig, plan: PlacementPlan) -> None:
+    """The engines slept by `sleep_engines` wake before the next generation."""
+    if plan.sleeps and cfg.placement.sleep_level:
         for name in ("rollout", "reward"):
             ctx.get(ctx.services[name].broadcast("wake_up"))
-
-
-# ---- metrics ------------------------------------------------------------------------------------------------
-
-
-def judge_sums(cfg: RunConfig, scored: Scored, kept: list[int]) -> dict[str, float]:
-    """GenRM figures over the kept samples: verdicts parsed (of K judgements each) and agreement of the
-    judge's verdict (score > 0) with the exact-answer rule (math_verify > 0.5) where both scored."""
-    judge = next((s.name or s.kind for s in cfg.rewards if s.kind == "genrm"), None)
-    if judge is None:
-        return {}
-    rule = next((s.name or s.kind for s in cfg.rewards if s.kind == "math_verify"), None)
-    parsed = sum(scored.components[i].get(f"{judge}/parsed", 0.0) for i in range(len(scored.completions)))
-    both = [c for c in (scored.components[i] for i in kept) if judge in c and rule in c]
-    agree = sum((c[judge] > 0) == (c[rule] > 0.5) for c in both)
-    return {
-        "judge/parsed": parsed,
-        "judge/judged": float(len(scored.completions)),
-        "judge/agree": float(agree),
-        "judge/compared": float(len(both)),
-    }
-
-
-def sample_sums(
-    scored: Scored,
-    kept: list[int],
-    num_prompts: int,
-    mask,
-    lp: dict[str, Any],
-    rollout_lp,
-    scores: list[float] | None = None,
-) -> dict[str, float]:
-    """This controller's sums for `summarize` (all-reduced first): rewards of the trained samples (`scores`,
-    default the scored ones), counts, tokens under `mask` [B, T], entropy, rollout/train mismatch, KL to the
-    reference, per-term rewards, statuses of every scored completion, and the stream's busy times."""
-    trained = [scored.scores[i] for i in kept] if scores is None else scores
-    sums = {
-        "reward/sum": sum(trained),
-        "samples": float(len(kept)),
-        "samples_dropped": float(len(scored.completions) - len(kept)),
-        "prompts": float(num_prompts),
-        "response_tokens": float(mask.sum()),
-        "truncated": float(sum(c.finish_reason == "length" for c in scored.completions)),
-        "entropy/sum": float((lp["entropy"] * mask).sum()),
-        "mismatch/sum": float(((lp["old_logprobs"] - rollout_lp).abs() * mask).sum()),
-        **{
-            f"reward_status/{s}": float(scored.statuses.count(s))
-            for s in ("ok", "parse_error", "timeout", "error")
-        },
-        **{f"stream/{k}": v for k, v in scored.stream.items()},
-    }
-    for i in kept:
-        for name, value in scored.components[i].items():
-            sums[f"reward/{name}/sum"] = sums.get(f"reward/{name}/sum", 0.0) + value
-    if "ref_logprobs" in lp:
-        sums["kl/sum"] = float(((lp["old_logprobs"] - lp["ref_logprobs"]) * mask).sum())
-    return sums
-
-
-def evaluate(ctx, val_rows, cfg: RunConfig, tok) -> dict[str, float]:
-    """Greedy accuracy (math_verify against the answer) on this controller's share of the validation rows."""
-    from yatt_multimodal.rules import math_reward
-    from yatt_multimodal.types import RewardRequest
-    from yatt_rollout.types import SamplingParams
-
-    mine = val_rows()[ctx.rank :: ctx.world_size]
-    if not mine:
-        return {"val/correct": 0.0, "val/total": 0.0}
-    greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=cfg.sampling.max_new_tokens)
-    ids = [render_prompt(tok, row, cfg.data.system_prompt) for row in mine]
-    outs = sorted(generate(ctx, mine, ids, greedy, "eval", None), key=prompt_index)
-    correct = sum(
-        math_reward(
-            RewardRequest(
-                request_id="eval",
-                prompt=row.prompt,
-                response=tok.decode(c.token_ids, skip_special_tokens=True),
-                reference=row.answer,
-            )
-        )
-        for row, c in zip(mine, outs, strict=True)
-    )
-    return {"val/correct": float(correct), "val/total": float(len(mine))}
-
-
-def maybe_evaluate(ctx, val_rows, cfg: RunConfig, tok) -> dict[str, float]:
-    """Validation sums every `run.eval_every` steps, step 0 included (empty otherwise)."""
-    every = cfg.run.eval_every
-    if val_rows is None or not every or ctx.step % every:
-        return {}
-    with ctx.phase("eval"):
-        return evaluate(ctx, val_rows, cfg, tok)
-
-
-def summarize(total: dict[str, float], stats: dict[str, float], world_size: int = 1) -> dict[str, float]:
-    """Global means from summed counts; train stats are already global (reduced inside the learner);
-    stream times are means over the `world_size` controllers."""
-    samples, tokens = max(total["samples"], 1.0), max(total["response_tokens"], 1.0)
-    out = {
-        "reward/mean": total["reward/sum"] / samples,
-        "rollout/response_len_mean": total["response_tokens"] / samples,
-        "rollout/truncated_frac": total["truncated"] / max(total["samples"] + total["samples_dropped"], 1.0),
-        "rollout/response_tokens": total["response_tokens"],
-        "train/entropy": total["entropy/sum"] / tokens,
-        "train/rollout_mismatch": total["mismatch/sum"] / tokens,
-        "samples_dropped": total["samples_dropped"],
-        **{f"train/{k}": v for k, v in stats.items()},
-    }
-    if "kl/sum" in total:
-        out["train/kl"] = total["kl/sum"] / tokens
-    if total.get("val/total"):
-        out["val/accuracy"] = total["val/correct"] / total["val/total"]
-    if "async/samples" in total:  # bounded-staleness training (yatt_apps.producer)
-        out["async/staleness_mean"] = total["async/staleness/sum"] / max(total["async/samples"], 1.0)
-        out["async/staleness_max"] = total["async/staleness_max_all"] / max(world_size, 1)
-        out["async/rollout_train_overlap_s"] = total["async/overlap_s"] / max(world_size, 1)
-        out["async/partial_resumed"] = total.get("async/partial_resumed/sum", 0.0)  # rollout.partial
-    if "judge/judged" in total:
-        out["judge/parse_rate"] = total["judge/parsed"] / max(total["judge/judged"], 1.0)
-        if total["judge/compared"]:
-            out["judge/agreement"] = total["judge/agree"] / total["judge/compared"]
-    if "agent/trajectories" in total:  # a multi-turn job (yatt_apps.agent)
-        from yatt_rollout.agent import agent_metrics
-
-        out.update(agent_metrics(total))
-    for key, value in total.items():
-        if key.startswith("reward/") and key.endswith("/sum") and key != "reward/sum":
-            out[key.removesuffix("/sum") + "_mean"] = value / samples
-        elif key.startswith("reward_status/"):
-            out[key] = value
-        elif key in ("stream/rollout_start", "stream/rollout_end", "stream/reward_end"):
-            continue
-        elif key.startswith("stream/"):
-            name = {"overlap_s": "rollout_reward_overlap_s", "early": "judge_started_before_rollout_end"}
-            out["time/" + name.get(key.removeprefix("stream/"), key.removeprefix("stream/"))] = value / max(
-                world_size, 1
-            )
-    return out

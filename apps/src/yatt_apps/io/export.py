@@ -17,7 +17,11 @@ import argparse
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from yatt_apps.config import RunConfig
+
 
 # the blob of data-parallel rank 0, tensor-parallel rank 0: every DP rank holds the full model (DDP, and
 # FSDP2's full state dict), so one rank's file restores it
@@ -53,7 +57,7 @@ def save_hf(model: Any, tokenizer_dir: str | Path, out_dir: str | Path, *, write
     Atomic: written to `OUT.tmp` and renamed; an existing `out_dir` is replaced only after the new folder is
     complete. Under FSDP2 every rank must call this together (the full weights are gathered), with
     `write=False` on all ranks but one."""
-    from yatt_apps.models import is_vlm, load_image_processor, load_tokenizer
+    from yatt_apps.io.models import is_vlm, load_image_processor, load_tokenizer
 
     out = Path(out_dir)
     if not write:
@@ -103,19 +107,19 @@ def find_checkpoint(run_dir: Path, step: int | None) -> tuple[Path, int]:
     return path, checkpoint.verify(path).step
 
 
-def load_policy(run_dir: Path, ckpt: Path):
+def load_policy(run_dir: Path, ckpt: Path) -> Any:
     """The run's policy with the checkpoint's learner weights loaded (LoRA adapters attached, not merged)."""
     import torch
     from yatt_algos.learner.checkpoint import check_learner_state
     from yatt_algos.learner.torch_engine import apply_lora
 
-    from yatt_apps.models import load_causal_lm
+    from yatt_apps.io.models import load_causal_lm
 
     cfg = run_config(run_dir)
     blob = ckpt / LEARNER_BLOB
     if not blob.is_file():
         raise ValueError(f"{ckpt}: no {LEARNER_BLOB} (the learner's state); files: {sorted(_names(ckpt))}")
-    from yatt_apps.workers import learner_backend
+    from yatt_apps.runtime.workers import learner_backend
 
     # a DDP replica over k devices (model.tensor_parallel = k for a vLLM rollout) holds k whole copies
     sharded = learner_backend(cfg) != "ddp"
@@ -137,17 +141,29 @@ def _names(path: Path) -> list[str]:
     return [p.name for p in path.iterdir()]
 
 
-def run_config(run_dir: Path):
+def run_config(run_dir: Path) -> RunConfig:
+    """The run's saved config as its job's config class (a shipped job's, by `app`); a job of a user's own
+    file is read as the shared `RunConfig` keys (what export needs: the model, the learner's LoRA)."""
+    import msgspec
+
     from yatt_apps.config import RunConfig
-    from yatt_apps.overlay import build_config
+    from yatt_apps.jobs import registry
+    from yatt_apps.overlay import read_yaml
 
     path = run_dir / "config.yaml"
     if not path.is_file():
         raise ValueError(f"{run_dir} is not a run directory (no config.yaml)")
-    return build_config(RunConfig, RunConfig(), path)
+    doc = read_yaml(path)
+    job = registry().get(str(doc.get("app", "")))
+    cls = job.config if job is not None else RunConfig
+    shared = {k: v for k, v in doc.items() if k in cls.__struct_fields__}
+    try:
+        return msgspec.convert(shared, cls, strict=False)
+    except msgspec.ValidationError as err:
+        raise ValueError(f"invalid config (from {path}): {err}") from None
 
 
-def policy_dir(run_dir: Path, cfg) -> Path:
+def policy_dir(run_dir: Path, cfg: RunConfig) -> Path:
     """The policy's initial HF folder: the user's `model.path`, or the tiny model built into the run."""
     return Path(cfg.model.path) if cfg.model.path else run_dir / "models" / "policy"
 

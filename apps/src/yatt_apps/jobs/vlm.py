@@ -14,50 +14,47 @@ placeholder without pixels.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import random
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from yatt_apps.config import RunConfig
-from yatt_apps.data import PromptRow
-from yatt_apps.jobs import JobDef
-from yatt_apps.phases import (
-    generate_and_score,
-    maybe_evaluate,
+from yatt_apps.config import RunConfig, tiny_cpu_vlm
+from yatt_apps.io.data import PromptRow
+from yatt_apps.runtime.job import JobDef, StepFn, ValRows
+from yatt_apps.runtime.phases import (
+    kept_batch,
     old_logprobs,
-    pad_batch,
-    render_prompt,
-    sample_seed,
-    sample_sums,
+    push_weights,
+    rollout_and_score,
     sleep_engines,
-    summarize,
-    sync_weights,
     tokenizer,
-    train,
-    wake_engines,
+    train_policy,
 )
+from yatt_apps.runtime.step_metrics import maybe_evaluate, sample_sums, summarize
 
-_PROCESSORS: dict[str, Any] = {}  # per controller process: model dir -> image processor
+if TYPE_CHECKING:
+    from yatt_controller.controller import StepContext
+    from yatt_placement.types import PlacementPlan
+
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 CELL, GRID = 14, 4  # the embedded images: a 4 x 4 grid of 14-pixel cells (56 x 56, one patch per cell)
 
 
-def image_processor(path: str):
-    if path not in _PROCESSORS:
-        from yatt_apps.models import load_image_processor
+@functools.cache
+def image_processor(path: str) -> Any:
+    """The image processor of the model folder `path`, loaded once per process."""
+    from yatt_apps.io.models import load_image_processor
 
-        _PROCESSORS[path] = load_image_processor(path)
-    return _PROCESSORS[path]
+    return load_image_processor(path)
 
 
 # ---- the embedded task ----------------------------------------------------------------------------------
 
 
-def draw_squares(num_red: int, num_blue: int, rng: random.Random):
+def draw_squares(num_red: int, num_blue: int, rng: random.Random) -> Any:
     """A 56 x 56 white PIL image with `num_red` red and `num_blue` blue squares in distinct grid cells."""
     from PIL import Image, ImageDraw
 
@@ -102,23 +99,16 @@ def with_embedded_task(cfg: RunConfig, run_dir: Path) -> RunConfig:
     return msgspec.structs.replace(cfg, data=data)
 
 
-def job_main(args: argparse.Namespace) -> int:
-    """`yatt grpo-vlm`: the job command, with the embedded image task materialized first."""
-    import time
-
-    from yatt_apps.cli import _run, load_config
-
-    cfg = load_config(args)
+def check(cfg: RunConfig) -> None:
+    """A tiny policy built here must be the vision-language one (a user's model.path is checked on load)."""
     if cfg.model.arch != "qwen2_vl" and not cfg.model.path:
         raise ValueError(f"grpo-vlm needs a vision-language policy: model.arch is {cfg.model.arch!r}")
-    run_dir = args.run_dir or str(Path(cfg.run.out_dir) / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    return _run(with_embedded_task(cfg, Path(run_dir)), run_dir, args)
 
 
 # ---- the step ---------------------------------------------------------------------------------------------
 
 
-def prompt_vision(tok, processor, prompt_ids: list[int], row: PromptRow) -> dict[str, Any]:
+def prompt_vision(tok: Any, processor: Any, prompt_ids: list[int], row: PromptRow) -> dict[str, Any]:
     """The prompt as the learner sees it: input_ids with every image placeholder expanded [T_p], and the
     image inputs pixel_values [P, D], image_grid_thw [N, 3] (the same processing as the rollout engine)."""
     from yatt_multimodal.vlm import qwen2_vl_inputs
@@ -156,7 +146,13 @@ def vision_batch(items: list[dict[str, Any]], batch: dict[str, Any], image_pad_i
 
 
 def vlm_step(
-    ctx, rows: list[PromptRow], *, cfg: RunConfig, policy_dir: str, val_rows=None
+    ctx: StepContext,
+    rows: list[PromptRow],
+    *,
+    cfg: RunConfig,
+    policy_dir: str,
+    val_rows: ValRows,
+    plan: PlacementPlan,
 ) -> dict[str, float]:
     """One GRPO step on image prompts on this controller's `rows`; metrics reduced over controllers."""
     import torch
@@ -166,25 +162,17 @@ def vlm_step(
     vision_ids = set(tok.convert_tokens_to_ids(list(VISION_TOKENS)))
 
     with ctx.phase("rollout_reward"):  # the engine loads each row's images; rule terms on the response text
-        prompt_ids = [render_prompt(tok, row, cfg.data.system_prompt) for row in rows]
-        tag = f"s{ctx.step}-c{ctx.rank}"
-        scored = generate_and_score(ctx, rows, prompt_ids, cfg.sampling, tag, sample_seed(cfg, ctx), tok)
+        prompt_ids, scored = rollout_and_score(ctx, cfg, rows, tok)
         scored.keep = [
             k and not vision_ids & set(c.token_ids)
             for k, c in zip(scored.keep, scored.completions, strict=True)
         ]
     sums = maybe_evaluate(ctx, val_rows, cfg, tok)
-    sleep_engines(ctx, cfg)
+    sleep_engines(ctx, cfg, plan)
 
     with ctx.phase("advantages"):  # expanded prompts and pixels per row, then group-normalized advantages
-        kept = [i for i, k in enumerate(scored.keep) if k]
-        samples = [scored.completions[i] for i in kept]
         vision = [prompt_vision(tok, processor, ids, row) for ids, row in zip(prompt_ids, rows, strict=True)]
-        batch = pad_batch(
-            [vision[scored.owner[i]]["prompt_ids"] for i in kept],
-            [c.token_ids for c in samples],
-            tok.pad_token_id,
-        )
+        kept, samples, batch = kept_batch(scored, [v["prompt_ids"] for v in vision], tok)
         batch |= vision_batch(
             [vision[scored.owner[i]] for i in kept], batch, tok.convert_tokens_to_ids("<|image_pad|>")
         )
@@ -198,26 +186,23 @@ def vlm_step(
         lp, rollout_lp = old_logprobs(ctx, batch, samples)
 
     with ctx.phase("train"):  # SPMD across controllers
-        logprobs = {k: v for k, v in lp.items() if k != "entropy"}
-        experience = {
-            **batch,
-            **logprobs,
-            "advantages": advantages,
-            "rollout_logprobs": rollout_lp,
-            "group_ids": group_ids,
-        }
-        stats = train(ctx, experience)
+        stats = train_policy(ctx, batch, lp, rollout_lp, advantages, group_ids=group_ids)
 
-    with ctx.phase("weight_sync"):
-        wake_engines(ctx, cfg)
-        sync_weights(ctx)
+    push_weights(ctx, cfg, plan)
 
     sums |= sample_sums(scored, kept, len(rows), batch["response_mask"], lp, rollout_lp)
     return summarize(ctx.all_reduce(sums), stats, ctx.world_size)
 
 
-def step_function(cfg: RunConfig, policy_dir: str, val_rows=None):
-    return functools.partial(vlm_step, cfg=cfg, policy_dir=policy_dir, val_rows=val_rows)
+def step_function(cfg: RunConfig, policy_dir: str, val_rows: ValRows, plan: PlacementPlan) -> StepFn:
+    return functools.partial(vlm_step, cfg=cfg, policy_dir=policy_dir, val_rows=val_rows, plan=plan)
 
 
-JOB = JobDef(step=step_function)
+JOB = JobDef(
+    name="grpo-vlm",
+    help="GRPO on a vision-language policy with image prompts (default: tiny Qwen2-VL, counting squares)",
+    preset=tiny_cpu_vlm,
+    step=step_function,
+    check=check,
+    prepare=with_embedded_task,
+)

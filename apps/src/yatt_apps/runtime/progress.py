@@ -16,7 +16,7 @@ import time
 from collections import deque
 from typing import Any
 
-from yatt_apps.rundir import RunDir
+from yatt_apps.io.rundir import RunDir
 
 RATE_WINDOW = 10  # steps the bar's seconds per step averages over
 
@@ -33,8 +33,9 @@ class StepLogger:
 
     def __init__(
         self, run: RunDir, num_steps: int, start_step: int, progress: bool, started_at: float | None = None
-    ):
-        self.run, self.last = run, {}
+    ) -> None:
+        self.run = run
+        self.last: dict[str, Any] = {}
         self.num_steps, self.started_at, self.start_step = num_steps, started_at, start_step
         self.first = True
         self.durations: deque[float] = deque(maxlen=RATE_WINDOW)  # seconds of recent steps, start-up excluded

@@ -65,31 +65,12 @@ def load_rows(
 ) -> list[PromptRow]:
     """Read and validate a jsonl or parquet file. Image paths are relative to the file's folder; each image
     must decode, and the rows hold them as absolute paths."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"dataset not found: {path}")
-    keys = {"prompt": prompt_key, "answer": answer_key, "images": image_key}
-    base = path.parent
-    if path.suffix == ".jsonl":
-        rows = []
-        for lineno, line in enumerate(path.read_text().splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                raw = msgspec.json.decode(line)
-            except msgspec.DecodeError as err:
-                raise ValueError(f"{path}:{lineno}: not valid JSON: {err}") from None
-            rows.append(_row(raw, f"{path}:{lineno}", keys, base))
-    elif path.suffix == ".parquet":
-        import pyarrow.parquet as pq
+    from yatt_apps.io.records import read_records
 
-        table = pq.read_table(path).to_pylist()
-        rows = [_row(raw, f"{path}: row {i} (1-based)", keys, base) for i, raw in enumerate(table, start=1)]
-    else:
-        raise ValueError(f"{path}: unsupported dataset format {path.suffix!r} (use .jsonl or .parquet)")
-    if not rows:
-        raise ValueError(f"{path}: no rows")
-    return rows
+    path = Path(path)
+    keys = {"prompt": prompt_key, "answer": answer_key, "images": image_key}
+    records = read_records(path, parquet_where="{path}: row {n} (1-based)")
+    return [_row(raw, where, keys, path.parent) for where, raw in records]
 
 
 def check_prompt_lengths(rows: list[PromptRow], lengths: list[int], max_tokens: int, source: str) -> None:

@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import threading
+from typing import Any
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a process ended by Ctrl-C
 
@@ -24,7 +25,7 @@ class SigintGuard:
 
     def __init__(self) -> None:
         self.count = 0
-        self._previous = None
+        self._previous: Any = None  # the SIGINT handler this guard replaced, restored on exit
 
     def _handle(self, signum, frame) -> None:
         self.count += 1
@@ -49,7 +50,7 @@ def interrupted_message(run_dir: str) -> str:
     that continues the run, with the newest checkpoint the resume starts from."""
     from yatt_controller import checkpoint
 
-    from yatt_apps.rundir import last_step
+    from yatt_apps.io.rundir import last_step
 
     step = last_step(run_dir)
     found = checkpoint.latest(os.path.join(run_dir, "checkpoints"))

@@ -1,7 +1,7 @@
 """Supervised fine-tuning data: prompt/response rows read from jsonl or parquet, chat-templated token ids with
 a response mask, padded batches and the masked token NLL.
 
-Shared by `yatt sft` (the job) and the warm start of the tiny models (`yatt_apps.warmstart`), so both train on
+Shared by `yatt sft` (the job) and the warm start of the tiny models (`yatt_apps.runtime.warmstart`), so both train on
 exactly the same layout: the chat template's generation prompt, then the response tokens through the end of
 the assistant turn (its eos), and loss only on the response.
 """
@@ -41,29 +41,9 @@ def load_sft_rows(
 ) -> list[SFTRow]:
     """Read and validate a jsonl or parquet file; a bad row raises ValueError naming the file, its 1-based line
     (jsonl) or row (parquet), and the field."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"dataset not found: {path}")
-    if path.suffix == ".jsonl":
-        rows = []
-        for lineno, line in enumerate(path.read_text().splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                raw = msgspec.json.decode(line)
-            except msgspec.DecodeError as err:
-                raise ValueError(f"{path}:{lineno}: not valid JSON: {err}") from None
-            rows.append(_row(raw, f"{path}:{lineno}", prompt_key, response_key))
-    elif path.suffix == ".parquet":
-        import pyarrow.parquet as pq
+    from yatt_apps.io.records import read_records
 
-        table = pq.read_table(path).to_pylist()
-        rows = [_row(raw, f"{path}: row {i + 1}", prompt_key, response_key) for i, raw in enumerate(table)]
-    else:
-        raise ValueError(f"{path}: unsupported dataset format {path.suffix!r} (use .jsonl or .parquet)")
-    if not rows:
-        raise ValueError(f"{path}: no rows")
-    return rows
+    return [_row(raw, where, prompt_key, response_key) for where, raw in read_records(path)]
 
 
 def chat_messages(system: str, user: str) -> list[dict[str, str]]:
@@ -74,7 +54,7 @@ def _ids(out: Any) -> list[int]:
     return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
-def encode_pair(tok, messages: list[dict[str, str]], response: str) -> tuple[list[int], list[int]]:
+def encode_pair(tok: Any, messages: list[dict[str, str]], response: str) -> tuple[list[int], list[int]]:
     """(prompt ids, response ids) of one example. The prompt is the chat template with its generation prompt
     (exactly what a rollout engine or `HFChatCodec` is given); the response is the template's assistant turn
     after it, up to and including the eos that ends the turn (text the template adds after eos is no target)."""
@@ -110,7 +90,7 @@ def pad_examples(examples: list[tuple[list[int], list[int]]], pad_id: int) -> di
     return {"input_ids": input_ids, "attention_mask": attention, "response_mask": response}
 
 
-def token_nll(model, batch: dict[str, Any]):
+def token_nll(model: Any, batch: dict[str, Any]) -> Any:
     """Per-token negative log-likelihood [B, T] of input_ids (position t scored from the logits at t - 1;
     0 at position 0), and the model output."""
     import torch
@@ -124,7 +104,7 @@ def token_nll(model, batch: dict[str, Any]):
     return torch.nn.functional.pad(nll, (1, 0))
 
 
-def masked_nll(model, batch: dict[str, Any]):
+def masked_nll(model: Any, batch: dict[str, Any]) -> Any:
     """The mean NLL over response tokens (the SFT loss) of a padded batch."""
     mask = batch["response_mask"].float()
     return (token_nll(model, batch) * mask).sum() / mask.sum().clamp(min=1.0)

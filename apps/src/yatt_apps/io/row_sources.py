@@ -4,17 +4,18 @@ through once to validate a file without holding its rows.
 `open_rows(path)` gives a sequence (len, index) over a jsonl or parquet file: jsonl keeps one byte offset per
 row (found by one scan for newlines) and parses a row when it is asked for; parquet reads the row group that
 holds the row (the last group read is kept). Every row is validated when read, with the file and the 1-based
-line (jsonl) or row (parquet) in the message, exactly as `yatt_apps.data.load_rows` does for a whole file.
+line (jsonl) or row (parquet) in the message, exactly as `yatt_apps.io.data.load_rows` does for a whole file.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
-from yatt_apps.data import PromptRow, _row
+from yatt_apps.io.data import PromptRow, _row
 
 
 class JsonlRows(Sequence):
@@ -79,7 +80,7 @@ class ParquetRows(Sequence):
         return {"path": self.path, "keys": self.keys}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["path"], state["keys"])
+        type(self).__init__(self, state["path"], state["keys"])
 
 
 def open_rows(
@@ -101,7 +102,7 @@ def open_rows(
     return rows
 
 
-def stream_check(rows: Sequence[PromptRow], prompt_len, max_tokens: int) -> Iterator[PromptRow]:
+def stream_check(rows: Sequence[PromptRow], prompt_len: Any, max_tokens: int) -> Iterator[PromptRow]:
     """Every row read, validated and its prompt length checked, one at a time (nothing is held); yields the
     rows for callers that need their text (the tiny tokenizer's corpus)."""
     for i in range(len(rows)):

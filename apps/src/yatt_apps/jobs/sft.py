@@ -18,15 +18,24 @@ import functools
 import io
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from yatt_apps.config import RunConfig
-from yatt_apps.data import PromptRow, arithmetic_task
-from yatt_apps.jobs import JobDef
-from yatt_apps.sft_data import chat_messages, encode_pair, load_sft_rows, pad_examples
+import msgspec
+
+from yatt_apps.config import SftConfig, tiny_cpu_sft
+from yatt_apps.io.data import PromptRow, arithmetic_task
+from yatt_apps.io.sft_data import chat_messages, encode_pair, load_sft_rows, pad_examples
+from yatt_apps.runtime.job import JobDef, StepFn, ValRows
+from yatt_apps.runtime.phases import learner_of
+
+if TYPE_CHECKING:
+    from yatt_controller.controller import StepContext
+    from yatt_controller.runner import Services
+    from yatt_controller.worker_group import HostPool
+    from yatt_placement.types import PlacementPlan
 
 
-def train_rows(cfg: RunConfig) -> list[PromptRow]:
+def train_rows(cfg: SftConfig) -> list[PromptRow]:
     """The SFT rows as PromptRows (answer = the response): the user's file, or the embedded task's answers."""
     if not cfg.sft.train:
         return arithmetic_task(cfg.data.num_train_rows, seed=cfg.run.seed)
@@ -34,7 +43,7 @@ def train_rows(cfg: RunConfig) -> list[PromptRow]:
     return [PromptRow(prompt=r.prompt, answer=r.response) for r in rows]
 
 
-def sft_batch(tok, rows: list[PromptRow], system_prompt: str) -> dict[str, Any]:
+def sft_batch(tok: Any, rows: list[PromptRow], system_prompt: str) -> dict[str, Any]:
     """Padded input_ids / attention_mask / response_mask [B, T] of rows (prompt = chat template with its
     generation prompt, response = the assistant turn through its eos)."""
     examples = [encode_pair(tok, chat_messages(system_prompt, r.prompt), r.answer) for r in rows]
@@ -42,17 +51,18 @@ def sft_batch(tok, rows: list[PromptRow], system_prompt: str) -> dict[str, Any]:
 
 
 def sft_step(
-    ctx, rows: list[PromptRow], *, cfg: RunConfig, policy_dir: str, val_rows=None
+    ctx: StepContext, rows: list[PromptRow], *, cfg: SftConfig, policy_dir: str, val_rows: ValRows
 ) -> dict[str, float]:
     """One SFT step on this controller's `rows`; metrics reduced over controllers. The run's RUN_DIR/final is
-    exported from the last step's checkpoint (yatt_apps.launch.export_final), as for every job."""
-    from yatt_apps.phases import evaluate, tokenizer
+    exported from the last step's checkpoint (yatt_apps.runtime.launch.export_final), as for every job."""
+    from yatt_apps.runtime.phases import tokenizer
+    from yatt_apps.runtime.step_metrics import evaluate
 
     tok = tokenizer(policy_dir)
     with ctx.phase("tokenize"):
         batch = sft_batch(tok, rows, cfg.data.system_prompt)
     with ctx.phase("train"):  # SPMD: every learner rank of this controller steps together (all-reduce)
-        stats = ctx.get(ctx.learner.shard_rows("sft", batch))[0]
+        stats = ctx.get(learner_of(ctx).shard_rows("sft", batch))[0]
     needs_rollout = val_rows is not None and cfg.run.eval_every and ctx.step % cfg.run.eval_every == 0
     if needs_rollout and "rollout" in ctx.services:
         with ctx.phase("weight_sync"):
@@ -74,23 +84,29 @@ def sft_step(
     return out
 
 
-def check(cfg: RunConfig) -> None:
+def with_absolute_data(cfg: SftConfig, run_dir: Path) -> SftConfig:
+    """`sft.train` made absolute (the workers may start in another directory)."""
+    train = str(Path(cfg.sft.train).resolve()) if cfg.sft.train else ""
+    return msgspec.structs.replace(cfg, sft=msgspec.structs.replace(cfg.sft, train=train))
+
+
+def check(cfg: SftConfig) -> None:
     if cfg.judge is not None or cfg.rewards:
         raise ValueError("sft trains on responses, not rewards: set judge to null and rewards to []")
     if cfg.model.pipeline_parallel > 1:
         raise ValueError("sft trains with the torch learner: model.pipeline_parallel must be 1")
 
 
-def step_function(cfg: RunConfig, policy_dir: str, val_rows=None):
+def step_function(cfg: SftConfig, policy_dir: str, val_rows: ValRows, plan: PlacementPlan) -> StepFn:
     check(cfg)
     return functools.partial(sft_step, cfg=cfg, policy_dir=policy_dir, val_rows=val_rows)
 
 
-def roles(cfg: RunConfig) -> list:
+def roles(cfg: SftConfig) -> list:
     """The actor (the trained policy) and, when the run evaluates, a rollout engine for greedy accuracy."""
     from yatt_placement.types import RoleSpec
 
-    from yatt_apps.jobs import num_params
+    from yatt_apps.runtime.job import num_params
 
     policy = num_params(cfg.model)
     tp = cfg.model.tensor_parallel
@@ -100,13 +116,15 @@ def roles(cfg: RunConfig) -> list:
     return out
 
 
-def build(pool, *, cfg: RunConfig, policy_dir: str, judge_dir: str = ""):
+def build(
+    pool: HostPool, *, cfg: SftConfig, policy_dir: str, judge_dir: str, plan: PlacementPlan
+) -> Services:
     """The SFT job's services: the SFT learner ranks, and the rollout engine that evaluates (if any)."""
     from yatt_controller.runner import Services
     from yatt_controller.sync import WeightSync
     from yatt_controller.worker_group import WorkerGroup
 
-    from yatt_apps.workers import RolloutWorker
+    from yatt_apps.runtime.workers import RolloutWorker
 
     key = f"yatt-sft-{uuid.uuid4().hex}"  # this attempt's learner rendezvous
     actor = WorkerGroup.create(
@@ -115,7 +133,12 @@ def build(pool, *, cfg: RunConfig, policy_dir: str, judge_dir: str = ""):
     if not cfg.run.eval_every:
         return Services(groups={"actor": actor}, learner="actor")
     rollout = WorkerGroup.create(
-        pool, "rollout", RolloutWorker, args=(cfg, policy_dir), pass_worker_info=True
+        pool,
+        "rollout",
+        RolloutWorker,
+        args=(cfg, policy_dir),
+        kwargs={"shared_device": plan.shares_device("rollout", "actor")},
+        pass_worker_info=True,
     )
     return Services(
         groups={"actor": actor, "rollout": rollout},
@@ -135,13 +158,13 @@ class SFTWorker:
     """One data-parallel rank of the SFT learner: the yatt-algos torch learner's engine (DDP/FSDP2 group,
     micro-batches, clipping, schedule) with the masked NLL as its objective, one update per batch."""
 
-    def __init__(self, cfg: RunConfig, model_dir: str, key: str, *, worker_info: Any) -> None:
+    def __init__(self, cfg: SftConfig, model_dir: str, key: str, *, worker_info: Any) -> None:
         import msgspec
         import torch
         from yatt_algos.learner.torch_backend import TorchPolicyLearner
 
-        from yatt_apps.models import load_causal_lm
-        from yatt_apps.workers import join_learner_group, set_threads
+        from yatt_apps.io.models import load_causal_lm
+        from yatt_apps.runtime.workers import join_learner_group, set_threads
 
         set_threads(cfg)
         torch.manual_seed(cfg.run.seed)
@@ -174,7 +197,7 @@ class SFTWorker:
             "num_tokens": float(stats.num_tokens),
         }
 
-    def named_weights(self):
+    def named_weights(self) -> Any:
         for bucket in self.learner.export_weights(64 << 20):
             yield from bucket
 
@@ -183,7 +206,7 @@ class SFTWorker:
         atomically (tmp + rename). Every rank exports; data-parallel rank 0 writes."""
         import shutil
 
-        from yatt_apps.models import load_causal_lm, load_tokenizer
+        from yatt_apps.io.models import load_causal_lm, load_tokenizer
 
         named = dict(self.named_weights())
         if self.dp_rank != 0:
@@ -212,4 +235,15 @@ class SFTWorker:
         self.learner.load_state_dict(torch.load(io.BytesIO(data), weights_only=True))
 
 
-JOB = JobDef(step=step_function, roles=roles, build=build, check=check, dataset=train_rows)
+JOB = JobDef(
+    name="sft",
+    help="supervised fine-tuning on prompt/response rows (loss on the response); writes an HF folder",
+    preset=tiny_cpu_sft,
+    step=step_function,
+    config=SftConfig,
+    roles=roles,
+    build=build,
+    check=check,
+    prepare=with_absolute_data,
+    dataset=train_rows,
+)

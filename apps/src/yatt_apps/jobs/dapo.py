@@ -23,29 +23,28 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from yatt_apps.config import DynamicSamplingSpec, RunConfig
-from yatt_apps.data import PromptRow
-from yatt_apps.jobs import JobDef
-from yatt_apps.phases import (
+from yatt_apps.config import DapoConfig, DynamicSamplingSpec, tiny_cpu_dapo
+from yatt_apps.io.data import PromptRow
+from yatt_apps.runtime.job import JobDef, StepFn, ValRows
+from yatt_apps.runtime.phases import (
     Scored,
-    generate_and_score,
-    maybe_evaluate,
     old_logprobs,
     pad_batch,
-    render_prompt,
-    sample_seed,
-    sample_sums,
+    push_weights,
+    rollout_and_score,
     sleep_engines,
-    summarize,
-    sync_weights,
     tokenizer,
-    train,
-    wake_engines,
+    train_policy,
 )
+from yatt_apps.runtime.step_metrics import maybe_evaluate, sample_sums, summarize
+
+if TYPE_CHECKING:
+    from yatt_controller.controller import StepContext
+    from yatt_placement.types import PlacementPlan
 
 
 @dataclass
@@ -109,7 +108,9 @@ def push_surplus(buffer: list[PromptRow], surplus: list[PromptRow], cap: int) ->
 WaveFn = Callable[[list[PromptRow], int], list[Group]]
 
 
-def dynamic_sample(ctx, rows: list[PromptRow], wave_fn: WaveFn, spec: DynamicSamplingSpec) -> dict[str, Any]:
+def dynamic_sample(
+    ctx: StepContext, rows: list[PromptRow], wave_fn: WaveFn, spec: DynamicSamplingSpec
+) -> dict[str, Any]:
     """Filter-and-refill until this controller holds len(rows) valid groups or waves run out (see module
     docstring). `wave_fn(prompts, wave)` generates and scores. Reads and updates ctx.state["dapo"]. Returns
     trained/padded groups, every group generated (`groups`) and counts for the metrics."""
@@ -149,18 +150,16 @@ def dynamic_sample(ctx, rows: list[PromptRow], wave_fn: WaveFn, spec: DynamicSam
     }
 
 
-def run_wave(ctx, rows: list[PromptRow], wave: int, *, cfg: RunConfig, tok, scored: list) -> list[Group]:
+def run_wave(
+    ctx: StepContext, rows: list[PromptRow], wave: int, *, cfg: DapoConfig, tok: Any, scored: list
+) -> list[Group]:
     """Generate n completions per prompt streamed into scoring, add DAPO's overlong penalty, and mark the
     groups whose shaped scores vary (yatt_algos' dynamic-sampling filter). Appends the `Scored` to `scored`."""
     import torch
     from yatt_algos.filters import dynamic_sampling_filter, overlong_penalty
 
     with ctx.phase("rollout_reward"):
-        prompt_ids = [render_prompt(tok, row, cfg.data.system_prompt) for row in rows]
-        tag = f"s{ctx.step}-c{ctx.rank}-w{wave}"
-        result = generate_and_score(
-            ctx, rows, prompt_ids, cfg.sampling, tag, sample_seed(cfg, ctx, wave), tok
-        )
+        prompt_ids, result = rollout_and_score(ctx, cfg, rows, tok, wave=wave)
         scored.append(result)
         lengths = torch.tensor([len(c.token_ids) for c in result.completions])
         shaped = torch.tensor(result.scores, dtype=torch.float32) + overlong_penalty(
@@ -202,7 +201,13 @@ def merge_scored(parts: list[Scored]) -> Scored:
 
 
 def dapo_step(
-    ctx, rows: list[PromptRow], *, cfg: RunConfig, policy_dir: str, val_rows=None
+    ctx: StepContext,
+    rows: list[PromptRow],
+    *,
+    cfg: DapoConfig,
+    policy_dir: str,
+    val_rows: ValRows,
+    plan: PlacementPlan,
 ) -> dict[str, float]:
     """One DAPO step on this controller's `rows`; returns metrics already reduced over controllers."""
     import torch
@@ -213,7 +218,7 @@ def dapo_step(
     wave_fn = functools.partial(run_wave, ctx, cfg=cfg, tok=tok, scored=scored)
     picked = dynamic_sample(ctx, rows, wave_fn, cfg.dynamic_sampling)  # rollout + reward, per wave
     sums = maybe_evaluate(ctx, val_rows, cfg, tok)
-    sleep_engines(ctx, cfg)
+    sleep_engines(ctx, cfg, plan)
 
     with ctx.phase("advantages"):  # over trained and padded groups; padded ones have zero variance
         groups = picked["trained"] + picked["padded"]
@@ -234,20 +239,11 @@ def dapo_step(
         lp, rollout_lp = old_logprobs(ctx, batch, samples)
 
     with ctx.phase("train"):  # SPMD across controllers; clip-higher and token-mean come from cfg.algo
-        logprobs = {k: v for k, v in lp.items() if k != "entropy"}
-        experience = {
-            **batch,
-            "response_mask": loss_mask,
-            **logprobs,
-            "advantages": advantages,
-            "rollout_logprobs": rollout_lp,
-            "group_ids": group_ids,
-        }
-        stats = train(ctx, experience)
+        stats = train_policy(
+            ctx, batch, lp, rollout_lp, advantages, group_ids=group_ids, response_mask=loss_mask
+        )
 
-    with ctx.phase("weight_sync"):
-        wake_engines(ctx, cfg)
-        sync_weights(ctx)
+    push_weights(ctx, cfg, plan)
 
     every = merge_scored(scored)
     kept = [i for i, k in enumerate(every.keep) if k]  # per-term rewards over every wave's scored samples
@@ -287,8 +283,14 @@ def dapo_metrics(total: dict[str, float], waves: int, expansion: float) -> dict[
     }
 
 
-def step_function(cfg: RunConfig, policy_dir: str, val_rows=None):
-    return functools.partial(dapo_step, cfg=cfg, policy_dir=policy_dir, val_rows=val_rows)
+def step_function(cfg: DapoConfig, policy_dir: str, val_rows: ValRows, plan: PlacementPlan) -> StepFn:
+    return functools.partial(dapo_step, cfg=cfg, policy_dir=policy_dir, val_rows=val_rows, plan=plan)
 
 
-JOB = JobDef(step=step_function)
+JOB = JobDef(
+    name="dapo",
+    help="DAPO: GRPO with clip-higher, token-mean loss, overlong shaping and dynamic sampling (refill)",
+    preset=tiny_cpu_dapo,
+    step=step_function,
+    config=DapoConfig,
+)

@@ -32,8 +32,8 @@ from typing import Any
 import msgspec
 
 from yatt_apps.config import ModelSpec
-from yatt_apps.data import PromptRow, arithmetic_task
-from yatt_apps.sft_data import chat_messages, encode_pair, masked_nll, pad_examples
+from yatt_apps.io.data import PromptRow, arithmetic_task
+from yatt_apps.io.sft_data import chat_messages, encode_pair, masked_nll, pad_examples
 
 TASK_ROWS = 2048  # distinct problems drawn for the warm start (the task has 21 * 21 * 2 of them)
 TASK_SEED = 20_000  # apart from the run's train (seed) and validation (seed + 10_000) draws
@@ -66,7 +66,7 @@ def cache_key(spec: ModelSpec, corpus: list[str]) -> str:
     return hashlib.sha256(msgspec.json.encode(doc)).hexdigest()[:16]
 
 
-def judge_template(kind: str):
+def judge_template(kind: str) -> Any:
     """The template a warm-started judge is trained on: the tiny presets' GenRM (`TINY_JUDGE`) or CAPO critic
     (`TINY_CRITIC`) template, so the warm start and the run render the same prompts."""
     from yatt_multimodal.templates import get_template
@@ -92,7 +92,7 @@ def extra_tokens(spec: ModelSpec) -> list[str]:
     return [str(i) for i in range(-99, 100)] if spec.warm_start in ("genrm", "step_critique") else []
 
 
-def cached_or_build(spec: ModelSpec, out: Path, corpus: list[str], build) -> Path:
+def cached_or_build(spec: ModelSpec, out: Path, corpus: list[str], build: Any) -> Path:
     """`out` holds the warm-started model: copied from the cache, or built by `build(tmp_dir)`, warm-started,
     and stored in the cache first (both writes atomic)."""
     cached = cache_root() / f"{spec.warm_start}-{cache_key(spec, corpus)}"
@@ -163,11 +163,11 @@ def is_correct(candidate: str, reference: str) -> bool:
     return bool(candidate.strip()) and verify_math(candidate, reference)
 
 
-def policy_examples(tok, rows: list[PromptRow]) -> list[tuple[list[int], list[int]]]:
+def policy_examples(tok: Any, rows: list[PromptRow]) -> list[tuple[list[int], list[int]]]:
     return [encode_pair(tok, chat_messages("", r.prompt), r.answer) for r in rows]
 
 
-def judge_examples(tok, rows: list[PromptRow], rng: random.Random) -> list[tuple[list[int], list[int]]]:
+def judge_examples(tok: Any, rows: list[PromptRow], rng: random.Random) -> list[tuple[list[int], list[int]]]:
     """`TINY_JUDGE`'s prompts exactly as `GenRMJudge.build_prompt` + `HFChatCodec` render them."""
     tpl = judge_template("genrm")
     out = []
@@ -179,7 +179,7 @@ def judge_examples(tok, rows: list[PromptRow], rng: random.Random) -> list[tuple
     return out
 
 
-def critic_examples(tok, rows: list[PromptRow], rng: random.Random) -> list[tuple[list[int], list[int]]]:
+def critic_examples(tok: Any, rows: list[PromptRow], rng: random.Random) -> list[tuple[list[int], list[int]]]:
     """step_critique prompts exactly as `GenPRM._prompt` + `HFChatCodec` render them; a one-step answer is
     wrong step 1 unless it is right."""
     from yatt_multimodal.genprm import number_steps, split_steps
@@ -209,7 +209,7 @@ def critic_examples(tok, rows: list[PromptRow], rng: random.Random) -> list[tupl
 
 
 def sft_steps(
-    model,
+    model: Any,
     examples: list,
     pad_id: int,
     *,
@@ -243,9 +243,9 @@ def sft_steps(
     return losses
 
 
-def weighted_nll(model, batch: dict[str, Any], prompt_weight: float):
+def weighted_nll(model: Any, batch: dict[str, Any], prompt_weight: float) -> Any:
     """Token NLL with response tokens at weight 1 and the other real tokens (the prompt) at `prompt_weight`."""
-    from yatt_apps.sft_data import token_nll
+    from yatt_apps.io.sft_data import token_nll
 
     response = batch["response_mask"].float()
     weight = batch["attention_mask"].float() * prompt_weight * (1.0 - response) + response
@@ -253,7 +253,7 @@ def weighted_nll(model, batch: dict[str, Any], prompt_weight: float):
     return (token_nll(model, batch) * weight).sum() / weight.sum()
 
 
-def response_accuracy(model, examples: list, pad_id: int) -> float:
+def response_accuracy(model: Any, examples: list, pad_id: int) -> float:
     """Fraction of examples whose whole response is the greedy (argmax) continuation, teacher-forced."""
     import torch
 
@@ -264,7 +264,7 @@ def response_accuracy(model, examples: list, pad_id: int) -> float:
     return float(right.all(-1).float().mean())
 
 
-def warm_start(spec: ModelSpec, model, tok) -> dict[str, Any]:
+def warm_start(spec: ModelSpec, model: Any, tok: Any) -> dict[str, Any]:
     """Train `model` in place for `spec.warm_start_steps`; returns a report (losses, held-out accuracy)."""
     import torch
 

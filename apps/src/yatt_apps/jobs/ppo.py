@@ -16,26 +16,28 @@ from __future__ import annotations
 
 import functools
 import io
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from yatt_apps.config import RunConfig
-from yatt_apps.data import PromptRow
-from yatt_apps.jobs import JobDef, build_services, policy_roles
-from yatt_apps.phases import (
-    generate_and_score,
-    maybe_evaluate,
+from yatt_apps.config import PpoConfig, tiny_cpu_ppo
+from yatt_apps.io.data import PromptRow
+from yatt_apps.runtime.job import JobDef, StepFn, ValRows, build_services, policy_roles
+from yatt_apps.runtime.phases import (
+    kept_batch,
     old_logprobs,
-    pad_batch,
-    render_prompt,
-    sample_seed,
-    sample_sums,
+    push_weights,
+    rollout_and_score,
     sleep_engines,
-    summarize,
-    sync_weights,
     tokenizer,
     train,
-    wake_engines,
+    train_policy,
 )
+from yatt_apps.runtime.step_metrics import maybe_evaluate, sample_sums, summarize
+
+if TYPE_CHECKING:
+    from yatt_controller.controller import StepContext
+    from yatt_controller.runner import Services
+    from yatt_controller.worker_group import HostPool
+    from yatt_placement.types import PlacementPlan
 
 
 class CriticWorker:
@@ -43,13 +45,13 @@ class CriticWorker:
     process's torch.distributed group (calls on one host run one at a time, in the same order on every rank,
     so the two learners' collectives never interleave); alone on its device it opens its own under `key`."""
 
-    def __init__(self, cfg: RunConfig, model_dir: str, key: str, *, worker_info: Any) -> None:
+    def __init__(self, cfg: PpoConfig, model_dir: str, key: str, *, worker_info: Any) -> None:
         import torch
         import torch.distributed as dist
         from transformers import AutoModelForTokenClassification
         from yatt_algos.learner.torch_backend import TorchCriticLearner
 
-        from yatt_apps.workers import join_learner_group, set_threads
+        from yatt_apps.runtime.workers import join_learner_group, set_threads
 
         set_threads(cfg)
         torch.manual_seed(cfg.run.seed + 1)  # the value head's init; identical on every rank
@@ -95,7 +97,7 @@ class CriticWorker:
         self.learner.load_state_dict(torch.load(io.BytesIO(data), weights_only=True))
 
 
-def whiten_across(ctx, advantages, mask):
+def whiten_across(ctx: StepContext, advantages: Any, mask: Any) -> Any:
     """PPO's advantage normalization over every response token of every controller's batch. [B, T]."""
     import torch
 
@@ -110,7 +112,13 @@ def whiten_across(ctx, advantages, mask):
 
 
 def ppo_step(
-    ctx, rows: list[PromptRow], *, cfg: RunConfig, policy_dir: str, val_rows=None
+    ctx: StepContext,
+    rows: list[PromptRow],
+    *,
+    cfg: PpoConfig,
+    policy_dir: str,
+    val_rows: ValRows,
+    plan: PlacementPlan,
 ) -> dict[str, float]:
     """One PPO step on this controller's `rows`; returns metrics already reduced over controllers."""
     import torch
@@ -121,17 +129,11 @@ def ppo_step(
     critic = ctx.services["critic"]
 
     with ctx.phase("rollout_reward"):  # generation streamed into the rule rewards
-        prompt_ids = [render_prompt(tok, row, cfg.data.system_prompt) for row in rows]
-        tag = f"s{ctx.step}-c{ctx.rank}"
-        scored = generate_and_score(ctx, rows, prompt_ids, cfg.sampling, tag, sample_seed(cfg, ctx), tok)
-        kept = [i for i, k in enumerate(scored.keep) if k]
-        samples = [scored.completions[i] for i in kept]
-        batch = pad_batch(
-            [prompt_ids[scored.owner[i]] for i in kept], [c.token_ids for c in samples], tok.pad_token_id
-        )
+        prompt_ids, scored = rollout_and_score(ctx, cfg, rows, tok)
+        kept, samples, batch = kept_batch(scored, prompt_ids, tok)
         mask = batch["response_mask"]
     sums = maybe_evaluate(ctx, val_rows, cfg, tok)
-    sleep_engines(ctx, cfg)
+    sleep_engines(ctx, cfg, plan)
 
     with ctx.phase("logprobs"):  # policy and reference on the learner ranks, values on the critic beside them
         values_refs = critic.shard_rows("values", batch)
@@ -158,13 +160,10 @@ def ppo_step(
         advantages = whiten_across(ctx, advantages, mask)
 
     with ctx.phase("train"):  # the policy, then the critic, each SPMD across controllers
-        logprobs = {k: v for k, v in lp.items() if k != "entropy"}
-        stats = train(ctx, {**batch, **logprobs, "advantages": advantages, "rollout_logprobs": rollout_lp})
+        stats = train_policy(ctx, batch, lp, rollout_lp, advantages)
         critic_stats = train(ctx, {**batch, "returns": returns, "old_values": values}, group="critic")
 
-    with ctx.phase("weight_sync"):
-        wake_engines(ctx, cfg)
-        sync_weights(ctx)
+    push_weights(ctx, cfg, plan)
 
     sums |= sample_sums(scored, kept, len(rows), mask, lp, rollout_lp)
     sums["ppo/kl_reward/sum"] = float(mean_kl) * float(mask.sum())  # KL per token x tokens
@@ -177,11 +176,13 @@ def ppo_step(
     return out
 
 
-def step_function(cfg: RunConfig, policy_dir: str, val_rows=None):
-    return functools.partial(ppo_step, cfg=cfg, policy_dir=policy_dir, val_rows=val_rows)
+def step_function(cfg: PpoConfig, policy_dir: str, val_rows: ValRows, plan: PlacementPlan) -> StepFn:
+    return functools.partial(ppo_step, cfg=cfg, policy_dir=policy_dir, val_rows=val_rows, plan=plan)
 
 
-def ppo_services(pool, *, cfg: RunConfig, policy_dir: str, judge_dir: str):
+def ppo_services(
+    pool: HostPool, *, cfg: PpoConfig, policy_dir: str, judge_dir: str, plan: PlacementPlan
+) -> Services:
     """The default services plus the critic beside the actor; its weights and optimizer are checkpointed."""
     import uuid
 
@@ -195,7 +196,15 @@ def ppo_services(pool, *, cfg: RunConfig, policy_dir: str, judge_dir: str):
         )
         return ("critic",)
 
-    return build_services(pool, cfg=cfg, policy_dir=policy_dir, judge_dir=judge_dir, extra=critic)
+    return build_services(pool, cfg=cfg, policy_dir=policy_dir, judge_dir=judge_dir, plan=plan, extra=critic)
 
 
-JOB = JobDef(step=step_function, roles=functools.partial(policy_roles, critic=True), build=ppo_services)
+JOB = JobDef(
+    name="ppo",
+    help="PPO with a critic (GAE, KL as a reward penalty, clipped value loss) on rule rewards",
+    preset=tiny_cpu_ppo,
+    step=step_function,
+    config=PpoConfig,
+    roles=functools.partial(policy_roles, critic=True),
+    build=ppo_services,
+)

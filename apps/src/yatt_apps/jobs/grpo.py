@@ -4,68 +4,70 @@
 one driver-side controller on all of them (single mode): n completions per prompt streamed into scoring (rule
 terms and K GenRM judgements per completion, judging a chunk while later chunks still generate), old and
 reference logprobs, group-normalised advantages, the SPMD update across controllers, and the versioned weight
-push. It reads top to bottom; the phases it calls live in `yatt_apps.phases`.
+push. It reads top to bottom; the phases it calls live in `yatt_apps.runtime.phases`.
 """
 
 from __future__ import annotations
 
 import functools
 import time
+from typing import TYPE_CHECKING, Any
 
-from yatt_apps import producer
-from yatt_apps.config import RunConfig
-from yatt_apps.data import PromptRow
-from yatt_apps.jobs import JobDef
-from yatt_apps.phases import (
+from yatt_apps.config import RunConfig, tiny_cpu
+from yatt_apps.io.data import PromptRow
+from yatt_apps.runtime import producer
+from yatt_apps.runtime.job import JobDef, StepFn, ValRows
+from yatt_apps.runtime.phases import (
     concat_rows,
-    generate_and_score,
     group_advantages,
-    judge_sums,
-    maybe_evaluate,
+    kept_batch,
+    learner_of,
     old_logprobs,
-    pad_batch,
     pf_ppo_rows,
-    render_prompt,
-    sample_seed,
-    sample_sums,
+    push_weights,
+    rollout_and_score,
     sleep_engines,
-    summarize,
-    sync_weights,
     take_rows,
     tokenizer,
-    train,
-    wake_engines,
+    train_policy,
 )
-from yatt_apps.workers import learner_backend
+from yatt_apps.runtime.step_metrics import judge_sums, maybe_evaluate, sample_sums, summarize
+from yatt_apps.runtime.workers import learner_backend
+
+if TYPE_CHECKING:
+    from yatt_controller.controller import StepContext
+    from yatt_placement.types import PlacementPlan
 
 
 def grpo_step(
-    ctx, rows: list[PromptRow], *, cfg: RunConfig, policy_dir: str, val_rows=None
+    ctx: StepContext,
+    rows: list[PromptRow],
+    *,
+    cfg: RunConfig,
+    policy_dir: str,
+    val_rows: ValRows,
+    plan: PlacementPlan,
+    producers: producer.Producers,
 ) -> dict[str, float]:
-    """One GRPO step on this controller's `rows`; returns metrics already reduced over controllers."""
+    """One GRPO step on this controller's `rows`; returns metrics already reduced over controllers.
+    `producers`: the async producer of each controller (`algo.max_staleness > 0`), held with this step."""
     import torch
 
     tok = tokenizer(policy_dir)
 
     with ctx.phase("rollout_reward"):  # generation streamed into the reward service, chunk by chunk
         if cfg.algo.max_staleness:  # async: launch this step's batch, train on the oldest one in flight
-            launched, scored = producer.next_batch(ctx, cfg, rows, tok)
+            launched, scored = producers.of(ctx.rank).next_batch(ctx, cfg, rows, tok)
             rows, prompt_ids = launched.rows, launched.prompt_ids
         else:
-            prompt_ids = [render_prompt(tok, row, cfg.data.system_prompt) for row in rows]
-            tag = f"s{ctx.step}-c{ctx.rank}"
-            scored = generate_and_score(ctx, rows, prompt_ids, cfg.sampling, tag, sample_seed(cfg, ctx), tok)
+            prompt_ids, scored = rollout_and_score(ctx, cfg, rows, tok)
     sums = maybe_evaluate(ctx, val_rows, cfg, tok)  # the policy that generated this step's samples
-    sleep_engines(ctx, cfg)  # full colocation: the engines give the devices to the learner
+    sleep_engines(ctx, cfg, plan)  # full colocation: the engines give the devices to the learner
 
     with ctx.phase("advantages"):  # a prompt's group never leaves this controller
-        kept = [i for i, k in enumerate(scored.keep) if k]
-        samples = [scored.completions[i] for i in kept]
-        batch = pad_batch(
-            [prompt_ids[scored.owner[i]] for i in kept], [c.token_ids for c in samples], tok.pad_token_id
-        )
+        kept, samples, batch = kept_batch(scored, prompt_ids, tok)
         if cfg.rollout.env:  # multi-turn: the environment's tokens are not the policy's (mask 0)
-            from yatt_apps.agent import mask_env_tokens
+            from yatt_apps.runtime.agent import mask_env_tokens
 
             mask_env_tokens(batch, [prompt_ids[scored.owner[i]] for i in kept], samples)
         group_ids = torch.tensor([scored.owner[i] for i in kept])
@@ -89,20 +91,18 @@ def grpo_step(
             rollout_lp = rollout_logprobs(batch, samples)
             lp, stats = logprobs_and_train(ctx, {**experience, "rollout_logprobs": rollout_lp})
         else:
-            logprobs = {k: v for k, v in lp.items() if k != "entropy"}
-            stats = train(ctx, {**experience, **logprobs, "rollout_logprobs": rollout_lp})
+            stats = train_policy(ctx, batch, lp, rollout_lp, advantages, group_ids=group_ids)
 
-    with ctx.phase("weight_sync"):  # version v+1 to every rollout replica; all controllers wait
-        wake_engines(ctx, cfg)
-        sync_weights(ctx)
+    push_weights(ctx, cfg, plan)  # version v+1 to every rollout replica; all controllers wait
 
     sums |= sample_sums(scored, kept, len(rows), batch["response_mask"], lp, rollout_lp)
     sums |= judge_sums(cfg, scored, kept)
     if cfg.algo.max_staleness:
-        sums |= producer.async_sums(ctx, scored, kept, version, (train_started, time.perf_counter()))
-        producer.store_queue(ctx, cfg)  # a checkpoint after this step holds the batches in flight
+        own = producers.of(ctx.rank)
+        sums |= own.async_sums(ctx, scored, kept, version, (train_started, time.perf_counter()))
+        own.store_queue(ctx, cfg)  # a checkpoint after this step holds the batches in flight
     if cfg.rollout.env:  # turns, tool calls, tool errors by kind, truncated episodes
-        from yatt_apps.agent import agent_sums
+        from yatt_apps.runtime.agent import agent_sums
 
         sums |= agent_sums(scored.completions)
     return summarize(ctx.all_reduce(sums), stats, ctx.world_size)
@@ -119,7 +119,7 @@ def old_logprobs_from_update(cfg: RunConfig) -> bool:
     )
 
 
-def rollout_logprobs(batch: dict, responses: list):
+def rollout_logprobs(batch: dict, responses: list) -> Any:
     """The rollout engine's own logprobs of `responses` (one per row of `batch`) on the response tokens [B, T]
     (as `phases.old_logprobs` returns them beside the learner's)."""
     import torch
@@ -133,17 +133,31 @@ def rollout_logprobs(batch: dict, responses: list):
     return out
 
 
-def logprobs_and_train(ctx, experience: dict) -> tuple[dict, dict[str, float]]:
+def logprobs_and_train(ctx: StepContext, experience: dict) -> tuple[dict, dict[str, float]]:
     """Reference logprobs and the update in one SPMD call on this controller's learner ranks
     (`PolicyWorker.logprobs_and_train`): returns `old_logprobs`'s tensors [B, T] joined in row order, and the
     update's global stats (rank 0's stand for all)."""
-    parts = ctx.get(ctx.learner.shard_rows("logprobs_and_train", experience))
+    parts = ctx.get(learner_of(ctx).shard_rows("logprobs_and_train", experience))
     stats = [part.pop("stats") for part in parts]  # every part's, so that only tensors are joined
     return concat_rows(parts), stats[0]
 
 
-def step_function(cfg: RunConfig, policy_dir: str, val_rows=None):
-    return functools.partial(grpo_step, cfg=cfg, policy_dir=policy_dir, val_rows=val_rows)
+def step_function(cfg: RunConfig, policy_dir: str, val_rows: ValRows, plan: PlacementPlan) -> StepFn:
+    return functools.partial(
+        grpo_step,
+        cfg=cfg,
+        policy_dir=policy_dir,
+        val_rows=val_rows,
+        plan=plan,
+        producers=producer.Producers(),
+    )
 
 
-JOB = JobDef(step=step_function, check=producer.check_async, asynchronous=True)
+JOB = JobDef(
+    name="grpo",
+    help="GRPO with rule rewards and a generative reward model (default: the tiny CPU run)",
+    preset=tiny_cpu,
+    step=step_function,
+    check=producer.check_async,
+    asynchronous=True,
+)

@@ -14,7 +14,7 @@ import io
 from typing import Any
 
 from yatt_apps.config import MEGATRON_CPU_SHIM, ModelSpec, RunConfig
-from yatt_apps.models import load_causal_lm, load_tokenizer
+from yatt_apps.io.models import load_causal_lm, load_tokenizer
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -54,7 +54,7 @@ def learner_backend(cfg: RunConfig) -> str:
     return cfg.learner.backend
 
 
-def join_learner_group(info: Any, key: str, *, always: bool = False):
+def join_learner_group(info: Any, key: str, *, always: bool = False) -> Any:
     """The torch.distributed group of every learner worker (None for one, unless `always`): dp_size x tp_size
     ranks, rank = dp_rank x tp_size + tp_rank (a TP replica's workers are consecutive, Megatron's order).
     Rank 0 binds its store on a port the OS picks, on its node's IP, and publishes `ip:port` under `key` in
@@ -255,7 +255,7 @@ class PolicyWorker:
         self._gathered = [pair for bucket in self.learner.export_weights(64 << 20) for pair in bucket]
         return sum(t.numel() * t.element_size() for _, t in self._gathered)
 
-    def named_weights(self):
+    def named_weights(self) -> Any:
         if self._gathered is not None:
             yield from self._gathered
             return
@@ -284,13 +284,22 @@ class PolicyWorker:
 
 
 def build_engine(
-    cfg: RunConfig, spec: ModelSpec, engine: str, model_dir: str, *, seed: int, processor=None, partial=False
-):
+    cfg: RunConfig,
+    spec: ModelSpec,
+    engine: str,
+    model_dir: str,
+    *,
+    seed: int,
+    processor: Any = None,
+    partial: bool = False,
+    shared_device: bool = True,
+) -> Any:
     """The engine serving `spec` (`engine`: "hf" or "vllm") on this process's device in the spec's dtype. A
-    vLLM engine spans the replica's `spec.tensor_parallel` devices (vLLM's own tensor parallelism)."""
+    vLLM engine spans the replica's `spec.tensor_parallel` devices (vLLM's own tensor parallelism);
+    `shared_device` (the plan's `shares_device(role, "actor")`): the learner holds memory on the same devices."""
     trust = spec.trust_remote_code
     if engine == "vllm":
-        return _vllm_engine(cfg, spec, model_dir, seed=seed, partial=partial)
+        return _vllm_engine(cfg, spec, model_dir, seed=seed, partial=partial, shared=shared_device)
     from yatt_rollout.hf_engine import HFEngine
 
     model = load_causal_lm(model_dir, trust_remote_code=trust, dtype=dtype_name(spec))
@@ -300,7 +309,9 @@ def build_engine(
     )
 
 
-def _vllm_engine(cfg: RunConfig, spec: ModelSpec, model_dir: str, *, seed: int, partial: bool = False):
+def _vllm_engine(
+    cfg: RunConfig, spec: ModelSpec, model_dir: str, *, seed: int, partial: bool = False, shared: bool = True
+) -> Any:
     """vLLM on the model directory: context = the model's max_position_embeddings; on CUDA native sleep, and
     a third of the device's memory where the device is shared with other roles."""
     import json
@@ -315,7 +326,6 @@ def _vllm_engine(cfg: RunConfig, spec: ModelSpec, model_dir: str, *, seed: int, 
     if spec.tensor_parallel > 1:
         kwargs["distributed_executor_backend"] = _vllm_tp_executor()
     if device() == "cuda":
-        shared = cfg.placement.mode != "disaggregated"
         kwargs |= {"enable_sleep_mode": True, **({"gpu_memory_utilization": 0.3} if shared else {})}
     return VLLMEngine(
         model_dir,
@@ -356,8 +366,10 @@ class RolloutWorker:
     vLLM replica over k devices (tensor parallel) the replica's first worker holds the engine and the other
     k - 1 keep its devices (they answer every call with nothing; dispatch returns the first worker's answer)."""
 
-    def __init__(self, cfg: RunConfig, model_dir: str, *, worker_info: Any = None) -> None:
-        from yatt_apps.models import is_vlm, load_image_processor
+    def __init__(
+        self, cfg: RunConfig, model_dir: str, *, shared_device: bool = True, worker_info: Any = None
+    ) -> None:
+        from yatt_apps.io.models import is_vlm, load_image_processor
 
         set_threads(cfg)
         self.engine = None
@@ -374,6 +386,7 @@ class RolloutWorker:
             seed=cfg.run.seed,
             processor=processor,
             partial=cfg.rollout.partial,
+            shared_device=shared_device,
         )
 
     def generate(self, requests: list) -> list:
@@ -397,7 +410,9 @@ class RewardWorker:
     engine (`judge.engine`: HF or vLLM) in this process. `score` applies the failure policy and returns plain
     data."""
 
-    def __init__(self, cfg: RunConfig, judge_dir: str = "", *, worker_info: Any = None) -> None:
+    def __init__(
+        self, cfg: RunConfig, judge_dir: str = "", *, shared_device: bool = True, worker_info: Any = None
+    ) -> None:
         from yatt_multimodal.reward_specs import build_combined
 
         set_threads(cfg)
@@ -409,8 +424,11 @@ class RewardWorker:
             from yatt_multimodal.prompt_codecs import HFChatCodec
 
             spec = cfg.judge
+            assert spec is not None, "a judge folder without judge settings"  # prepare_models makes both
             tok = load_tokenizer(judge_dir, trust_remote_code=spec.trust_remote_code)
-            engine = build_engine(cfg, spec, spec.engine, judge_dir, seed=cfg.run.seed + 1)
+            engine = build_engine(
+                cfg, spec, spec.engine, judge_dir, seed=cfg.run.seed + 1, shared_device=shared_device
+            )
             resources = {"engine": engine, "codec": HFChatCodec(tok), "seed": cfg.run.seed + 1}
         self.engine = resources.get("engine")
         self.reward = build_combined(cfg.rewards, **resources)

@@ -5,13 +5,15 @@ the same weights (`from_pretrained` offline). Nothing is downloaded.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 from yatt_apps.config import ModelSpec
+from yatt_apps.io.data import PromptRow
 
 
-def tokenizer_corpus(rows: Iterable[object], extra: Iterable[str] = ()) -> list[str]:
+def tokenizer_corpus(rows: Iterable[PromptRow], extra: Iterable[str] = ()) -> list[str]:
     """The text a tiny tokenizer is trained on: every prompt and answer, and any template text."""
     texts = [f"{row.prompt} {row.answer}" for row in rows]
     return texts + list(extra)
@@ -21,7 +23,7 @@ def prepare_model(spec: ModelSpec, out: Path, corpus: list[str], *, key: str = "
     """The HF directory of `spec`: `spec.path` if given (checked), else a tiny model written to `out`
     (reused when it is already there, as on resume)."""
     if spec.path:  # a local folder or a hub id (cached snapshot, else downloaded unless offline)
-        from yatt_apps.model_sources import resolve_model_dir
+        from yatt_apps.io.model_sources import resolve_model_dir
 
         return resolve_model_dir(spec.path, key=key)
     if (out / "config.json").is_file():
@@ -29,7 +31,7 @@ def prepare_model(spec: ModelSpec, out: Path, corpus: list[str], *, key: str = "
     if spec.arch == "qwen2_vl":
         return _prepare_tiny_vlm(spec, out, corpus)
     if spec.warm_start != "none" and spec.warm_start_steps:  # trained briefly on the embedded task, cached
-        from yatt_apps.warmstart import cached_or_build, extra_corpus, extra_tokens
+        from yatt_apps.runtime.warmstart import cached_or_build, extra_corpus, extra_tokens
 
         corpus = corpus + extra_corpus(spec)
         return cached_or_build(spec, out, corpus, lambda: tiny_text_model(spec, corpus, extra_tokens(spec)))
@@ -42,7 +44,7 @@ def prepare_model(spec: ModelSpec, out: Path, corpus: list[str], *, key: str = "
     return out
 
 
-def tiny_text_model(spec: ModelSpec, corpus: list[str], extra_tokens: list[str] = ()):
+def tiny_text_model(spec: ModelSpec, corpus: list[str], extra_tokens: Sequence[str] = ()) -> Any:
     """(model, tokenizer) of a tiny text model built from `spec`, its tokenizer trained on `corpus`, plus
     `extra_tokens` as whole (never split) tokens."""
     from yatt_rollout.tiny import tiny_causal_lm, train_tokenizer
@@ -81,7 +83,7 @@ def is_vlm(path: str | Path) -> bool:
     return (Path(path) / "preprocessor_config.json").is_file()
 
 
-def load_causal_lm(path: str | Path, *, trust_remote_code: bool = False, dtype: str = "float32"):
+def load_causal_lm(path: str | Path, *, trust_remote_code: bool = False, dtype: str = "float32") -> Any:
     """An HF causal LM (or an image-text-to-text VLM) on CPU in `dtype` (a torch dtype name), from a local
     directory only."""
     import torch
@@ -93,14 +95,14 @@ def load_causal_lm(path: str | Path, *, trust_remote_code: bool = False, dtype: 
     )
 
 
-def load_image_processor(path: str | Path):
+def load_image_processor(path: str | Path) -> Any:
     """The image processor saved beside a VLM (the PIL one: torchvision is deliberately absent)."""
     from transformers import AutoImageProcessor
 
     return AutoImageProcessor.from_pretrained(str(path), local_files_only=True)
 
 
-def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False):
+def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(

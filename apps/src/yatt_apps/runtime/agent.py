@@ -25,7 +25,7 @@ from yatt_rollout.tools import calculator_tool, evaluate_arithmetic, format_numb
 from yatt_rollout.types import Action, Message, Observation, StepResult
 
 from yatt_apps.config import RunConfig
-from yatt_apps.workers import RolloutWorker
+from yatt_apps.runtime.workers import RolloutWorker
 
 __all__ = [
     "AgentRolloutWorker",
@@ -40,7 +40,7 @@ AGENT_APPS = ("grpo",)  # the step functions that apply the response mask of mul
 
 
 class CalculatorEnv(ToolEnvironment):
-    """The embedded arithmetic task ("a + b =", `yatt_apps.data.arithmetic_task`) with a calculator tool.
+    """The embedded arithmetic task ("a + b =", `yatt_apps.io.data.arithmetic_task`) with a calculator tool.
 
     A turn with tool calls gets the results; a turn without is an answer: right (its last integer equals the
     answer), the episode ends with reward 1.0; wrong, the user asks for another try (`FEEDBACK`) until
@@ -73,7 +73,9 @@ def _expression_value(prompt: str) -> str:
         return ""
 
 
-register("calculator", CalculatorEnv)
+# yatt_rollout's Environment protocol declares `tools` a settable Sequence, which ToolEnvironment's list
+# attribute cannot match (invariance); a read-only property there would fix it (reported to yatt-rollout)
+register("calculator", CalculatorEnv)  # type: ignore[arg-type]
 
 
 def resolve_env(name: str) -> str:
@@ -107,12 +109,14 @@ class AgentRolloutWorker(RolloutWorker):
     """`RolloutWorker` whose `generate` runs `cfg.rollout.env` episodes of up to `cfg.rollout.max_turns`
     model turns, each within the engine's context. Weight pushes reach the same engine."""
 
-    def __init__(self, cfg: RunConfig, model_dir: str, *, worker_info: Any = None) -> None:
+    def __init__(
+        self, cfg: RunConfig, model_dir: str, *, shared_device: bool = True, worker_info: Any = None
+    ) -> None:
         from yatt_rollout.agent import AgentDriver
 
-        from yatt_apps.models import load_tokenizer
+        from yatt_apps.io.models import load_tokenizer
 
-        super().__init__(cfg, model_dir, worker_info=worker_info)
+        super().__init__(cfg, model_dir, shared_device=shared_device, worker_info=worker_info)
         tok = load_tokenizer(model_dir, trust_remote_code=cfg.model.trust_remote_code)
         self.driver = AgentDriver(
             self.engine,

@@ -1,0 +1,149 @@
+"""The metrics of an RL step, each a sum this controller adds to (all-reduced across controllers by the step)
+and the means `summarize` makes of them: rewards and their terms, tokens, entropy, rollout/train mismatch, KL,
+judge parse rate and agreement, and the greedy validation accuracy every `run.eval_every` steps.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from yatt_apps.config import RunConfig
+from yatt_apps.runtime.phases import Scored, generate, prompt_index, render_prompt
+
+if TYPE_CHECKING:
+    from yatt_controller.controller import StepContext
+
+
+def judge_sums(cfg: RunConfig, scored: Scored, kept: list[int]) -> dict[str, float]:
+    """GenRM figures over the kept samples: verdicts parsed (of K judgements each) and agreement of the
+    judge's verdict (score > 0) with the exact-answer rule (math_verify > 0.5) where both scored."""
+    judge = next((s.name or s.kind for s in cfg.rewards if s.kind == "genrm"), None)
+    if judge is None:
+        return {}
+    rule = next((s.name or s.kind for s in cfg.rewards if s.kind == "math_verify"), "")
+    parsed = sum(scored.components[i].get(f"{judge}/parsed", 0.0) for i in range(len(scored.completions)))
+    both = [c for c in (scored.components[i] for i in kept) if judge in c and rule in c]
+    agree = sum((c[judge] > 0) == (c[rule] > 0.5) for c in both)
+    return {
+        "judge/parsed": parsed,
+        "judge/judged": float(len(scored.completions)),
+        "judge/agree": float(agree),
+        "judge/compared": float(len(both)),
+    }
+
+
+def sample_sums(
+    scored: Scored,
+    kept: list[int],
+    num_prompts: int,
+    mask: Any,
+    lp: dict[str, Any],
+    rollout_lp: Any,
+    scores: list[float] | None = None,
+) -> dict[str, float]:
+    """This controller's sums for `summarize` (all-reduced first): rewards of the trained samples (`scores`,
+    default the scored ones), counts, tokens under `mask` [B, T], entropy, rollout/train mismatch, KL to the
+    reference, per-term rewards, statuses of every scored completion, and the stream's busy times."""
+    trained = [scored.scores[i] for i in kept] if scores is None else scores
+    sums = {
+        "reward/sum": sum(trained),
+        "samples": float(len(kept)),
+        "samples_dropped": float(len(scored.completions) - len(kept)),
+        "prompts": float(num_prompts),
+        "response_tokens": float(mask.sum()),
+        "truncated": float(sum(c.finish_reason == "length" for c in scored.completions)),
+        "entropy/sum": float((lp["entropy"] * mask).sum()),
+        "mismatch/sum": float(((lp["old_logprobs"] - rollout_lp).abs() * mask).sum()),
+        **{
+            f"reward_status/{s}": float(scored.statuses.count(s))
+            for s in ("ok", "parse_error", "timeout", "error")
+        },
+        **{f"stream/{k}": v for k, v in scored.stream.items()},
+    }
+    for i in kept:
+        for name, value in scored.components[i].items():
+            sums[f"reward/{name}/sum"] = sums.get(f"reward/{name}/sum", 0.0) + value
+    if "ref_logprobs" in lp:
+        sums["kl/sum"] = float(((lp["old_logprobs"] - lp["ref_logprobs"]) * mask).sum())
+    return sums
+
+
+def evaluate(ctx: StepContext, val_rows: Any, cfg: RunConfig, tok: Any) -> dict[str, float]:
+    """Greedy accuracy (math_verify against the answer) on this controller's share of the validation rows."""
+    from yatt_multimodal.rules import math_reward
+    from yatt_multimodal.types import RewardRequest
+    from yatt_rollout.types import SamplingParams
+
+    mine = val_rows()[ctx.rank :: ctx.world_size]
+    if not mine:
+        return {"val/correct": 0.0, "val/total": 0.0}
+    greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=cfg.sampling.max_new_tokens)
+    ids = [render_prompt(tok, row, cfg.data.system_prompt) for row in mine]
+    outs = sorted(generate(ctx, mine, ids, greedy, "eval", None), key=prompt_index)
+    correct = sum(
+        math_reward(
+            RewardRequest(
+                request_id="eval",
+                prompt=row.prompt,
+                response=tok.decode(c.token_ids, skip_special_tokens=True),
+                reference=row.answer,
+            )
+        )
+        for row, c in zip(mine, outs, strict=True)
+    )
+    return {"val/correct": float(correct), "val/total": float(len(mine))}
+
+
+def maybe_evaluate(ctx: StepContext, val_rows: Any, cfg: RunConfig, tok: Any) -> dict[str, float]:
+    """Validation sums every `run.eval_every` steps, step 0 included (empty otherwise)."""
+    every = cfg.run.eval_every
+    if val_rows is None or not every or ctx.step % every:
+        return {}
+    with ctx.phase("eval"):
+        return evaluate(ctx, val_rows, cfg, tok)
+
+
+def summarize(total: dict[str, float], stats: dict[str, float], world_size: int = 1) -> dict[str, float]:
+    """Global means from summed counts; train stats are already global (reduced inside the learner);
+    stream times are means over the `world_size` controllers."""
+    samples, tokens = max(total["samples"], 1.0), max(total["response_tokens"], 1.0)
+    out = {
+        "reward/mean": total["reward/sum"] / samples,
+        "rollout/response_len_mean": total["response_tokens"] / samples,
+        "rollout/truncated_frac": total["truncated"] / max(total["samples"] + total["samples_dropped"], 1.0),
+        "rollout/response_tokens": total["response_tokens"],
+        "train/entropy": total["entropy/sum"] / tokens,
+        "train/rollout_mismatch": total["mismatch/sum"] / tokens,
+        "samples_dropped": total["samples_dropped"],
+        **{f"train/{k}": v for k, v in stats.items()},
+    }
+    if "kl/sum" in total:
+        out["train/kl"] = total["kl/sum"] / tokens
+    if total.get("val/total"):
+        out["val/accuracy"] = total["val/correct"] / total["val/total"]
+    if "async/samples" in total:  # bounded-staleness training (yatt_apps.runtime.producer)
+        out["async/staleness_mean"] = total["async/staleness/sum"] / max(total["async/samples"], 1.0)
+        out["async/staleness_max"] = total["async/staleness_max_all"] / max(world_size, 1)
+        out["async/rollout_train_overlap_s"] = total["async/overlap_s"] / max(world_size, 1)
+        out["async/partial_resumed"] = total.get("async/partial_resumed/sum", 0.0)  # rollout.partial
+    if "judge/judged" in total:
+        out["judge/parse_rate"] = total["judge/parsed"] / max(total["judge/judged"], 1.0)
+        if total["judge/compared"]:
+            out["judge/agreement"] = total["judge/agree"] / total["judge/compared"]
+    if "agent/trajectories" in total:  # a multi-turn job (yatt_apps.runtime.agent)
+        from yatt_rollout.agent import agent_metrics
+
+        out.update(agent_metrics(total))
+    for key, value in total.items():
+        if key.startswith("reward/") and key.endswith("/sum") and key != "reward/sum":
+            out[key.removesuffix("/sum") + "_mean"] = value / samples
+        elif key.startswith("reward_status/"):
+            out[key] = value
+        elif key in ("stream/rollout_start", "stream/rollout_end", "stream/reward_end"):
+            continue
+        elif key.startswith("stream/"):
+            name = {"overlap_s": "rollout_reward_overlap_s", "early": "judge_started_before_rollout_end"}
+            out["time/" + name.get(key.removeprefix("stream/"), key.removeprefix("stream/"))] = value / max(
+                world_size, 1
+            )
+    return out

@@ -226,7 +226,10 @@ def score_stream(
         return reward.call_one(method, reward_requests(rows, done, tok, token_ids=token_ids))
 
     result = run_stream(
-        refs, [Stage("rollout", lambda ref, _: ref), Stage("reward", judge)], max_inflight=len(refs)
+        refs,
+        [Stage("rollout", lambda ref, _: ref), Stage("reward", judge)],
+        max_inflight=len(refs),
+        fetch=ctx.get,
     )
     ctx.on_progress("")
     completions = flat(values[0] for values in result.values)
@@ -278,7 +281,9 @@ def generate(
     rollout = ctx.services["rollout"]
     requests = make_requests(rows, prompt_ids, sampling, tag, seed)
     chunks = [c for c in split_evenly(requests, rollout.dp_size) if c]
-    result = run_stream(chunks, [Stage("rollout", lambda chunk, _: rollout.call_one("generate", chunk))])
+    result = run_stream(
+        chunks, [Stage("rollout", lambda chunk, _: rollout.call_one("generate", chunk))], fetch=ctx.get
+    )
     completions = flat(values[0] for values in result.values)
     check_completions(ctx, completions)
     return completions

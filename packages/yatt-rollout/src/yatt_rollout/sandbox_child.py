@@ -40,13 +40,15 @@ class SetupError(Exception):
     pass
 
 
-def check(result, what):
+def check(result: int, what: str) -> None:
     if result != 0:
         err = ctypes.get_errno()
         raise SetupError(f"{what}: {os.strerror(err)} (errno {err})")
 
 
-def mount(source, target, fstype, flags, data=None):
+def mount(
+    source: "str | None", target: str, fstype: "str | None", flags: int, data: "str | None" = None
+) -> None:
     check(
         libc.mount(
             source and source.encode(),
@@ -64,18 +66,18 @@ def mount(source, target, fstype, flags, data=None):
 KEPT_FLAGS = MS_NOEXEC | 1024 | 2048 | 4096  # | MS_NOATIME | MS_NODIRATIME | MS_RELATIME
 
 
-def bind(source, target, writable=False):
+def bind(source: str, target: str, writable: bool = False) -> None:
     mount(source, target, None, MS_BIND)
     flags = MS_BIND | MS_REMOUNT | MS_NOSUID | MS_NODEV | (0 if writable else MS_RDONLY)
     mount(None, target, None, flags | (os.statvfs(target).f_flag & KEPT_FLAGS))
 
 
-def write(path, text):
+def write(path: str, text: str) -> None:
     with open(path, "w") as f:
         f.write(text)
 
 
-def make_point(path, is_dir):
+def make_point(path: str, is_dir: bool) -> None:
     if is_dir:
         os.makedirs(path, exist_ok=True)
     else:
@@ -84,7 +86,7 @@ def make_point(path, is_dir):
             pass
 
 
-def build_root(spec):
+def build_root(spec: dict) -> None:
     """Mount the new root at spec["root"] (host path) and everything inside it; returns nothing, raises
     SetupError naming the step that failed."""
     root = spec["root"]
@@ -115,7 +117,7 @@ def build_root(spec):
     pivot(root)
 
 
-def build_dev(root):
+def build_dev(root: str) -> None:
     dev = root + "/dev"
     make_point(dev, True)
     mount("tmpfs", dev, "tmpfs", MS_NOSUID, "size=64k,mode=755")
@@ -133,7 +135,7 @@ def build_dev(root):
     make_point(dev + "/shm", True)
 
 
-def pivot(root):
+def pivot(root: str) -> None:
     """Make `root` the root and detach the old one (nothing of the host's tree stays reachable)."""
     os.chdir(root)
     number = SYS_PIVOT_ROOT.get(os.uname().machine)
@@ -145,7 +147,7 @@ def pivot(root):
     os.chdir("/")
 
 
-def become_worker(spec, code_fd):
+def become_worker(spec: dict, code_fd: int) -> None:
     """In the worker: no capabilities, the call's uid, then exec the interpreter with the runner."""
     with open("/proc/self/oom_score_adj") as f:
         if int(f.read()) < 0:  # the init's -1000 is not the code's (raising is always allowed)
@@ -171,7 +173,7 @@ def become_worker(spec, code_fd):
     os.execve(spec["interpreter"], argv, spec["env"])
 
 
-def run_init(spec, code_fd, status_fd):
+def run_init(spec: dict, code_fd: int, status_fd: int) -> None:
     """PID 1 of the namespace: set up, run the worker, kill the rest, report the worker's end."""
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     # the tree's OOM kill should take the code's processes, not the init (whose death ends them all anyway);
@@ -211,14 +213,14 @@ def run_init(spec, code_fd, status_fd):
     os._exit(0)
 
 
-def wait_for(worker):
+def wait_for(worker: int) -> int:
     while True:  # reaps orphans re-parented to PID 1 on the way
         pid, status = os.waitpid(-1, 0)
         if pid == worker:
             return status
 
 
-def kill_the_rest():
+def kill_the_rest() -> None:
     with contextlib.suppress(ProcessLookupError):  # none left
         os.kill(-1, signal.SIGKILL)  # every process of the namespace but PID 1
     while True:
@@ -228,14 +230,14 @@ def kill_the_rest():
             return
 
 
-def map_ids(uid, gid):
+def map_ids(uid: int, gid: int) -> None:
     """Map uid/gid 0 of the new user namespace to the caller's own ids (the only ones it may map)."""
     for name, text in (("uid_map", f"0 {uid} 1"), ("setgroups", "deny"), ("gid_map", f"0 {gid} 1")):
         with open(f"/proc/self/{name}", "w") as f:
             f.write(text)
 
 
-def main():
+def main() -> None:
     spec = json.loads(sys.argv[1])
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # a killed caller takes the sandbox with it
     if os.getppid() != spec["caller_pid"]:

@@ -30,7 +30,7 @@ def _blocked(*args, **kwargs):
     raise NetworkDisabled(errno.EACCES, "network access is disabled in the sandbox")
 
 
-def isolate():
+def isolate() -> str:
     if isolate_mode == 0:
         return "namespace"
     libc = ctypes.CDLL(None, use_errno=True)
@@ -46,21 +46,23 @@ def isolate():
         def __init__(self, *args, **kwargs):
             _blocked()
 
-    socket.socket = _socket.socket = BlockedSocket
+    # the patch replaces the class itself (mypy: assigning to a type)
+    socket.socket = _socket.socket = BlockedSocket  # type: ignore[misc, assignment]
     socket.create_connection = socket.getaddrinfo = _socket.getaddrinfo = _blocked
     return "patched"
 
 
-def is_network_error(err):
+def is_network_error(err: BaseException) -> bool:
     unreachable = (errno.ENETUNREACH, errno.EHOSTUNREACH, errno.EADDRNOTAVAIL, errno.ENETDOWN)
     for _ in range(8):  # the error or what it wraps (urllib's URLError holds the socket error)
         if isinstance(err, (NetworkDisabled, socket.gaierror)) or (
             isinstance(err, OSError) and err.errno in unreachable
         ):
             return True
-        err = getattr(err, "reason", None) or err.__cause__ or err.__context__
-        if not isinstance(err, BaseException):
+        inner = getattr(err, "reason", None) or err.__cause__ or err.__context__
+        if not isinstance(inner, BaseException):
             return False
+        err = inner
     return False
 
 

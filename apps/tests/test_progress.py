@@ -39,7 +39,7 @@ def test_startup_is_split_off_the_first_step(tmp_path, monkeypatch):
     assert logger.seconds_per_step() == 7.0 and logger.eta_s(1) == 56.0  # (10 + 4) / 2 x 8 steps left
     logger(2, [_report(2, 2.5, 2.0, 0.5)])  # 3 s later
     assert logger.seconds_per_step() == pytest.approx(17 / 3)
-    assert logger.postfix(2, {"reward/mean": 0.2}) == ", 5.67s/step, ETA 00:40, reward=0.200"
+    assert logger.postfix(2, {"reward/mean": 0.2}) == "5.67s/step, ETA 00:40, reward=0.200"
     assert logger.last["step"] == 2 and logger.last["time/idle"] == 0.0
     run.close(plot=False)
 
@@ -77,3 +77,24 @@ def test_a_resumed_run_logs_the_carried_steps_its_log_lacks(tmp_path):
     assert rows[1] == {"step": 1, "reward/mean": 0.1}  # kept from the first driver, not rewritten
     assert rows[2]["reward/mean"] == pytest.approx(0.2) and "time/startup" not in rows[2]
     assert "time/startup" in rows[4]  # the resumed attempt's first own step still carries its start-up
+
+
+def test_the_bar_line_has_one_comma_before_the_rate(tmp_path, monkeypatch):
+    """The rendered line of issue 34's double comma (`[00:37, , 0.46s/step, ...]`): tqdm writes ", " before
+    the postfix itself. The last step of a resumed run: 0.46 s busy (no idle), nothing left, 37 s elapsed."""
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: 500.0)
+    run = RunDir(tmp_path, tensorboard=False)
+    logger = StepLogger(run, num_steps=10, start_step=9, progress=True)
+    report = StepReport(
+        step=9,
+        controller_rank=0,
+        metrics={"reward/mean": 0.078},
+        timings_s={"rollout": 0.26, "train": 0.2, "step": 0.46},
+    )
+    logger(9, [report])
+    assert logger.bar is not None
+    # the line as tqdm renders it, at a fixed elapsed time and width, in unicode blocks whatever the terminal
+    line = logger.bar.format_meter(**{**logger.bar.format_dict, "elapsed": 37, "ncols": None, "ascii": False})
+    logger.close()
+    run.close(plot=False)
+    assert line == "yatt: 100%|██████████| 10/10 [00:37, 0.46s/step, ETA 00:00, reward=0.078]"

@@ -30,7 +30,8 @@ class ModelSpec(_Config, frozen=True, kw_only=True):
     tokenizer trained locally on the task's text (nothing is downloaded)."""
 
     path: str = ""
-    arch: Literal["qwen2", "llama", "qwen2_vl"] = "qwen2"  # qwen2_vl: a vision-language policy (grpo-vlm)
+    # tiny model: qwen2, llama, or qwen2_vl (a vision-language policy, grpo-vlm)
+    arch: Literal["qwen2", "llama", "qwen2_vl"] = "qwen2"
     hidden_size: int = 64
     num_layers: int = 2
     num_heads: int = 2
@@ -43,9 +44,10 @@ class ModelSpec(_Config, frozen=True, kw_only=True):
     tensor_parallel: int = 1
     pipeline_parallel: int = 1  # learner pipeline stages (Megatron); actor replica: tp x pp devices
     trust_remote_code: bool = False
-    # the engine serving this model where it is served (the judge's; the policy's is `rollout.engine`)
+    # the engine serving this model where it is served: hf or vllm (the judge's; the policy's: rollout.engine)
     engine: Literal["hf", "vllm"] = "hf"
-    dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
+    # auto (bf16 on CUDA, fp32 on CPU), bf16, fp16 or fp32
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     # A tiny model (path empty) warm-started by a short SFT on the embedded arithmetic task (yatt_apps.runtime.warmstart):
     # "policy" on its answers, "genrm" as a verify_yes_no judge, "step_critique" as CAPO's step critic. The result
     # is cached under $YATT_CACHE_DIR (default ~/.cache/yatt/models), keyed by everything that shapes it.
@@ -133,7 +135,8 @@ class RunSpec(_Config, frozen=True, kw_only=True):
     out_dir: str = "runs"
     num_steps: int = 30
     prompts_per_step: int = 16
-    eval_every: int = 10  # evaluate the validation split every k steps (0: never); checkpoints: controller
+    # evaluate the validation split every k steps and at the run's last step (0: never); checkpoints: controller
+    eval_every: int = 10
     seed: int = 0
     progress: bool = True
     # the learning-rate schedule spans this many steps' optimizer updates (0: num_steps, so extending a run with

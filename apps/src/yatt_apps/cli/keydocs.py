@@ -1,9 +1,10 @@
 """`yatt config`: the full resolved config as YAML, with a one-line doc per key as a comment.
 
 A key's doc is its field's comment in the config class's source (the trailing `# ...` on the field's line,
-or the comment lines above it or above its group of fields; first sentence), else an entry of `FIELD_DOCS` (class name.field name) for fields the
-source leaves uncommented; a section's doc is the first sentence of its class docstring. The printed YAML
-loads back as the same config (`yatt grpo --config printed.yaml`).
+or the comment lines above it or above its group of fields; first sentence), else an entry of `FIELD_DOCS`
+(class name.field name) for fields the source leaves uncommented; a key of fixed values (a `Literal` type)
+also lists the values its doc does not name. A section's doc is the first sentence of its class docstring.
+The printed YAML loads back as the same config (`yatt grpo --config printed.yaml`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import functools
 import inspect
 import re
 import textwrap
+import types
+import typing
 from typing import Any, cast
 
 import msgspec
@@ -47,7 +50,8 @@ FIELD_DOCS: dict[str, str] = {
     "DataSpec.num_val_rows": "embedded task only: validation rows",
     "DataSpec.max_prompt_tokens": "longest prompt in tokens (chat template included); longer rows are an error",
     "DataSpec.system_prompt": "a system message put before every prompt; empty: none",
-    "PlacementConfig.mode": "colocated (all roles share devices), partial or disaggregated",
+    "PlacementConfig.mode": "colocated (all roles share devices), partial, disaggregated, or dynamic (starts as "
+    "partial; the rollout/judge split is re-planned as the run goes)",
     "PlacementConfig.cluster": "the devices the job may use",
     "PlacementConfig.cpus_per_device": "Ray CPUs reserved per logical device; each hosted role's torch threads",
     "ClusterSpec.num_nodes": "nodes in the cluster",
@@ -64,15 +68,15 @@ FIELD_DOCS: dict[str, str] = {
     "SamplingParams.logprobs": "return the sampled tokens' logprobs",
     "SamplingParams.choices": "constrain each completion to exactly one of these strings (unset: free text)",
     "SamplingParams.allowed_token_ids": "constrain every sampled token to these ids (unset: any)",
-    "AlgoConfig.adv_estimator": "advantage estimator: grpo, gae, rloo, reinforce_pp, ...",
-    "AlgoConfig.policy_loss": "policy loss: ppo_clip, gspo, cispo, ...",
-    "AlgoConfig.loss_agg_mode": "how token losses are averaged: token-mean, seq-mean-token-mean, ...",
+    "AlgoConfig.adv_estimator": "advantage estimator",
+    "AlgoConfig.policy_loss": "policy loss",
+    "AlgoConfig.loss_agg_mode": "how token losses are averaged",
     "AlgoConfig.clip_ratio_low": "PPO clip range below 1",
     "AlgoConfig.clip_ratio_high": "PPO clip range above 1 (DAPO's clip-higher raises it)",
     "AlgoConfig.gamma": "discount (GAE)",
     "AlgoConfig.lam": "GAE lambda",
     "AlgoConfig.adv_eps": "added to the group std when normalizing advantages",
-    "AlgoConfig.kl_estimator": "KL estimator: k1, k2, k3",
+    "AlgoConfig.kl_estimator": "KL estimator (a trailing +: the named value with k2's gradient)",
     "AlgoConfig.entropy_coef": "entropy bonus coefficient",
     "AlgoConfig.num_updates_per_batch": "optimizer passes over each step's batch",
     "AlgoConfig.gspo_clip_ratio_high": "GSPO clip range above 1",
@@ -108,11 +112,11 @@ FIELD_DOCS: dict[str, str] = {
     "JudgeSpec.temperature": "the judge's sampling temperature",
     "JudgeSpec.top_p": "the judge's nucleus threshold",
     "JudgeSpec.max_new_tokens": "longest judgement in tokens",
-    "JudgeSpec.parser": "how a verdict is read from a judgement (yes_no, score, ...)",
-    "JudgeSpec.aggregation": "how the K verdicts combine (mean, majority, ...)",
+    "JudgeSpec.parser": "how a verdict is read from a judgement: yes_no, score or json",
+    "JudgeSpec.aggregation": "how the K verdicts combine: mean or majority",
     "JudgeSpec.score_range": "the range of a parsed score",
-    "JudgeSpec.on_parse_error": "an unparsable judgement: zero, drop, or error",
-    "JudgeSpec.on_timeout": "a judgement past timeout_s: zero, drop, or error",
+    "JudgeSpec.on_parse_error": "an unparsable judgement: zero, drop, or fail (the step fails)",
+    "JudgeSpec.on_timeout": "a judgement past timeout_s: zero, drop, or fail (the step fails)",
     "JudgeSpec.timeout_s": "seconds per judgement",
     "JudgeSpec.max_concurrency": "judgements in flight",
     "JudgeSpec.dedup": "judge identical (prompt, response) pairs once",
@@ -184,12 +188,45 @@ def _block_above(lines: list[str], row: int, fields: dict[int, str]) -> str:
 
 
 def field_doc(cls: type, name: str) -> str:
-    """The doc of field `name` of `cls`, from the class that declares it (a job's config inherits most)."""
+    """The doc of field `name` of `cls`, from the class that declares it (a job's config inherits most); a
+    field of a fixed set of values (a `Literal` type) always names every value: the ones its doc does not
+    name are listed after it, so help cannot fall behind the type."""
+    doc = ""
     for owner in cls.__mro__:
         doc = FIELD_DOCS.get(f"{owner.__name__}.{name}") or source_docs(owner).get(name, "")
         if doc:
-            return doc
-    return ""
+            break
+    values = literal_values(cls, name)
+    if values and not names_every_value(doc, values):
+        listed = f"one of: {', '.join(values)}"
+        return f"{doc} ({listed})" if doc else listed
+    return doc
+
+
+@functools.cache
+def literal_values(cls: type, name: str) -> tuple[str, ...]:
+    """The allowed values of field `name` of `cls` when its type is a `Literal` (optional or not), in the
+    type's order; () for any other type."""
+    try:
+        hints = typing.get_type_hints(cls)
+    except (NameError, TypeError):  # an annotation that does not resolve: no values to name
+        return ()
+    return tuple(str(value) for value in _literals(hints.get(name)))
+
+
+def _literals(tp: Any) -> list[Any]:
+    if typing.get_origin(tp) is typing.Literal:
+        return list(typing.get_args(tp))
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):  # Literal[...] | None
+        return [value for arg in typing.get_args(tp) for value in _literals(arg)]
+    return []
+
+
+def names_every_value(doc: str, values: tuple[str, ...]) -> bool:
+    """Whether `doc` names each of `values` as a whole word ("k1" is not named by "k1+", nor "fp16" by
+    "bf16")."""
+    words = {word.rstrip(".") for word in re.findall(r"[\w.+-]+", doc)}
+    return all(value in words for value in values)
 
 
 def _scalar(value: Any) -> str:

@@ -21,6 +21,18 @@ from yatt_apps.io.rundir import RunDir
 RATE_WINDOW = 10  # steps the bar's seconds per step averages over
 
 
+def quiet_transformers() -> None:
+    """Turn off transformers' (and huggingface_hub's) progress bars ("Loading weights", "Writing model shards")
+    and its info/warning log lines in this process, so a run's console shows one bar, the run's. The switch is
+    transformers' own per-process setting: the driver calls this when it starts logging steps (`StepLogger`)
+    and before a warm start (`warmstart.cached_or_build`); hosted workers' output does not reach the console
+    (Ray starts with `log_to_driver=False`) and goes to Ray's log files."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
 def _clock(seconds: float) -> str:
     seconds = round(seconds)
     hours, rest = divmod(seconds, 3600)
@@ -41,6 +53,7 @@ class StepLogger:
         self.durations: deque[float] = deque(maxlen=RATE_WINDOW)  # seconds of recent steps, start-up excluded
         self.previous: float | None = None  # perf_counter when the previous step's report arrived
         self.bar = None
+        quiet_transformers()  # the driver's model loads and saves that follow (export of final/) print no bars
         if progress:
             from tqdm import tqdm
 
@@ -97,8 +110,9 @@ class StepLogger:
         return max(self.num_steps - 1 - step, 0) * self.seconds_per_step()
 
     def postfix(self, step: int, metrics: dict[str, float]) -> str:
+        """The bar's text after the elapsed time; tqdm puts the ", " before it (`{postfix}` in the format)."""
         return (
-            f", {self.seconds_per_step():.2f}s/step, ETA {_clock(self.eta_s(step))}, "
+            f"{self.seconds_per_step():.2f}s/step, ETA {_clock(self.eta_s(step))}, "
             f"reward={metrics.get('reward/mean', 0.0):.3f}"
         )
 

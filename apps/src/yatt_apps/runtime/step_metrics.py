@@ -1,6 +1,7 @@
 """The metrics of an RL step, each a sum this controller adds to (all-reduced across controllers by the step)
 and the means `summarize` makes of them: rewards and their terms, tokens, entropy, rollout/train mismatch, KL,
-judge parse rate and agreement, and the greedy validation accuracy every `run.eval_every` steps.
+judge parse rate and agreement, and the greedy validation accuracy every `run.eval_every` steps and at the
+run's last step.
 """
 
 from __future__ import annotations
@@ -94,10 +95,22 @@ def evaluate(ctx: StepContext, val_rows: Any, cfg: RunConfig, tok: Any) -> dict[
     return {"val/correct": float(correct), "val/total": float(len(mine))}
 
 
+def evaluates(step: int, num_steps: int, every: int) -> bool:
+    """Whether `step` (0-based, of a `num_steps` run) is evaluated: every `every` steps from step 0, and the
+    run's last step whatever `every` is, so the final policy always has a validation figure; `every` 0
+    disables validation entirely."""
+    return bool(every) and (step % every == 0 or step == num_steps - 1)
+
+
+def eval_steps(num_steps: int, every: int) -> list[int]:
+    """The steps a `num_steps` run evaluates (`evaluates`), e.g. (30, 10) -> [0, 10, 20, 29]."""
+    return [step for step in range(num_steps) if evaluates(step, num_steps, every)]
+
+
 def maybe_evaluate(ctx: StepContext, val_rows: Any, cfg: RunConfig, tok: Any) -> dict[str, float]:
-    """Validation sums every `run.eval_every` steps, step 0 included (empty otherwise)."""
-    every = cfg.run.eval_every
-    if val_rows is None or not every or ctx.step % every:
+    """Validation sums at the steps `evaluates` names (every `run.eval_every` steps and the last; empty
+    otherwise)."""
+    if val_rows is None or not evaluates(ctx.step, cfg.run.num_steps, cfg.run.eval_every):
         return {}
     with ctx.phase("eval"):
         return evaluate(ctx, val_rows, cfg, tok)

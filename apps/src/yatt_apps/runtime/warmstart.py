@@ -16,7 +16,8 @@ and a random tiny judge never states a verdict. The tiny presets therefore warm-
 
 The result is cached under `$YATT_CACHE_DIR` (default `~/.cache/yatt/models`) in a folder named by a hash of
 the spec, the tokenizer corpus, the task and this module's settings and the YATT versions, written atomically
-(tmp + rename): a second run, and every test, reuses it.
+(tmp + rename): a second run, and every test, reuses it. A warm start that has to run says so on stderr and
+shows a bar of its steps (transformers' own bars are turned off: `progress.quiet_transformers`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import hashlib
 import os
 import random
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -93,10 +95,21 @@ def extra_tokens(spec: ModelSpec) -> list[str]:
 
 
 def cached_or_build(spec: ModelSpec, out: Path, corpus: list[str], build: Any) -> Path:
-    """`out` holds the warm-started model: copied from the cache, or built by `build(tmp_dir)`, warm-started,
+    """`out` holds the warm-started model: copied from the cache, or built by `build()`, warm-started,
     and stored in the cache first (both writes atomic)."""
     cached = cache_root() / f"{spec.warm_start}-{cache_key(spec, corpus)}"
     if not (cached / "config.json").is_file():
+        from yatt_apps.runtime.progress import quiet_transformers
+
+        quiet_transformers()  # no "Writing model shards" bar from `save_tiny` below
+        # minutes of CPU the first time (and again when the tokenizer's text changes, e.g. with data.train):
+        # said, and shown as a bar of its steps, never silent
+        print(
+            f"warm-starting the tiny {spec.warm_start} model ({spec.warm_start_steps} steps; once, then cached "
+            f"in {cached})",
+            file=sys.stderr,
+            flush=True,
+        )
         tmp = cached.with_name(f"{cached.name}.tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         model, tok = build()
@@ -218,11 +231,14 @@ def sft_steps(
     batch_size: int,
     seed: int,
     prompt_weight: float = 0.0,
+    desc: str = "",
 ) -> list[float]:
     """Plain-torch SFT: AdamW, linear warmup over the first tenth, constant after, clipping at 1.0. With
     `prompt_weight` > 0 the prompt tokens are also targets at that weight (a response token weighs 1): a judge
-    then also learns to predict the candidate from the reference, which shortens its plateau."""
+    then also learns to predict the candidate from the reference, which shortens its plateau. A `desc` shows a
+    progress bar of the steps (on stderr) under that name."""
     import torch
+    from tqdm import tqdm
 
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -230,7 +246,7 @@ def sft_steps(
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
     model.train()
     losses = []
-    for _ in range(steps):
+    for _ in tqdm(range(steps), desc=desc, unit="step", disable=not desc, dynamic_ncols=True):
         batch = pad_examples([examples[rng.randrange(len(examples))] for _ in range(batch_size)], pad_id)
         loss = masked_nll(model, batch) if not prompt_weight else weighted_nll(model, batch, prompt_weight)
         opt.zero_grad(set_to_none=True)
@@ -293,6 +309,7 @@ def warm_start(spec: ModelSpec, model: Any, tok: Any) -> dict[str, Any]:
             batch_size=spec.warm_start_batch_size,
             seed=spec.seed,
             prompt_weight=prompt_weight,
+            desc=f"warm start ({spec.warm_start})",
         )
     finally:
         torch.set_num_threads(threads)

@@ -56,14 +56,15 @@ def sft_step(
     """One SFT step on this controller's `rows`; metrics reduced over controllers. The run's RUN_DIR/final is
     exported from the last step's checkpoint (yatt_apps.runtime.launch.export_final), as for every job."""
     from yatt_apps.runtime.phases import tokenizer
-    from yatt_apps.runtime.step_metrics import evaluate
+    from yatt_apps.runtime.step_metrics import evaluate, evaluates
 
     tok = tokenizer(policy_dir)
     with ctx.phase("tokenize"):
         batch = sft_batch(tok, rows, cfg.data.system_prompt)
     with ctx.phase("train"):  # SPMD: every learner rank of this controller steps together (all-reduce)
         stats = ctx.get(learner_of(ctx).shard_rows("sft", batch))[0]
-    needs_rollout = val_rows is not None and cfg.run.eval_every and ctx.step % cfg.run.eval_every == 0
+    # every `run.eval_every` steps and the last one (step_metrics.evaluates)
+    needs_rollout = val_rows is not None and evaluates(ctx.step, cfg.run.num_steps, cfg.run.eval_every)
     if needs_rollout and "rollout" in ctx.services:
         with ctx.phase("weight_sync"):
             ctx.sync_weights()

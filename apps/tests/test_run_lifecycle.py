@@ -1,6 +1,7 @@
 """Around a real run (tiny preset, real Ray, `yatt` in a fresh process, as a user runs it): export of its
 checkpoints as HF folders and their merge, the W&B offline files, resume of a finished run, Ctrl-C, and
-kill -9 followed by `yatt resume`, after which every step appears once in metrics.jsonl.
+kill -9 followed by `yatt resume`, after which every step appears once in metrics.jsonl; a new job refused in
+the run's folder, and resume past corrupt checkpoints (named) or refused when none is valid.
 
 Each job gets its own Ray temp dir (RAY_TMPDIR), so its Ray processes can be told from other sessions'.
 Marked slow: every run starts Ray and the tiny models' host processes.
@@ -218,6 +219,60 @@ def test_resume_of_the_finished_run_starts_nothing(two_step_run):
     assert f"run {two_step_run} is finished: its last step (1) is done" in out.stdout
     assert json.loads(out.stdout.splitlines()[-1])["finished"] is True
     assert "Ray" not in out.stderr and not any(Path(ray_tmp).iterdir())  # Ray never started
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_new_job_in_the_runs_folder_is_refused_and_changes_nothing(two_step_run, capsys):
+    from yatt_apps.cli.main import main
+
+    before = _files(two_step_run)
+    assert main(["grpo", "--run-dir", str(two_step_run), *SHORT]) == 2
+    assert capsys.readouterr().err == (
+        f"yatt grpo: error: {two_step_run} already holds a run: continue it with `yatt resume {two_step_run}`, "
+        "or add --overwrite to delete its records and checkpoints and start over there\n"
+    )
+    assert _files(two_step_run) == before
+
+
+def _corrupt(ckpt: Path) -> None:
+    blob = ckpt / "learner-0.0.bin"
+    data = bytearray(blob.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte, same size: only the sha256 tells
+    blob.write_bytes(bytes(data))
+
+
+def test_resume_names_a_corrupt_checkpoint_and_refuses_when_none_is_valid(two_step_run, tmp_path, capsys):
+    """Both checkpoints of the finished run broken: `yatt resume` to step 3 exits 2 naming each, and the run's
+    files (metrics.jsonl above all) stay as they were; only the newest broken: it continues from the older one,
+    saying which it skipped, and logs steps 0..2 once each."""
+    import shutil
+
+    from yatt_apps.cli.main import main
+
+    run = tmp_path / "run"
+    shutil.copytree(two_step_run, run)
+    ckpts = run / "checkpoints"
+    for step in (0, 1):
+        _corrupt(ckpts / f"step-{step:08d}")
+    before = _files(run)
+    assert main(["resume", str(run), "--set", "run.num_steps=3", "--set", "log.wandb=false"]) == 2
+    why = "learner-0.0.bin does not match its manifest entry (size or sha256)"
+    assert capsys.readouterr().err == (
+        f"yatt resume: error: {ckpts}: no checkpoint verifies against its manifest, so the run cannot resume "
+        f"(nothing was changed):\n  {ckpts}/step-00000001: {why}\n  {ckpts}/step-00000000: {why}\n"
+        "restore them, or move them away to start the run over\n"
+    )
+    assert _files(run) == before
+    shutil.rmtree(ckpts / "step-00000000")
+    shutil.copytree(two_step_run / "checkpoints" / "step-00000000", ckpts / "step-00000000")
+    out = _yatt(
+        "resume", str(run), "--set", "run.num_steps=3", "--set", "log.wandb=false", env=_env(_ray_tmp())
+    )
+    assert f"skipped checkpoint {ckpts}/step-00000001: {why}\n" in out.stderr
+    assert _steps(run) == [0, 1, 2]
 
 
 # ---- Ctrl-C, kill -9, resume -----------------------------------------------------------------------------

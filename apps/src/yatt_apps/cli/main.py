@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from yatt_apps.config import RunConfig
     from yatt_apps.runtime.job import JobDef
+    from yatt_apps.runtime.launch import Existing
 
 # plain subcommand -> (help, "module:function" taking the parsed args and returning an exit code, kind); the
 # job commands (`grpo`, `ppo`, ...) come from the job registry (`yatt_apps.jobs`), one per JobDef
@@ -70,7 +71,7 @@ MAIN_KEYS = """main keys (--set KEY=VALUE, or a YAML file with --config; `yatt c
   optim.lr                    learning rate; algo.kl_loss_coef: KL loss term
   learner.lora_rank           > 0 trains LoRA adapters (merged into exported models)
   controller.checkpoint_every checkpoint every k steps (what resume and export read)
-  placement.mode              colocated, partial or disaggregated
+  placement.mode              colocated, partial, disaggregated or dynamic
   log.wandb                   also log to Weights & Biases (log.project, log.run_name)"""
 
 
@@ -110,6 +111,13 @@ def add_job_options(cmd: argparse.ArgumentParser, *, job_option: bool) -> None:
     cmd.add_argument("--config", help="a YAML file overlaying the preset")
     cmd.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one field")
     cmd.add_argument("--run-dir", help="where the run writes (default: run.out_dir/run.name-TIME)")
+    if not job_option:  # a job command: a folder that already holds a run is refused unless --overwrite
+        cmd.add_argument(
+            "--overwrite",
+            action="store_true",
+            help="--run-dir holds an earlier run: delete its records and checkpoints and start over there "
+            "(without it such a folder is refused; `yatt resume RUN_DIR` continues it)",
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -207,12 +215,12 @@ def check_keys(job: JobDef, yaml_path: str | None, overrides: list[str]) -> None
             )
 
 
-def _run(cfg: RunConfig, job: JobDef, run_dir: str, args: argparse.Namespace) -> int:
+def _run(cfg: RunConfig, job: JobDef, run_dir: str, args: argparse.Namespace, existing: Existing) -> int:
     from yatt_apps.runtime.interrupt import EXIT_INTERRUPTED, GUARD, interrupted_message
     from yatt_apps.runtime.launch import run_job
 
     try:
-        summary = run_job(cfg, run_dir, job)
+        summary = run_job(cfg, run_dir, job, existing=existing)
     except (KeyboardInterrupt, Exception) as err:  # run_job's cleanup has run: Ray is shut down
         if not (isinstance(err, KeyboardInterrupt) or GUARD.count):
             raise
@@ -234,7 +242,7 @@ def job_main(args: argparse.Namespace) -> int:
 
     cfg, job = load_config(args)
     run_dir = args.run_dir or str(Path(cfg.run.out_dir) / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    return _run(cfg, job, run_dir, args)
+    return _run(cfg, job, run_dir, args, "overwrite" if args.overwrite else "refuse")
 
 
 def file_main(args: argparse.Namespace) -> int:
@@ -277,7 +285,7 @@ def resume_main(args: argparse.Namespace) -> int:
             print(f"run {args.run_dir} is finished: its last step ({done}) is done; to train longer: {more}")
         print(json.dumps({"run_dir": args.run_dir, "finished": True, "step": done}))
         return 0
-    return _run(cfg, job, args.run_dir, args)
+    return _run(cfg, job, args.run_dir, args, "resume")
 
 
 def config_main(args: argparse.Namespace) -> int:

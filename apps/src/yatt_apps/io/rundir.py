@@ -10,6 +10,10 @@ Layout:
     RUN_DIR/final/              the trained policy as an HF folder, written when the run ends
     RUN_DIR/placement.jsonl     placement.mode=dynamic: the re-planner's decision after every step, and why
     RUN_DIR/summary.png         reward, KL, response length and phase times, drawn at the end
+    RUN_DIR/models/policy, judge  tiny models built for the run (from its data: a tokenizer trained on it)
+
+A folder that already holds a run (`holds_run`) is only written by `yatt resume`; a new job there is refused
+unless `--overwrite`, which deletes the run's own files (`clear_run`: the layout above, nothing else).
 
 Exact records: every step appears once. A resumed run (`resume_step`, the checkpoint it continues from)
 drops the logged steps after that checkpoint (they are run again) from metrics.jsonl, rewritten atomically,
@@ -41,6 +45,50 @@ PLOT_PANELS = {
 TIMING_PREFIX = "time/"
 NOT_PHASES = {"time/step", "time/startup"}  # timings that are not a part of the step's stacked phase time
 METRICS = "metrics.jsonl"
+# what a run writes into its folder (clear_run deletes these and nothing else: a user's own files stay)
+RUN_FILES = (
+    "config.yaml",
+    "config.yaml.tmp",
+    METRICS,
+    METRICS + ".tmp",
+    "tb",
+    "wandb",
+    "checkpoints",
+    "final",
+    "final.tmp",
+    "final.old",
+    "placement.jsonl",
+    "summary.png",
+    "models/policy",
+    "models/policy.tmp",
+    "models/judge",
+    "models/judge.tmp",
+)
+
+
+def holds_run(path: str | Path) -> bool:
+    """Whether a folder holds a run: its config.yaml or metrics.jsonl, or a checkpoint."""
+    path = Path(path)
+    ckpts = path / "checkpoints"
+    has_checkpoint = ckpts.is_dir() and any(ckpts.iterdir())
+    return (path / "config.yaml").exists() or (path / METRICS).exists() or has_checkpoint
+
+
+def clear_run(path: str | Path) -> list[str]:
+    """Delete a run's own files from its folder (`RUN_FILES`); returns the names deleted."""
+    import shutil
+
+    deleted = []
+    for name in RUN_FILES:
+        target = Path(path) / name
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)
+        elif target.exists() or target.is_symlink():
+            target.unlink()
+        else:
+            continue
+        deleted.append(name)
+    return deleted
 
 
 def read_metrics(path: str | Path) -> list[dict[str, float]]:

@@ -13,7 +13,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import msgspec
 
@@ -23,7 +23,7 @@ from yatt_apps.io.models import load_tokenizer, prepare_model, tokenizer_corpus
 from yatt_apps.io.row_sources import open_rows, stream_check
 from yatt_apps.io.rundir import RunDir
 from yatt_apps.runtime.job import JobDef
-from yatt_apps.runtime.progress import StepLogger
+from yatt_apps.runtime.progress import StepLogger, quiet_transformers
 
 if TYPE_CHECKING:
     from yatt_placement.types import PlacementPlan
@@ -163,6 +163,9 @@ def _init_ray(cfg: RunConfig) -> bool:
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
         return True
     devices = cfg.placement.cluster.num_devices
+    # No dashboard. Ray 2.60's GCS, raylet and worker ports still listen on every interface: ray.init has no
+    # bind address, and `_node_ip_address="127.0.0.1"` is rewritten to the routed address
+    # (services.resolve_ip_for_localhost), so it is not passed (see README, Multi-node)
     ray.init(
         address="local",
         num_cpus=int(devices * cfg.placement.cpus_per_device) + 4,
@@ -191,27 +194,86 @@ def check_hardware(cfg: RunConfig, plan: PlacementPlan) -> None:
         )
 
 
-def prepare_models(cfg: RunConfig, run: RunDir, dataset: Any = train_rows) -> tuple[str, str]:
-    """The policy's and the judge's model directories; tiny ones are built with a tokenizer trained on the
-    task's text (the only time the driver reads every row's text)."""
+def prepare_models(cfg: RunConfig, run: RunDir | Path, dataset: Any = train_rows) -> tuple[str, str]:
+    """The policy's and the judge's model directories; tiny ones are built under RUN_DIR/models with a
+    tokenizer trained on the task's text (the only time the driver reads every row's text)."""
+    root = run if isinstance(run, Path) else run.path
     tiny = not cfg.model.path or (cfg.judge is not None and not cfg.judge.path)
     judge_text = ["Verify the solution step by step. Is the answer correct? Yes No"]
     rows = dataset(cfg)
     corpus = tokenizer_corpus((rows[i] for i in range(len(rows))), judge_text) if tiny else []
-    policy_dir = str(prepare_model(cfg.model, run.path / "models" / "policy", corpus))
-    judge = run.path / "models" / "judge"
+    policy_dir = str(prepare_model(cfg.model, root / "models" / "policy", corpus))
+    judge = root / "models" / "judge"
     judge_dir = str(prepare_model(cfg.judge, judge, corpus, key="judge.path")) if cfg.judge else ""
     return policy_dir, judge_dir
 
 
-def check_data(cfg: RunConfig, policy_dir: str, dataset: Any = train_rows) -> None:
-    """Every training row validated and its prompt length checked, one row at a time, none held."""
+def check_data(cfg: RunConfig, policy_dir: str | None, dataset: Any = train_rows) -> None:
+    """Every training row validated and its prompt length checked, one row at a time, none held. Without a
+    tokenizer (`policy_dir` None: a tiny one is not built yet) the rows are validated and lengths wait."""
     from yatt_apps.runtime.phases import render_prompt
 
-    tok = load_tokenizer(policy_dir)
     system, limit = cfg.data.system_prompt, cfg.data.max_prompt_tokens
-    for _ in stream_check(dataset(cfg), lambda row: len(render_prompt(tok, row, system)), limit):
+    tok = None if policy_dir is None else load_tokenizer(policy_dir)
+
+    def tokens(row: PromptRow) -> int:
+        return 0 if tok is None else len(render_prompt(tok, row, system))
+
+    for _ in stream_check(dataset(cfg), tokens, limit):
         pass
+
+
+# what `run_job` does with a folder that already holds a run (`holds_run`): continue it (`yatt resume`, and a
+# program calling run_job again), refuse (`yatt NAME --run-dir`), or delete its files first (`--overwrite`)
+Existing = Literal["resume", "refuse", "overwrite"]
+EXISTING: tuple[Existing, ...] = get_args(Existing)
+
+
+def check_run_folder(path: Path, existing: Existing) -> None:
+    """A new job never writes into another run's folder: refused, naming the two ways on."""
+    from yatt_apps.io.rundir import holds_run
+
+    if existing not in EXISTING:
+        raise ValueError(f"existing={existing!r} is not one of {EXISTING}")
+    if existing == "refuse" and holds_run(path):
+        raise ValueError(
+            f"{path} already holds a run: continue it with `yatt resume {path}`, or add --overwrite to delete "
+            "its records and checkpoints and start over there"
+        )
+
+
+def prepare_run(
+    cfg: RunConfig, path: Path, job: JobDef, existing: Existing
+) -> tuple[RunConfig, PlacementPlan, str, str]:
+    """Every check, then the models: (cfg, plan, policy_dir, judge_dir). The checks that need no model (config,
+    placement, hardware, every data row; prompt lengths too for a `model.path` tokenizer) run before the run
+    folder is touched; a tiny model's lengths are checked once it is built. A folder this call created is
+    removed again when a check fails; an existing run's records are not touched here."""
+    created = not path.exists()
+    try:
+        if job.prepare is not None:  # may write into the folder (grpo-vlm's generated task)
+            cfg = job.prepare(cfg, path)
+        cfg = absolute_paths(cfg)
+        plan = placement_plan(cfg, job)
+        check_async_placement(cfg, plan)
+        check_hardware(cfg, plan)
+        rows = job.dataset or train_rows
+        given = prepare_model(cfg.model, path, []) if cfg.model.path else None  # a user's model: only read
+        check_data(cfg, None if given is None else str(given), rows)
+        if existing == "overwrite":
+            from yatt_apps.io.rundir import clear_run
+
+            clear_run(path)
+        policy_dir, judge_dir = prepare_models(cfg, path, rows)
+        if given is None:
+            check_data(cfg, policy_dir, rows)
+    except BaseException:
+        if created:
+            import shutil
+
+            shutil.rmtree(path, ignore_errors=True)
+        raise
+    return cfg, plan, policy_dir, judge_dir
 
 
 def absolute_paths(cfg: RunConfig) -> RunConfig:
@@ -229,10 +291,17 @@ def absolute_paths(cfg: RunConfig) -> RunConfig:
     return replace(cfg, data=data, model=model, judge=judge)
 
 
-def run_job(cfg: RunConfig, run_dir: str | Path, job: JobDef) -> dict[str, Any]:
-    """Run (or resume, when `run_dir` holds checkpoints) `cfg` and return the last step's metrics."""
+def run_job(
+    cfg: RunConfig, run_dir: str | Path, job: JobDef, *, existing: Existing = "resume"
+) -> dict[str, Any]:
+    """Run `cfg` and return the last step's metrics. A folder that already holds a run is continued from its
+    newest checkpoint that verifies (`existing="resume"`), refused (`"refuse"`, a new job's), or cleared
+    first (`"overwrite"`). Nothing in the folder changes before every check has passed."""
     for key, value in ENV.items():
         os.environ.setdefault(key, value)
+    quiet_transformers()  # the driver builds and saves tiny models before the step logger exists
+    path = Path(run_dir).resolve()  # absolute: workers do not share the driver's working directory
+    check_run_folder(path, existing)
     if cfg.algo.max_staleness and not job.asynchronous:
         raise ValueError(f"algo.max_staleness > 0: the {cfg.app} job trains on-policy only (use yatt grpo)")
     if cfg.rollout.env:  # an unknown environment or an app without multi-turn support fails here
@@ -241,24 +310,19 @@ def run_job(cfg: RunConfig, run_dir: str | Path, job: JobDef) -> dict[str, Any]:
         check_env(cfg)
     if job.check is not None:
         job.check(cfg)
-    if job.prepare is not None:
-        cfg = job.prepare(cfg, Path(run_dir))
-    plan = placement_plan(cfg, job)
-    check_async_placement(cfg, plan)
     started_at = time.perf_counter()
     from yatt_controller import checkpoint
 
-    path = Path(run_dir).resolve()  # absolute: workers do not share the driver's working directory
-    found = checkpoint.latest(str(path / "checkpoints"))
+    # checkpoints that exist but do not verify: refused here (NoValidCheckpoint), before anything is written;
+    # the ones skipped are named by the runtime when its attempt resumes (once per attempt)
+    resuming = existing == "resume"
+    found = checkpoint.resumable(str(path / "checkpoints"), report=lambda _: None) if resuming else None
+    cfg, plan, policy_dir, judge_dir = prepare_run(cfg, path, job, existing)
     # a resumed run's records are cut back to its checkpoint's step (-1: a fresh start keeps none)
     run = RunDir(path, resume_step=-1 if found is None else found[1].step)
-    cfg = absolute_paths(cfg)
     run.write_config(cfg)
     cfg = with_async_correction(with_schedule(cfg, plan))
-    check_hardware(cfg, plan)
     rows = job.dataset or train_rows
-    policy_dir, judge_dir = prepare_models(cfg, run, rows)
-    check_data(cfg, policy_dir, rows)  # streamed: fail fast on bad data; controllers read their own shards
 
     import ray
     from yatt_controller.runner import Job

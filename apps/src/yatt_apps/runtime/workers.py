@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import io
+from collections.abc import Collection
 from typing import Any
 
 from yatt_apps.config import MEGATRON_CPU_SHIM, ModelSpec, RunConfig
 from yatt_apps.io.models import load_causal_lm, load_tokenizer
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+LOOPBACK = "127.0.0.1"
 
 
 def set_threads(cfg: RunConfig) -> None:
@@ -57,9 +59,9 @@ def learner_backend(cfg: RunConfig) -> str:
 def join_learner_group(info: Any, key: str, *, always: bool = False) -> Any:
     """The torch.distributed group of every learner worker (None for one, unless `always`): dp_size x tp_size
     ranks, rank = dp_rank x tp_size + tp_rank (a TP replica's workers are consecutive, Megatron's order).
-    Rank 0 binds its store on a port the OS picks, on its node's IP, and publishes `ip:port` under `key` in
-    Ray's key-value store; the other ranks wait for it. No port is chosen by one process and bound by another
-    (that races). NCCL on CUDA, gloo on the CPU."""
+    Rank 0 binds its store on a port the OS picks, on `store_host` (127.0.0.1 in a one-node cluster), and
+    publishes `host:port` under `key` in Ray's key-value store; the other ranks wait for it. No port is chosen
+    by one process and bound by another (that races). NCCL on CUDA, gloo on the CPU."""
     import torch.distributed as dist
 
     world, rank = info.dp_size * info.tp_size, info.dp_rank * info.tp_size + info.tp_rank
@@ -72,13 +74,44 @@ def join_learner_group(info: Any, key: str, *, always: bool = False) -> Any:
 
     timeout = datetime.timedelta(seconds=300)
     if rank == 0:
-        ip = ray.util.get_node_ip_address()
-        store = dist.TCPStore(ip, 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
-        internal_kv._internal_kv_put(key, f"{ip}:{store.port}", overwrite=True)
+        nodes = [node["NodeManagerAddress"] for node in ray.nodes() if node["Alive"]]
+        host = store_host(nodes, ray.util.get_node_ip_address())
+        store = bound_store(host, world, timeout)
+        internal_kv._internal_kv_put(key, f"{host}:{store.port}", overwrite=True)
     else:
         store = _wait_for_store(key, world, timeout)
     dist.init_process_group(sync_backend(), store=store, rank=rank, world_size=world, timeout=timeout)
     return dist.group.WORLD
+
+
+def store_host(node_ips: Collection[str], own_ip: str) -> str:
+    """Where rank 0's rendezvous store listens: 127.0.0.1 when this node is the Ray cluster's only one (every
+    rank runs here; nothing off the machine needs to reach the unauthenticated store), else this node's
+    address in the cluster (the one `ray start --node-ip-address` gave), never every interface."""
+    return LOOPBACK if set(node_ips) <= {own_ip} else own_ip
+
+
+def bound_store(host: str, world: int, timeout: Any) -> Any:
+    """A master TCPStore listening on `host` only. torch's store server binds every interface whatever host
+    it is given (measured with torch 2.13: `*:PORT`), so the socket is bound here and handed to it
+    (`master_listen_fd`, which then owns it)."""
+    import socket
+
+    import torch.distributed as dist
+
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind((host, 0))
+    sock.listen(128)
+    port = sock.getsockname()[1]
+    return dist.TCPStore(
+        host,
+        port,
+        world,
+        is_master=True,
+        timeout=timeout,
+        wait_for_workers=False,
+        master_listen_fd=sock.detach(),
+    )
 
 
 def _wait_for_store(key: str, world: int, timeout):

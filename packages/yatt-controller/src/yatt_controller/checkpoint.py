@@ -4,8 +4,10 @@ complete one.
 Layout under a root: `step-00000012/` (complete: it holds `manifest.json`, a `CheckpointManifest` naming every
 file with its size and sha256) and `.staging-step-00000012/` (being written, or left by a crash: never read).
 A directory only gets its final name after its manifest is on disk, and resume re-checks every file against
-the manifest, so a half-written checkpoint is never loaded. Several writers (one per controller) may write
-into one staging directory; one of them commits.
+the manifest, so a half-written checkpoint is never loaded. A resume (`resumable`) says which checkpoints it
+skipped and why, and refuses when checkpoints exist but none verifies (`NoValidCheckpoint`): a run is never
+silently restarted from step 0 over its records. Several writers (one per controller) may write into one
+staging directory; one of them commits.
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import msgspec
@@ -119,13 +122,20 @@ def prune(root: str | os.PathLike, keep: int) -> None:
         shutil.rmtree(Path(root) / _name(step), ignore_errors=True)
 
 
+class NoValidCheckpoint(ValueError):
+    """Checkpoints exist but none verifies: resuming would silently start over, so the resume is refused."""
+
+
 def verify(path: Path) -> CheckpointManifest:
     """The manifest of a checkpoint directory, after checking every file's size and sha256; ValueError
-    naming the file otherwise."""
+    naming the checkpoint and the file otherwise."""
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
         raise ValueError(f"{path}: no {MANIFEST}, the checkpoint is incomplete")
-    manifest = msgspec.json.decode(manifest_path.read_bytes(), type=CheckpointManifest)
+    try:
+        manifest = msgspec.json.decode(manifest_path.read_bytes(), type=CheckpointManifest)
+    except msgspec.DecodeError as err:
+        raise ValueError(f"{path}: {MANIFEST} is not a valid manifest ({err})") from None
     for relpath, sha in manifest.files.items():
         file = path / relpath
         if not file.is_file():
@@ -136,12 +146,42 @@ def verify(path: Path) -> CheckpointManifest:
     return manifest
 
 
-def latest(root: str | os.PathLike) -> tuple[Path, CheckpointManifest] | None:
-    """The newest checkpoint that verifies, or None. Broken ones are skipped, never loaded."""
+def scan(root: str | os.PathLike) -> tuple[tuple[Path, CheckpointManifest] | None, list[str]]:
+    """(the newest checkpoint that verifies, or None; why each newer one was skipped, newest first: one
+    `verify` error each, naming the checkpoint's path and the file)."""
+    skipped: list[str] = []
     for step in reversed(complete_steps(root)):
         path = Path(root) / _name(step)
         try:
-            return path, verify(path)
-        except (ValueError, msgspec.DecodeError):
-            continue
-    return None
+            return (path, verify(path)), skipped
+        except ValueError as err:
+            skipped.append(str(err))
+    return None, skipped
+
+
+def latest(root: str | os.PathLike) -> tuple[Path, CheckpointManifest] | None:
+    """The newest checkpoint that verifies, or None. Broken ones are skipped quietly, never loaded: a resume
+    uses `resumable`, which says what it skipped."""
+    return scan(root)[0]
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def resumable(
+    root: str | os.PathLike, report: Callable[[str], None] = _stderr
+) -> tuple[Path, CheckpointManifest] | None:
+    """The checkpoint a resume continues from: the newest that verifies (None: there is no checkpoint, a
+    fresh start). Each newer one that does not verify is reported as `skipped checkpoint PATH: WHY`; when
+    checkpoints exist and none verifies, `NoValidCheckpoint` lists them (nothing has been changed)."""
+    found, skipped = scan(root)
+    if found is None and skipped:
+        reasons = "\n".join(f"  {why}" for why in skipped)
+        raise NoValidCheckpoint(
+            f"{root}: no checkpoint verifies against its manifest, so the run cannot resume (nothing was "
+            f"changed):\n{reasons}\nrestore them, or move them away to start the run over"
+        )
+    for why in skipped:
+        report(f"skipped checkpoint {why}")
+    return found

@@ -23,8 +23,9 @@ class ControllerFailure(RuntimeError):
 
 
 def resume_point(checkpoint_dir: str | None) -> Path | None:
-    """The newest complete checkpoint of the run, or None (a fresh start)."""
-    found = checkpoint.latest(checkpoint_dir) if checkpoint_dir else None
+    """The newest checkpoint of the run that verifies, or None (a fresh start: there is none). Newer ones
+    that do not verify are named on stderr with why; `checkpoint.NoValidCheckpoint` when none verifies."""
+    found = checkpoint.resumable(checkpoint_dir) if checkpoint_dir else None
     return None if found is None else found[0]
 
 

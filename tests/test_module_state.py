@@ -25,10 +25,32 @@ SOURCES = {
 MUTABLE_LITERALS = (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp)
 # calls that build immutable values or plain type aliases: not state
 IMMUTABLE_CALLS = {
-    "frozenset", "tuple", "TypeVar", "NewType", "namedtuple", "NamedTuple", "Literal", "object", "str", "int",
-    "float", "bool", "bytes", "range", "Path", "getLogger", "re.compile", "compile", "ParamSpec", "field",
-    "dataclass", "partial", "cast", "environ.get", "get",
-}  # fmt: skip
+    "frozenset",
+    "tuple",
+    "TypeVar",
+    "NewType",
+    "namedtuple",
+    "NamedTuple",
+    "Literal",
+    "object",
+    "str",
+    "int",
+    "float",
+    "bool",
+    "bytes",
+    "range",
+    "Path",
+    "getLogger",
+    "re.compile",
+    "compile",
+    "ParamSpec",
+    "field",
+    "dataclass",
+    "partial",
+    "cast",
+    "environ.get",
+    "get",
+}
 # (path relative to its source root, name): registries filled at import, with why they are not state
 ALLOWED: dict[tuple[str, str], str] = {}
 

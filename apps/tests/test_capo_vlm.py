@@ -65,8 +65,11 @@ def test_capo_credit_on_scripted_critiques(voting, row1, num_wrong):
     assert got == pytest.approx(want, abs=1e-6)
     assert adv[2].abs().max() == 0  # prompt 1: one response, all tokens equal
     penalized = 2 + sum(x < 0 for x in row1)
-    assert counts == {"capo/critique_failed": 1.0, "capo/penalized_tokens": float(penalized),
-                      "capo/wrong_steps": float(num_wrong)}  # fmt: skip
+    assert counts == {
+        "capo/critique_failed": 1.0,
+        "capo/penalized_tokens": float(penalized),
+        "capo/wrong_steps": float(num_wrong),
+    }
 
 
 def test_capo_credit_hand_values_intersection():
@@ -118,8 +121,9 @@ def test_genprm_spans_through_a_real_tokenizer(policy_tok):
     prompt_len = 3
     mask = torch.zeros(1, prompt_len + len(ids), dtype=torch.bool)
     mask[0, prompt_len:] = True
-    rewards, _, counts = capo_credit(torch.tensor([1.0]), [crit], [prompt_len], mask, torch.tensor([0]),
-                                     CapoSpec(), eps=1e-6)  # fmt: skip
+    rewards, _, counts = capo_credit(
+        torch.tensor([1.0]), [crit], [prompt_len], mask, torch.tensor([0]), CapoSpec(), eps=1e-6
+    )
     want = torch.where(mask[0], 2.0, 0.0)
     want[prompt_len + start : prompt_len + end] = 1.0
     assert rewards[0].tolist() == want.tolist()
@@ -197,8 +201,14 @@ def test_vlm_prompt_and_batch(tmp_path):
 
 def _yatt(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCHINDUCTOR_CACHE_DIR": "/tmp/yatt-inductor-cache"}
-    return subprocess.run([sys.executable, "-m", "yatt_apps.cli", *argv, "--json"], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=900)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "yatt_apps.cli", *argv, "--json"],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
 
 
 def test_grpo_vlm_corrupt_image_exits_2(tmp_path, capsys):
@@ -208,8 +218,10 @@ def test_grpo_vlm_corrupt_image_exits_2(tmp_path, capsys):
 
     Image.new("RGB", (56, 56), "red").save(tmp_path / "ok.png")
     (tmp_path / "bad.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\x00" * 20)
-    rows = [{"prompt": "How many?", "answer": "1", "images": ["ok.png"]},
-            {"prompt": "How many?", "answer": "0", "images": ["bad.png"]}]  # fmt: skip
+    rows = [
+        {"prompt": "How many?", "answer": "1", "images": ["ok.png"]},
+        {"prompt": "How many?", "answer": "0", "images": ["bad.png"]},
+    ]
     data = tmp_path / "train.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     code = main(["grpo-vlm", "--set", f"data.train={data}", "--run-dir", str(tmp_path / "run")])

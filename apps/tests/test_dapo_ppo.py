@@ -110,8 +110,11 @@ def test_refill_waves_hand_worked():
     rows = [_row(f"r{i}") for i in range(4)]
     fresh = [_row(f"f{i}") for i in range(4)]
     state = {"dapo": {"expansion": 1.0, "buffer": [msgspec.structs.asdict(_row("b0"))]}}
-    ctx = ScriptedContext([fresh], [{"total": 4, "valid": 1, "short": 1}, {"total": 6, "valid": 3, "short": 0}],
-                          msgspec.msgpack.decode(msgspec.msgpack.encode(state)))  # fmt: skip
+    ctx = ScriptedContext(
+        [fresh],
+        [{"total": 4, "valid": 1, "short": 1}, {"total": 6, "valid": 3, "short": 0}],
+        msgspec.msgpack.decode(msgspec.msgpack.encode(state)),
+    )
     calls: list = []
     picked = dynamic_sample(ctx, rows, _waves({"r1", "b0", "f0", "f2", "f3"}, calls), SPEC)
     assert calls == [(0, ["r0", "r1", "r2", "r3"]), (1, ["b0", "f0", "f1", "f2", "f3"])]
@@ -257,8 +260,14 @@ def test_critic_worker_fits_returns_and_round_trips_its_state(tmp_path):
 
 def _yatt(*argv: str, cwd: Path) -> dict:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "YATT_DEBUG": "1"}
-    out = subprocess.run([sys.executable, "-m", "yatt_apps.cli", *argv, "--json"], cwd=cwd, env=env,
-                         capture_output=True, text=True, timeout=900)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "yatt_apps.cli", *argv, "--json"],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -270,8 +279,18 @@ def _metrics(run_dir: Path) -> list[dict]:
 @pytest.mark.slow
 def test_dapo_runs_two_steps(tmp_path):
     run_dir = tmp_path / "dapo"
-    summary = _yatt("dapo", "--run-dir", str(run_dir), "--set", "run.num_steps=2", "--set", "run.eval_every=0",
-                    "--set", "controller.count_driver_bytes=true", cwd=tmp_path)  # fmt: skip
+    summary = _yatt(
+        "dapo",
+        "--run-dir",
+        str(run_dir),
+        "--set",
+        "run.num_steps=2",
+        "--set",
+        "run.eval_every=0",
+        "--set",
+        "controller.count_driver_bytes=true",
+        cwd=tmp_path,
+    )
     assert summary["driver_bytes"] < 300_000 and summary["restarts"] == 0
     rows = _metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1]
@@ -292,10 +311,19 @@ def _comparable(row: dict) -> dict:
 # fresh value head (outputs near 0) does not know, so a critic that learns shows a falling value loss. With the
 # rule terms alone the tiny policy's returns are near 0 from the start and the loss sits at its noise floor.
 # the critic's fit is measured from a policy built from scratch (no warm start), as before warm starts existed
-PPO_LEARN = ["--set", "model.warm_start=none", "--set", "model.warm_start_steps=0",
-             "--set", "run.eval_every=0", "--set", "controller.checkpoint_every=2", "--set",
-             "rewards=[{kind: math_verify, weight: 1.0}, {kind: regex, name: format, weight: 0.5, options: "
-             "{pattern: '^\\s*-?\\d+'}}, {kind: regex, name: offset, weight: 1.0, options: {pattern: ''}}]"]  # fmt: skip
+PPO_LEARN = [
+    "--set",
+    "model.warm_start=none",
+    "--set",
+    "model.warm_start_steps=0",
+    "--set",
+    "run.eval_every=0",
+    "--set",
+    "controller.checkpoint_every=2",
+    "--set",
+    "rewards=[{kind: math_verify, weight: 1.0}, {kind: regex, name: format, weight: 0.5, options: "
+    "{pattern: '^\\s*-?\\d+'}}, {kind: regex, name: offset, weight: 1.0, options: {pattern: ''}}]",
+]
 
 
 # the driver counts the bytes it receives only when asked (controller.count_driver_bytes)
@@ -325,8 +353,17 @@ def test_ppo_critic_value_loss_falls(ppo_run):
     rows = _metrics(ppo_run)
     assert [r["step"] for r in rows] == list(range(8))
     first = rows[0]
-    for key in ("critic/vf_loss", "critic/value_mean", "critic/return_mean", "ppo/kl_reward", "train/pg_loss",
-                "train/kl", "reward/offset_mean", "time/logprobs", "time/train"):  # fmt: skip
+    for key in (
+        "critic/vf_loss",
+        "critic/value_mean",
+        "critic/return_mean",
+        "ppo/kl_reward",
+        "train/pg_loss",
+        "train/kl",
+        "reward/offset_mean",
+        "time/logprobs",
+        "time/train",
+    ):
         assert key in first, key
     assert first["reward/offset_mean"] == 1.0
     loss = [r["critic/vf_loss"] for r in rows]

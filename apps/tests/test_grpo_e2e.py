@@ -19,8 +19,14 @@ pytestmark = pytest.mark.slow
 
 def _yatt(*argv: str, cwd: Path) -> dict:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    out = subprocess.run([sys.executable, "-m", "yatt_apps.cli", *argv, "--json"], cwd=cwd, env=env,
-                         capture_output=True, text=True, timeout=900)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "yatt_apps.cli", *argv, "--json"],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -52,10 +58,23 @@ def test_run_directory_is_complete(learning_run):
     metrics = _metrics(learning_run)
     assert sorted(metrics) == list(range(11))
     first = metrics[0]
-    for key in ("reward/mean", "train/kl", "rollout/response_len_mean", "time/rollout_reward", "time/rollout_s",
-                "time/reward_s", "time/rollout_reward_overlap_s", "judge/parse_rate",
-                "time/logprobs", "time/train", "time/weight_sync", "time/idle", "throughput/tokens_per_s",
-                "reward_status/parse_error", "val/accuracy"):  # fmt: skip
+    for key in (
+        "reward/mean",
+        "train/kl",
+        "rollout/response_len_mean",
+        "time/rollout_reward",
+        "time/rollout_s",
+        "time/reward_s",
+        "time/rollout_reward_overlap_s",
+        "judge/parse_rate",
+        "time/logprobs",
+        "time/train",
+        "time/weight_sync",
+        "time/idle",
+        "throughput/tokens_per_s",
+        "reward_status/parse_error",
+        "val/accuracy",
+    ):
         assert key in first, key
     # every judgement of the tiny judge was accounted for: 32 prompts x 8 samples per step
     assert sum(first[f"reward_status/{s}"] for s in ("ok", "parse_error", "timeout", "error")) == 256

@@ -62,8 +62,19 @@ def test_paper_example_is_exact_in_fp32(models, tmp_path, capsys):
     # B rows (0.3, 0.7), (0.7, 0.3) is beta = 0.3; B^T lambda = (1, 0): 0.3 l1 + 0.7 l2 = 1, l1 + l2 = 1
     # -> 0.3 + 0.4 l2 = 1 -> l2 = 1.75, l1 = -0.75 (PAPERS.md)
     out = tmp_path / "merged"
-    record = _merge(capsys, "--backbones", str(models["a"]), str(models["b"]), "--beta", "0.3",
-                    "--preference", "1", "0", "--out", str(out))  # fmt: skip
+    record = _merge(
+        capsys,
+        "--backbones",
+        str(models["a"]),
+        str(models["b"]),
+        "--beta",
+        "0.3",
+        "--preference",
+        "1",
+        "0",
+        "--out",
+        str(out),
+    )
     assert record["lambda"] == pytest.approx([-0.75, 1.75], abs=1e-12)
     assert record["coefficients"] == record["lambda"] and record["num_tensors"] == len(_weights(out))
     a, b, merged = _weights(models["a"]), _weights(models["b"]), _weights(out)
@@ -84,8 +95,19 @@ def test_beta_0_7_matches_bone_soup_merge_and_loads(models, tmp_path, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = tmp_path / "merged"
-    record = _merge(capsys, "--backbones", str(models["a"]), str(models["b"]), "--beta", "0.7",
-                    "--preference", "0.2", "0.8", "--out", str(out))  # fmt: skip
+    record = _merge(
+        capsys,
+        "--backbones",
+        str(models["a"]),
+        str(models["b"]),
+        "--beta",
+        "0.7",
+        "--preference",
+        "0.2",
+        "0.8",
+        "--out",
+        str(out),
+    )
     assert record["lambda"] == pytest.approx([-0.25, 1.25], abs=1e-12)
     reference = bone_soup_merge([_weights(models["a"]), _weights(models["b"])], [0.2, 0.8], beta=0.7)
     merged = _weights(out)
@@ -100,8 +122,19 @@ def test_beta_0_7_matches_bone_soup_merge_and_loads(models, tmp_path, capsys):
 def test_equal_preference_is_the_average(models, tmp_path, capsys):
     # mu = (0.5, 0.5) gives lambda = (0.5, 0.5) for any beta (PAPERS.md)
     out = tmp_path / "merged"
-    record = _merge(capsys, "--backbones", str(models["a"]), str(models["b"]), "--beta", "0.8",
-                    "--preference", "0.5", "0.5", "--out", str(out))  # fmt: skip
+    record = _merge(
+        capsys,
+        "--backbones",
+        str(models["a"]),
+        str(models["b"]),
+        "--beta",
+        "0.8",
+        "--preference",
+        "0.5",
+        "0.5",
+        "--out",
+        str(out),
+    )
     assert record["lambda"] == pytest.approx([0.5, 0.5], abs=1e-12)
     a, b, merged = _weights(models["a"]), _weights(models["b"]), _weights(out)
     for name in merged:
@@ -114,13 +147,29 @@ def test_three_backbones_with_sft_extrapolation(models, tmp_path, capsys):
     # alpha 0.5 -> k = 2: coefficients over (sft, a, b, c) = (1 - 2 (2 - 0.5 - 0.5), 4, -1, -1) = (-1, 4, -1, -1)
     out = tmp_path / "merged"
     backbones = [str(models[k]) for k in "abc"]
-    record = _merge(capsys, "--backbones", *backbones, "--beta", "0.6", "--preference", "1", "0", "0",
-                    "--sft", str(models["sft"]), "--alpha", "0.5", "--out", str(out))  # fmt: skip
+    record = _merge(
+        capsys,
+        "--backbones",
+        *backbones,
+        "--beta",
+        "0.6",
+        "--preference",
+        "1",
+        "0",
+        "0",
+        "--sft",
+        str(models["sft"]),
+        "--alpha",
+        "0.5",
+        "--out",
+        str(out),
+    )
     assert record["lambda"] == pytest.approx([2.0, -0.5, -0.5], abs=1e-12)
     assert record["coefficients"] == pytest.approx([-1.0, 4.0, -1.0, -1.0], abs=1e-12)
     sft = _weights(models["sft"])
-    reference = bone_soup_merge([_weights(models[k]) for k in "abc"], [1, 0, 0], beta=0.6, sft=sft,
-                                alphas=[0.5, 0.5, 0.5])  # fmt: skip
+    reference = bone_soup_merge(
+        [_weights(models[k]) for k in "abc"], [1, 0, 0], beta=0.6, sft=sft, alphas=[0.5, 0.5, 0.5]
+    )
     merged = _weights(out)
     a, b, c = (_weights(models[k]) for k in "abc")
     for name in merged:
@@ -131,8 +180,19 @@ def test_three_backbones_with_sft_extrapolation(models, tmp_path, capsys):
 
 def test_sharded_input_keeps_its_layout(models, tmp_path, capsys):
     out = tmp_path / "merged"
-    _merge(capsys, "--backbones", str(models["a_sharded"]), str(models["b"]), "--beta", "0.3",
-           "--preference", "1", "0", "--out", str(out))  # fmt: skip
+    _merge(
+        capsys,
+        "--backbones",
+        str(models["a_sharded"]),
+        str(models["b"]),
+        "--beta",
+        "0.3",
+        "--preference",
+        "1",
+        "0",
+        "--out",
+        str(out),
+    )
     shards = sorted(p.name for p in out.glob("*.safetensors"))
     assert shards == sorted(p.name for p in models["a_sharded"].glob("*.safetensors")) and len(shards) > 1
     index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
@@ -146,34 +206,89 @@ def test_sharded_input_keeps_its_layout(models, tmp_path, capsys):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--backbones", "{a}", "{wide}", "--beta", "0.7", "--preference", "0.5", "0.5"],
-         r"--backbones\[1\] .*wide/config\.json: architecture differs from --backbones\[0\] .*: hidden_size 96 vs 64"),
-        (["--backbones", "{a}", "{llama}", "--beta", "0.7", "--preference", "0.5", "0.5"],
-         r"--backbones\[1\] .*llama/config\.json: architecture differs .*architectures \['LlamaForCausalLM'\]"),
-        (["--backbones", "{a}", "{dropped}", "--beta", "0.7", "--preference", "0.5", "0.5"],
-         r"--backbones\[1\] .*dropped: tensor names differ from --backbones\[0\] .*missing \['model\.norm\.weight'\]"),
-        (["--backbones", "{a}", "{b}", "--beta", "0.7", "--preference", "0.7", "0.7"],
-         r"--preference: preference must be on the simplex \(>= 0, sum 1\), got \[0\.7, 0\.7\]"),
-        (["--backbones", "{a}", "{b}", "--beta", "0.7", "--preference", "1.5", "-0.5"],
-         r"--preference: preference must be on the simplex"),
-        (["--backbones", "{a}", "{b}", "--beta", "0.7", "--preference", "0.2", "0.3", "0.5"],
-         r"--preference has 3 values for 2 --backbones"),
-        (["--backbones", "{a}", "--beta", "0.7", "--preference", "1"],
-         r"--backbones needs at least 2 directories, got 1"),
-        (["--backbones", "{a}", "{b}", "--beta", "0.5", "--preference", "1", "0"],
-         r"--beta: beta = 1/2 makes B singular"),
-        (["--backbones", "{a}", "{b}", "--beta", "0.7", "--preference", "1", "0", "--alpha", "0.2"],
-         r"--alpha needs --sft"),
-        (["--backbones", "{a}", "{b}", "--beta", "0.7", "--preference", "1", "0", "--sft", "{sft}",
-          "--alpha", "1.0"], r"--alpha: alpha must be in \[0, 1\), got 1\.0"),
-        (["--backbones", "{a}", "{b}", "{c}", "--beta", "0.7", "--preference", "1", "0", "0", "--sft",
-          "{sft}", "--alpha", "0.1", "0.2"], r"--alpha has 2 values: give one, or one per backbone \(3\)"),
-        (["--backbones", "{a}", "{a}/nowhere", "--beta", "0.7", "--preference", "1", "0"],
-         r"--backbones\[1\] .*/nowhere: not a directory"),
-        (["--backbones", "{a}", "{b}", "--sft", "{wide}", "--beta", "0.7", "--preference", "1", "0"],
-         r"--backbones\[0\] .*a/config\.json: architecture differs from --sft .*wide"),
+        (
+            ["--backbones", "{a}", "{wide}", "--beta", "0.7", "--preference", "0.5", "0.5"],
+            r"--backbones\[1\] .*wide/config\.json: architecture differs from --backbones\[0\] .*: hidden_size 96 vs 64",
+        ),
+        (
+            ["--backbones", "{a}", "{llama}", "--beta", "0.7", "--preference", "0.5", "0.5"],
+            r"--backbones\[1\] .*llama/config\.json: architecture differs .*architectures \['LlamaForCausalLM'\]",
+        ),
+        (
+            ["--backbones", "{a}", "{dropped}", "--beta", "0.7", "--preference", "0.5", "0.5"],
+            r"--backbones\[1\] .*dropped: tensor names differ from --backbones\[0\] .*missing \['model\.norm\.weight'\]",
+        ),
+        (
+            ["--backbones", "{a}", "{b}", "--beta", "0.7", "--preference", "0.7", "0.7"],
+            r"--preference: preference must be on the simplex \(>= 0, sum 1\), got \[0\.7, 0\.7\]",
+        ),
+        (
+            ["--backbones", "{a}", "{b}", "--beta", "0.7", "--preference", "1.5", "-0.5"],
+            r"--preference: preference must be on the simplex",
+        ),
+        (
+            ["--backbones", "{a}", "{b}", "--beta", "0.7", "--preference", "0.2", "0.3", "0.5"],
+            r"--preference has 3 values for 2 --backbones",
+        ),
+        (
+            ["--backbones", "{a}", "--beta", "0.7", "--preference", "1"],
+            r"--backbones needs at least 2 directories, got 1",
+        ),
+        (
+            ["--backbones", "{a}", "{b}", "--beta", "0.5", "--preference", "1", "0"],
+            r"--beta: beta = 1/2 makes B singular",
+        ),
+        (
+            ["--backbones", "{a}", "{b}", "--beta", "0.7", "--preference", "1", "0", "--alpha", "0.2"],
+            r"--alpha needs --sft",
+        ),
+        (
+            [
+                "--backbones",
+                "{a}",
+                "{b}",
+                "--beta",
+                "0.7",
+                "--preference",
+                "1",
+                "0",
+                "--sft",
+                "{sft}",
+                "--alpha",
+                "1.0",
+            ],
+            r"--alpha: alpha must be in \[0, 1\), got 1\.0",
+        ),
+        (
+            [
+                "--backbones",
+                "{a}",
+                "{b}",
+                "{c}",
+                "--beta",
+                "0.7",
+                "--preference",
+                "1",
+                "0",
+                "0",
+                "--sft",
+                "{sft}",
+                "--alpha",
+                "0.1",
+                "0.2",
+            ],
+            r"--alpha has 2 values: give one, or one per backbone \(3\)",
+        ),
+        (
+            ["--backbones", "{a}", "{a}/nowhere", "--beta", "0.7", "--preference", "1", "0"],
+            r"--backbones\[1\] .*/nowhere: not a directory",
+        ),
+        (
+            ["--backbones", "{a}", "{b}", "--sft", "{wide}", "--beta", "0.7", "--preference", "1", "0"],
+            r"--backbones\[0\] .*a/config\.json: architecture differs from --sft .*wide",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_input_exits_2_naming_the_argument(models, tmp_path, capsys, argv, message):
     out = tmp_path / "merged"
     argv = [arg.format(**{k: str(v) for k, v in models.items()}) for arg in argv]
@@ -191,12 +306,33 @@ def test_broken_weights_exit_2_naming_the_file(models, tmp_path, capsys):
     last.unlink()
     corrupt = shutil.copytree(models["b"], tmp_path / "corrupt")  # a truncated header
     (corrupt / "model.safetensors").write_bytes(b"\x10\x00\x00")
-    for bad, message in ((torn, f"--backbones[1] {torn}/model.safetensors.index.json: lists shard(s) that "
-                                f"are not there: ['{last.name}']"),
-                         (corrupt, f"--backbones[1] {corrupt}/model.safetensors: not a readable safetensors")):  # fmt: skip
+    for bad, message in (
+        (
+            torn,
+            f"--backbones[1] {torn}/model.safetensors.index.json: lists shard(s) that "
+            f"are not there: ['{last.name}']",
+        ),
+        (corrupt, f"--backbones[1] {corrupt}/model.safetensors: not a readable safetensors"),
+    ):
         out = tmp_path / "merged"
-        assert main(["merge", "--backbones", str(models["a"]), str(bad), "--beta", "0.7",
-                     "--preference", "1", "0", "--out", str(out)]) == 2  # fmt: skip
+        assert (
+            main(
+                [
+                    "merge",
+                    "--backbones",
+                    str(models["a"]),
+                    str(bad),
+                    "--beta",
+                    "0.7",
+                    "--preference",
+                    "1",
+                    "0",
+                    "--out",
+                    str(out),
+                ]
+            )
+            == 2
+        )
         assert message in capsys.readouterr().err
         assert not out.exists() and not (tmp_path / "merged.tmp").exists()
 
@@ -206,19 +342,53 @@ def test_parser_stays_light():
     import subprocess
     import sys
 
-    code = ("import sys, yatt_apps.cli.main as c; p = c.build_parser(); "
-            "a = p.parse_args(['merge', '--backbones', 'x', 'y', '--beta', '0.7', '--preference', '1', '0', "
-            "'--out', 'z']); assert a.preference == [1.0, 0.0] and a.alpha is None, a; "
-            "assert 'torch' not in sys.modules and 'safetensors' not in sys.modules")  # fmt: skip
+    code = (
+        "import sys, yatt_apps.cli.main as c; p = c.build_parser(); "
+        "a = p.parse_args(['merge', '--backbones', 'x', 'y', '--beta', '0.7', '--preference', '1', '0', "
+        "'--out', 'z']); assert a.preference == [1.0, 0.0] and a.alpha is None, a; "
+        "assert 'torch' not in sys.modules and 'safetensors' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 def test_existing_output_and_non_model_directory_exit_2(models, tmp_path, capsys):
     taken = tmp_path / "taken"
     taken.mkdir()
-    assert main(["merge", "--backbones", str(models["a"]), str(models["b"]), "--beta", "0.7",
-                 "--preference", "1", "0", "--out", str(taken)]) == 2  # fmt: skip
+    assert (
+        main(
+            [
+                "merge",
+                "--backbones",
+                str(models["a"]),
+                str(models["b"]),
+                "--beta",
+                "0.7",
+                "--preference",
+                "1",
+                "0",
+                "--out",
+                str(taken),
+            ]
+        )
+        == 2
+    )
     assert f"--out {taken} already exists" in capsys.readouterr().err
-    assert main(["merge", "--backbones", str(models["a"]), str(tmp_path), "--beta", "0.7",
-                 "--preference", "1", "0", "--out", str(tmp_path / "m")]) == 2  # fmt: skip
+    assert (
+        main(
+            [
+                "merge",
+                "--backbones",
+                str(models["a"]),
+                str(tmp_path),
+                "--beta",
+                "0.7",
+                "--preference",
+                "1",
+                "0",
+                "--out",
+                str(tmp_path / "m"),
+            ]
+        )
+        == 2
+    )
     assert f"--backbones[1] {tmp_path}: not an HF model directory (no config.json)" in capsys.readouterr().err

@@ -25,8 +25,15 @@ class _Handle:
 
 
 def _worker(host: str, dp: int, tp: int = 0, view_dp: int | None = None, device: int | None = None) -> Worker:
-    return Worker(_Handle(host), "rollout", dp if view_dp is None else view_dp, tp, dp if device is None else device,
-                  f"w{dp}.{tp}", dp)  # fmt: skip
+    return Worker(
+        _Handle(host),
+        "rollout",
+        dp if view_dp is None else view_dp,
+        tp,
+        dp if device is None else device,
+        f"w{dp}.{tp}",
+        dp,
+    )
 
 
 def _group(role: str, *hosts: str, name: str = "") -> WorkerGroup:
@@ -56,8 +63,16 @@ def test_the_roster_alone_decides_which_groups_may_be_replaced():
     # the one operation refuses them before touching any process
     for name, why in (("actor", "the learner"), ("critic", "checkpointed")):
         with pytest.raises(ValueError, match=f"replace_replicas: group '{name}' is {why}; never replaced"):
-            replace_replicas(None, roster, {name: [[0]]}, cause="move", step=0, learner=None,  # type: ignore[arg-type]
-                             weight_sync=None, version=0)  # fmt: skip
+            replace_replicas(
+                None,
+                roster,
+                {name: [[0]]},
+                cause="move",
+                step=0,
+                learner=None,  # type: ignore[arg-type]
+                weight_sync=None,
+                version=0,
+            )
     # and so does the re-planner's check, with the roster's reason
     plan = SimpleNamespace(
         num_devices=100,
@@ -304,8 +319,14 @@ def test_a_live_move_and_a_repair_are_one_replacement_operation(disaggregated, t
         return Services({"actor": learner, "rollout": rollout}, "actor", WeightSync(learner, [rollout]))
 
     num_steps = 8
-    job = Job(build=build, step_fn=replace_step, dataset=lambda: list(range(64)), batch_size=8,
-              num_steps=num_steps, replan=lambda step, busy: moved if step == 0 else None)  # fmt: skip
+    job = Job(
+        build=build,
+        step_fn=replace_step,
+        dataset=lambda: list(range(64)),
+        batch_size=8,
+        num_steps=num_steps,
+        replan=lambda step, busy: moved if step == 0 else None,
+    )
     realized = realize_mod.realize(plan([[1]]), cpus_per_device=0.5)
     spec = ControllerSpec(mode="single", heartbeat_interval_s=0.25, hang_timeout_s=60.0, on_failure="fail")
     try:

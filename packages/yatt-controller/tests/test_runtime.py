@@ -273,8 +273,14 @@ def _critic_job(tmp_path, num_steps: int) -> Job:
             services, groups={**services.groups, "critic": critic}, checkpointed=("critic",)
         )
 
-    return Job(build=build, step_fn=doubles.critic_step, dataset=_rows, batch_size=8, num_steps=num_steps,
-               checkpoint_dir=str(tmp_path / "ckpt"))  # fmt: skip
+    return Job(
+        build=build,
+        step_fn=doubles.critic_step,
+        dataset=_rows,
+        batch_size=8,
+        num_steps=num_steps,
+        checkpoint_dir=str(tmp_path / "ckpt"),
+    )
 
 
 @pytest.mark.slow

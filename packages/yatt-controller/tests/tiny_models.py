@@ -11,9 +11,15 @@ def _tiny_llama(seed: int):
 
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
-    )  # fmt: skip
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     return LlamaForCausalLM(config).eval()
 
 
@@ -78,9 +84,13 @@ class TinyEngine:
         with torch.no_grad():
             ids = torch.tensor(prompts)  # [B, P]: prompts of one length, no padding
             out = self.model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=self.max_new_tokens,
-                min_new_tokens=self.max_new_tokens, do_sample=False, pad_token_id=0,
-            )  # fmt: skip
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=self.max_new_tokens,
+                min_new_tokens=self.max_new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
         return [
             {"prompt": p, "completion": row[len(p) :].tolist(), "version": self.version}
             for p, row in zip(prompts, out, strict=True)

@@ -27,13 +27,28 @@ def _facts(result: PlacementPlan) -> tuple:
     ("mode", "devices", "facts"),
     [
         # actor-rollout shared, rollout-judge shared, sleeps, streams, movable
-        ("colocated", {"actor": [0, 1, 2, 3], "rollout": [0, 1, 2, 3], "genrm": [0, 1, 2, 3]},
-         (True, True, True, False, False)),
-        ("partial", {"actor": [0, 1, 2, 3], "rollout": [0, 1], "genrm": [2, 3]}, (True, False, False, True, False)),
-        ("dynamic", {"actor": [0, 1, 2, 3], "rollout": [0, 1], "genrm": [2, 3]}, (True, False, False, True, True)),
-        ("disaggregated", {"actor": [0, 1], "rollout": [2], "genrm": [3]}, (False, False, False, True, False)),
+        (
+            "colocated",
+            {"actor": [0, 1, 2, 3], "rollout": [0, 1, 2, 3], "genrm": [0, 1, 2, 3]},
+            (True, True, True, False, False),
+        ),
+        (
+            "partial",
+            {"actor": [0, 1, 2, 3], "rollout": [0, 1], "genrm": [2, 3]},
+            (True, False, False, True, False),
+        ),
+        (
+            "dynamic",
+            {"actor": [0, 1, 2, 3], "rollout": [0, 1], "genrm": [2, 3]},
+            (True, False, False, True, True),
+        ),
+        (
+            "disaggregated",
+            {"actor": [0, 1], "rollout": [2], "genrm": [3]},
+            (False, False, False, True, False),
+        ),
     ],
-)  # fmt: skip
+)
 def test_each_mode_states_its_facts(mode, devices, facts):
     result = plan(FOUR, [ACTOR, ROLLOUT, JUDGE], mode, profile=EVEN)
     assert {key: result.devices(key) for key in result.role_keys()} == devices

@@ -27,19 +27,42 @@ if TYPE_CHECKING:
 # plain subcommand -> (help, "module:function" taking the parsed args and returning an exit code, kind); the
 # job commands (`grpo`, `ppo`, ...) come from the job registry (`yatt_apps.jobs`), one per JobDef
 COMMANDS: dict[str, tuple[str, str, str]] = {
-    "doctor": ("check the installation: packages, backends, devices, and a wire/codec/model round trip",
-               "yatt_apps.cli.doctor:main", "plain"),
-    "run": ("run a job defined in your own Python file (JOB = JobDef(...)): yatt run path/to/job.py [--set ...]",
-            "yatt_apps.cli.main:file_main", "file"),
-    "config": ("print the full resolved config as YAML, one doc comment per key (--job, --preset, --config, --set)",
-               "yatt_apps.cli.main:config_main", "job"),
-    "plan": ("print the placement plan of a config as a table (or --json)", "yatt_apps.cli.main:plan_main", "job"),
-    "resume": ("continue a run from its newest complete checkpoint", "yatt_apps.cli.main:resume_main", "resume"),
-    "export": ("write a run's trained policy (newest checkpoint, or --step N) as an HF folder, LoRA merged",
-               "yatt_apps.io.export:main", "plain"),
-    "merge": ("Bone Soup: merge saved backbones into one HF model for a preference over objectives",
-              "yatt_apps.jobs.merge:main", "plain"),
-}  # fmt: skip
+    "doctor": (
+        "check the installation: packages, backends, devices, and a wire/codec/model round trip",
+        "yatt_apps.cli.doctor:main",
+        "plain",
+    ),
+    "run": (
+        "run a job defined in your own Python file (JOB = JobDef(...)): yatt run path/to/job.py [--set ...]",
+        "yatt_apps.cli.main:file_main",
+        "file",
+    ),
+    "config": (
+        "print the full resolved config as YAML, one doc comment per key (--job, --preset, --config, --set)",
+        "yatt_apps.cli.main:config_main",
+        "job",
+    ),
+    "plan": (
+        "print the placement plan of a config as a table (or --json)",
+        "yatt_apps.cli.main:plan_main",
+        "job",
+    ),
+    "resume": (
+        "continue a run from its newest complete checkpoint",
+        "yatt_apps.cli.main:resume_main",
+        "resume",
+    ),
+    "export": (
+        "write a run's trained policy (newest checkpoint, or --step N) as an HF folder, LoRA merged",
+        "yatt_apps.io.export:main",
+        "plain",
+    ),
+    "merge": (
+        "Bone Soup: merge saved backbones into one HF model for a preference over objectives",
+        "yatt_apps.jobs.merge:main",
+        "plain",
+    ),
+}
 JOB_MAIN = "yatt_apps.cli.main:job_main"
 
 
@@ -229,8 +252,10 @@ def _run(cfg: RunConfig, job: JobDef, run_dir: str, args: argparse.Namespace, ex
         print(interrupted_message(run_dir), file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
     if not args.json:
-        print(f"run {summary['run_dir']}: step {summary.get('step')} reward {summary.get('reward/mean', 0):.3f} "
-              f"in {summary['seconds']:.1f}s; plot {summary['plot']}")  # fmt: skip
+        print(
+            f"run {summary['run_dir']}: step {summary.get('step')} reward {summary.get('reward/mean', 0):.3f} "
+            f"in {summary['seconds']:.1f}s; plot {summary['plot']}"
+        )
     print(json.dumps(summary))
     return 0
 

@@ -53,11 +53,18 @@ def tiny_text_model(spec: ModelSpec, corpus: list[str], extra_tokens: Sequence[s
     if extra_tokens:
         tok.add_tokens(list(extra_tokens))
     model = tiny_causal_lm(
-        len(tok), arch=spec.arch, hidden_size=spec.hidden_size, num_layers=spec.num_layers,
-        num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, seed=spec.seed,
-        max_position_embeddings=spec.max_position_embeddings, eos_token_id=tok.eos_token_id,
+        len(tok),
+        arch=spec.arch,
+        hidden_size=spec.hidden_size,
+        num_layers=spec.num_layers,
+        num_heads=spec.num_heads,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        seed=spec.seed,
+        max_position_embeddings=spec.max_position_embeddings,
+        eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
-    )  # fmt: skip
+    )
     return model, tok
 
 
@@ -68,9 +75,13 @@ def _prepare_tiny_vlm(spec: ModelSpec, out: Path, corpus: list[str]) -> Path:
 
     tok = train_tokenizer(corpus, vocab_size=spec.vocab_size, extra_special_tokens=VISION_TOKENS)
     model, processor = tiny_qwen2_vl(
-        tok, hidden_size=spec.hidden_size, num_layers=spec.num_layers, num_heads=spec.num_heads,
-        num_kv_heads=spec.num_kv_heads, seed=spec.seed,
-    )  # fmt: skip
+        tok,
+        hidden_size=spec.hidden_size,
+        num_layers=spec.num_layers,
+        num_heads=spec.num_heads,
+        num_kv_heads=spec.num_kv_heads,
+        seed=spec.seed,
+    )
     tmp = out.with_name(out.name + ".tmp")
     save_tiny(model, tok, tmp)
     processor.save_pretrained(tmp)

@@ -36,14 +36,30 @@ OTHER_WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ggu
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--backbones", nargs="+", required=True, metavar="DIR",
-                        help="the n backbone HF directories, in the order of B's rows")  # fmt: skip
+    parser.add_argument(
+        "--backbones",
+        nargs="+",
+        required=True,
+        metavar="DIR",
+        help="the n backbone HF directories, in the order of B's rows",
+    )
     parser.add_argument("--beta", type=float, required=True, help="B's diagonal (the paper uses 0.6-0.8)")
-    parser.add_argument("--preference", nargs="+", type=float, required=True, metavar="MU",
-                        help="the user's weights over the n objectives, on the simplex (e.g. 0.2 0.8)")  # fmt: skip
+    parser.add_argument(
+        "--preference",
+        nargs="+",
+        type=float,
+        required=True,
+        metavar="MU",
+        help="the user's weights over the n objectives, on the simplex (e.g. 0.2 0.8)",
+    )
     parser.add_argument("--sft", metavar="DIR", help="the SFT model the backbones started from")
-    parser.add_argument("--alpha", nargs="+", type=float, metavar="A",
-                        help="extrapolation away from --sft, k = 1/(1 - a): one value or one per backbone")  # fmt: skip
+    parser.add_argument(
+        "--alpha",
+        nargs="+",
+        type=float,
+        metavar="A",
+        help="extrapolation away from --sft, k = 1/(1 - a): one value or one per backbone",
+    )
     parser.add_argument(
         "--out", required=True, metavar="DIR", help="the merged HF directory (must not exist)"
     )
@@ -181,9 +197,14 @@ def _merge_into(maps: list[dict[str, Path]], coefs: list[float], out: Path) -> i
 
 
 def merge_directories(
-    backbones: list[str | Path], out: str | Path, *, beta: float, preference: list[float],
-    sft: str | Path | None = None, alphas: list[float] | None = None,
-) -> dict[str, Any]:  # fmt: skip
+    backbones: list[str | Path],
+    out: str | Path,
+    *,
+    beta: float,
+    preference: list[float],
+    sft: str | Path | None = None,
+    alphas: list[float] | None = None,
+) -> dict[str, Any]:
     """Merge the backbone directories into `out` for `preference`; returns the record written beside the
     weights (lambda, the coefficients per input, the inputs)."""
     if len(backbones) < 2:
@@ -213,10 +234,16 @@ def merge_directories(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     record = {
-        "out": str(out), "lambda": lam, "coefficients": coefs, "inputs": [str(p) for _, p in inputs],
-        "beta": beta, "preference": preference, "alphas": alphas, "num_tensors": count,
+        "out": str(out),
+        "lambda": lam,
+        "coefficients": coefs,
+        "inputs": [str(p) for _, p in inputs],
+        "beta": beta,
+        "preference": preference,
+        "alphas": alphas,
+        "num_tensors": count,
         "seconds": time.perf_counter() - started,
-    }  # fmt: skip
+    }
     (tmp / RECORD).write_text(json.dumps(record, indent=2) + "\n")
     tmp.replace(out)
     return record

@@ -18,12 +18,25 @@ GRID = (1, 4, 4)  # one 56x56 frame: 16 patches, merged 2x2 into 4 image tokens
 def _tiny_vlm(seed: int = 0):
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
-    text = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-            "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 256,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 4, 4]}}  # fmt: skip
+    text = {
+        "vocab_size": 128,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "max_position_embeddings": 256,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 4, 4]},
+    }
     vision = {"depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2}
-    config = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=IMAGE, video_token_id=123,
-                           vision_start_token_id=START, vision_end_token_id=END)  # fmt: skip
+    config = Qwen2VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=IMAGE,
+        video_token_id=123,
+        vision_start_token_id=START,
+        vision_end_token_id=END,
+    )
     torch.manual_seed(seed)
     return Qwen2VLForConditionalGeneration(config).float()
 
@@ -53,9 +66,15 @@ def vlm_batch():
         grids[b, :n] = torch.tensor(GRID)
     lengths = torch.tensor([len(r) for r in rows])[:, None]
     response = attention & (torch.arange(width)[None] >= lengths - 5)  # each row's last 5 tokens
-    return {"input_ids": ids, "attention_mask": attention, "response_mask": response,
-            "mm_token_type_ids": (ids == IMAGE).long(), "pixel_values": pixels, "image_grid_thw": grids,
-            "rows": rows}  # fmt: skip
+    return {
+        "input_ids": ids,
+        "attention_mask": attention,
+        "response_mask": response,
+        "mm_token_type_ids": (ids == IMAGE).long(),
+        "pixel_values": pixels,
+        "image_grid_thw": grids,
+        "rows": rows,
+    }
 
 
 def _plain_logprobs(model, ids: list[int], pixels: torch.Tensor, grids: torch.Tensor) -> torch.Tensor:

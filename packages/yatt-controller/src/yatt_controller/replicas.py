@@ -114,10 +114,17 @@ class Replacements:
                 else {name: roster.groups[name].replicas() for name in roster.on_host(what)}
             )
             new = replace_replicas(
-                self.pool, roster, wanted, cause=cause, step=self.step, plan=plan,
-                dead="" if cause == "move" else what, learner=self.learner,
-                weight_sync=self.weight_sync, version=self.version(),
-            )  # fmt: skip
+                self.pool,
+                roster,
+                wanted,
+                cause=cause,
+                step=self.step,
+                plan=plan,
+                dead="" if cause == "move" else what,
+                learner=self.learner,
+                weight_sync=self.weight_sync,
+                version=self.version(),
+            )
         except BaseException:
             ray.get(self.book.abandon.remote(what))
             raise

@@ -61,16 +61,30 @@ class Launcher:
     def plan(self, rank: int, world: int, groups: dict[str, WorkerGroup]) -> ControllerPlan:
         spec, job, services = self.spec, self.job, self.services
         return ControllerPlan(
-            rank=rank, world_size=world, step_fn=job.step_fn, dataset=job.dataset, batch_size=job.batch_size,
-            shards=[rank], num_shards=world, seed=spec.seed, services=groups,
+            rank=rank,
+            world_size=world,
+            step_fn=job.step_fn,
+            dataset=job.dataset,
+            batch_size=job.batch_size,
+            shards=[rank],
+            num_shards=world,
+            seed=spec.seed,
+            services=groups,
             learner=groups.get(services.learner) if services.learner else None,
-            weight_sync=services.weight_sync, checkpoint_dir=job.checkpoint_dir,
-            checkpoint_every=spec.checkpoint_every, keep_checkpoints=spec.keep_checkpoints,
+            weight_sync=services.weight_sync,
+            checkpoint_dir=job.checkpoint_dir,
+            checkpoint_every=spec.checkpoint_every,
+            keep_checkpoints=spec.keep_checkpoints,
             collective_timeout_s=spec.hang_timeout_s,
             checkpointed={name: groups[name] for name in services.checkpointed},
-            book=self.book, roster=self.roster, movable=job.replan is not None, pool=self.pool,
-            learner_name=services.learner, max_inflight=spec.max_inflight, single=spec.mode == "single",
-        )  # fmt: skip
+            book=self.book,
+            roster=self.roster,
+            movable=job.replan is not None,
+            pool=self.pool,
+            learner_name=services.learner,
+            max_inflight=spec.max_inflight,
+            single=spec.mode == "single",
+        )
 
     def parallel(self, realized: Any) -> tuple[Any, list[tuple[Any, Watch]]]:
         """(the rendezvous actor, one (controller actor, watch) per rank), placed next to its learner rank."""

@@ -159,14 +159,14 @@ def test_the_rendezvous_host_is_loopback_on_one_node_else_the_nodes_address():
 
 
 def test_the_rendezvous_store_listens_on_the_given_host_only():
-    """torch's TCPStore alone listens on every interface (`*:PORT`); `bound_store` hands it a socket bound to
+    """torch's TCPStore alone listens on every interface (`*:PORT`); `listen_store` hands it a socket bound to
     the host, and a client rank still meets it there."""
     import psutil
     import torch.distributed as dist
-    from yatt_apps.runtime.workers import bound_store
+    from yatt_controller.weight_sync import listen_store
 
     timeout = datetime.timedelta(seconds=30)
-    store = bound_store("127.0.0.1", 2, timeout)
+    store = listen_store("127.0.0.1", 2, timeout)
     listening = {c.laddr.ip for c in psutil.Process().net_connections("tcp") if c.laddr.port == store.port}
     assert listening == {"127.0.0.1"}
     client = dist.TCPStore("127.0.0.1", store.port, 2, is_master=False, timeout=timeout)

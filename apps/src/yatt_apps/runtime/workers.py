@@ -71,12 +71,13 @@ def join_learner_group(info: Any, key: str, *, always: bool = False) -> Any:
 
     import ray
     from ray.experimental import internal_kv
+    from yatt_controller.weight_sync import listen_store
 
     timeout = datetime.timedelta(seconds=300)
     if rank == 0:
         nodes = [node["NodeManagerAddress"] for node in ray.nodes() if node["Alive"]]
         host = store_host(nodes, ray.util.get_node_ip_address())
-        store = bound_store(host, world, timeout)
+        store = listen_store(host, world, timeout)
         internal_kv._internal_kv_put(key, f"{host}:{store.port}", overwrite=True)
     else:
         store = _wait_for_store(key, world, timeout)
@@ -89,29 +90,6 @@ def store_host(node_ips: Collection[str], own_ip: str) -> str:
     rank runs here; nothing off the machine needs to reach the unauthenticated store), else this node's
     address in the cluster (the one `ray start --node-ip-address` gave), never every interface."""
     return LOOPBACK if set(node_ips) <= {own_ip} else own_ip
-
-
-def bound_store(host: str, world: int, timeout: Any) -> Any:
-    """A master TCPStore listening on `host` only. torch's store server binds every interface whatever host
-    it is given (measured with torch 2.13: `*:PORT`), so the socket is bound here and handed to it
-    (`master_listen_fd`, which then owns it)."""
-    import socket
-
-    import torch.distributed as dist
-
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind((host, 0))
-    sock.listen(128)
-    port = sock.getsockname()[1]
-    return dist.TCPStore(
-        host,
-        port,
-        world,
-        is_master=True,
-        timeout=timeout,
-        wait_for_workers=False,
-        master_listen_fd=sock.detach(),
-    )
 
 
 def _wait_for_store(key: str, world: int, timeout):

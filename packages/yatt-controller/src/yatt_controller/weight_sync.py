@@ -77,19 +77,20 @@ def store_host() -> str:
     return "127.0.0.1" if len(alive) <= 1 else ray.util.get_node_ip_address()
 
 
-def listen_store(host: str) -> Any:
+def listen_store(host: str, world_size: int | None = None, timeout: Any = DEFAULT_TIMEOUT) -> Any:
     """A master TCPStore listening on `host` only, on a port the OS picks. torch's own master binds every
     interface whatever host it is given, so the socket is bound here and handed over; no port is chosen by one
-    process and bound by another."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    process and bound by another. Also the learners' rendezvous store (yatt_apps.runtime.workers)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.bind((host, 0))
     sock.listen(128)
     port = sock.getsockname()[1]
     return dist.TCPStore(
         host,
         port,
+        world_size,
         is_master=True,
-        timeout=DEFAULT_TIMEOUT,
+        timeout=timeout,
         wait_for_workers=False,
         master_listen_fd=sock.detach(),
     )

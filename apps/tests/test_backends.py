@@ -620,7 +620,9 @@ def test_hf_engine_and_torch_learner_in_bf16_on_cuda(tmp_path):
     engine_lp = torch.cat([torch.tensor(c.logprobs) for c in done])
     assert float((logprobs[mask] - engine_lp).abs().mean()) < 5e-2  # bf16: about 3 significant digits
     advantages = torch.where(mask, torch.linspace(-1, 1, len(done))[:, None], 0.0)
-    stats = learner.update({**batch, "old_logprobs": logprobs, "advantages": advantages})
+    # the tiny config's KL loss needs reference log-probs: at step 0 the frozen reference equals the policy
+    update = {**batch, "old_logprobs": logprobs, "ref_logprobs": logprobs, "advantages": advantages}
+    stats = learner.update(update)
     assert torch.isfinite(torch.tensor(stats.loss)) and stats.grad_norm > 0
 
 

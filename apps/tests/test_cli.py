@@ -6,9 +6,11 @@ import json
 
 import pytest
 from yatt_apps.cli.main import main
-from yatt_apps.config import PRESETS, RunConfig
-from yatt_apps.jobs import find
+from yatt_apps.config import RunConfig
+from yatt_apps.jobs import find, presets
 from yatt_apps.runtime.launch import placement_plan
+
+PRESETS = presets()  # config.PRESETS and every shipped job's default (some live in their job's module)
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))

@@ -112,13 +112,13 @@ PRESET_LINES: dict[str, str] = {
 
 def presets_help() -> str:
     """One line per preset: its name and summary."""
-    from yatt_apps.config import PRESETS
+    from yatt_apps.jobs import presets
 
     def line(name: str, fn) -> str:
         doc = " ".join((fn.__doc__ or "").split())
         return PRESET_LINES.get(name) or (doc[:90] + "..." if len(doc) > 90 else doc)
 
-    lines = [f"  {name:28} {line(name, fn)}" for name, fn in PRESETS.items()]
+    lines = [f"  {name:28} {line(name, fn)}" for name, fn in presets().items()]
     return "presets (--preset NAME):\n" + "\n".join(lines)
 
 
@@ -200,17 +200,20 @@ def chosen_job(args: argparse.Namespace) -> JobDef | None:
 
 def load_config(args: argparse.Namespace) -> tuple[RunConfig, JobDef]:
     """The run's config (the job's preset, or --preset, <- --config <- --set, `app` = the job's name) and job."""
-    from yatt_apps.config import PRESETS, as_config
-    from yatt_apps.jobs import find
+    from yatt_apps.config import as_config
+    from yatt_apps.jobs import find, presets
     from yatt_apps.overlay import build_config
 
     job = chosen_job(args)
-    if args.preset is not None and args.preset not in PRESETS:
-        raise ValueError(f"--preset {args.preset!r} is not one of {sorted(PRESETS)}")
+    named = presets()
+    if args.preset is not None and args.preset not in named:
+        raise ValueError(f"--preset {args.preset!r} is not one of {sorted(named)}")
     if args.preset:
-        base = PRESETS[args.preset]()
+        base = named[args.preset]()
+    elif job is not None:
+        base = job.preset()
     else:
-        base = job.preset() if job is not None else PRESETS["tiny_cpu"]()
+        base = named["tiny_cpu"]()
     if job is None:  # config / plan without --job: the preset's own job (or --set app=NAME)
         job = find(next((s.split("=", 1)[1].strip() for s in args.set if s.startswith("app=")), base.app))
     if type(base) is not job.config or base.app != job.name:
@@ -318,9 +321,9 @@ def config_main(args: argparse.Namespace) -> int:
     from yatt_apps.cli.keydocs import commented_yaml
 
     cfg, job = load_config(args)
-    from yatt_apps.config import PRESETS
+    from yatt_apps.jobs import presets
 
-    named = [name for name, fn in PRESETS.items() if fn is job.preset]
+    named = [name for name, fn in presets().items() if fn is job.preset]
     preset = args.preset or (named[0] if named else f"{job.name}'s own")
     print(f"# yatt config: preset {preset}" + (f", overlay {args.config}" if args.config else ""))
     print("\n".join(commented_yaml(cfg)))

@@ -40,10 +40,14 @@ def find(name: str) -> JobDef:
 
 
 def presets() -> dict[str, Callable[[], RunConfig]]:
-    """Every named preset: the config module's, under their names (each job's default among them)."""
+    """Every named preset: the config module's, then each shipped job's default under its function's name (a
+    job whose config class and preset live in its own module needs no entry in `config.PRESETS`)."""
     from yatt_apps.config import PRESETS
 
-    return dict(PRESETS)
+    out = dict(PRESETS)
+    for job in registry().values():
+        out.setdefault(job.preset.__name__, job.preset)
+    return out
 
 
 def load_file(path: str | Path) -> JobDef:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from yatt_apps.config import CapoConfig, CapoSpec, tiny_cpu_capo
 from yatt_apps.io.data import PromptRow
+from yatt_apps.runtime import policy_inputs
 from yatt_apps.runtime.job import JobDef, StepFn, ValRows, build_services
 from yatt_apps.runtime.phases import (
     kept_batch,
@@ -164,6 +165,7 @@ def capo_step(
     # old (this policy) and reference logprobs, on this controller's learner ranks
     with ctx.phase("logprobs"):
         lp, rollout_lp = old_logprobs(ctx, batch, samples)
+        lp, policy_lp = policy_inputs.old_policy(cfg, lp, rollout_lp)  # bypass mode: the rollout's
 
     with ctx.phase("train"):  # PPO-clip, SPMD across controllers
         stats = train_policy(ctx, batch, lp, rollout_lp, advantages, group_ids=group_ids)
@@ -171,6 +173,7 @@ def capo_step(
     push_weights(ctx, cfg, plan)
 
     sums |= sample_sums(scored, kept, len(rows), batch["response_mask"], lp, rollout_lp)
+    sums |= policy_inputs.offpolicy_sums(cfg, policy_lp, rollout_lp, batch["response_mask"])
     sums |= counts
     total = ctx.all_reduce(sums)
     return summarize(total, stats, ctx.world_size) | capo_metrics(total)
@@ -191,6 +194,11 @@ def check(cfg: CapoConfig) -> None:
         raise ValueError("capo needs judge (the critic model): set judge.path or use --preset tiny_cpu_capo")
     if any(spec.kind == "genrm" for spec in cfg.rewards):
         raise ValueError("capo's rewards must be rule terms (the verifier r_v): remove the 'genrm' term")
+    if cfg.algo.adv_estimator != "grpo":  # CAPO's token-level credit replaces the estimator
+        raise ValueError(
+            f"capo computes its own token advantages (yatt_algos.capo.capo_advantages, group-normalized as in "
+            f"GRPO): algo.adv_estimator must be 'grpo', got {cfg.algo.adv_estimator!r}"
+        )
 
 
 def step_function(cfg: CapoConfig, policy_dir: str, val_rows: ValRows, plan: PlacementPlan) -> StepFn:

@@ -29,6 +29,7 @@ import msgspec
 
 from yatt_apps.config import DapoConfig, DynamicSamplingSpec, tiny_cpu_dapo
 from yatt_apps.io.data import PromptRow
+from yatt_apps.runtime import policy_inputs
 from yatt_apps.runtime.job import JobDef, StepFn, ValRows
 from yatt_apps.runtime.phases import (
     Scored,
@@ -237,6 +238,7 @@ def dapo_step(
 
     with ctx.phase("logprobs"):
         lp, rollout_lp = old_logprobs(ctx, batch, samples)
+        lp, policy_lp = policy_inputs.old_policy(cfg, lp, rollout_lp)  # bypass mode: the rollout's
 
     with ctx.phase("train"):  # SPMD across controllers; clip-higher and token-mean come from cfg.algo
         stats = train_policy(
@@ -251,6 +253,7 @@ def dapo_step(
         every, kept, len(rows), batch["response_mask"], lp, rollout_lp, scores=scores.tolist()
     )
     sums["samples"] = float(len(samples))  # the trained batch (valid and padded groups)
+    sums |= policy_inputs.offpolicy_sums(cfg, policy_lp, rollout_lp, batch["response_mask"])
     wave0 = [s for group in picked["wave0"] for s in group.scores]
     sums.update(
         {
@@ -287,10 +290,17 @@ def step_function(cfg: DapoConfig, policy_dir: str, val_rows: ValRows, plan: Pla
     return functools.partial(dapo_step, cfg=cfg, policy_dir=policy_dir, val_rows=val_rows, plan=plan)
 
 
+def check(cfg: DapoConfig) -> None:
+    """An estimator whose inputs the step provides: the outcome estimators (not GAE, ReMax or the optimal
+    token baselines: `policy_inputs.NEEDS`)."""
+    policy_inputs.check_estimator(cfg, "dapo", (), "torch")
+
+
 JOB = JobDef(
     name="dapo",
     help="DAPO: GRPO with clip-higher, token-mean loss, overlong shaping and dynamic sampling (refill)",
     preset=tiny_cpu_dapo,
     step=step_function,
     config=DapoConfig,
+    check=check,
 )

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from yatt_apps.config import RunConfig, tiny_cpu
 from yatt_apps.io.data import PromptRow
-from yatt_apps.runtime import producer
+from yatt_apps.runtime import policy_inputs, producer
 from yatt_apps.runtime.job import JobDef, StepFn, ValRows
 from yatt_apps.runtime.phases import (
     concat_rows,
@@ -61,6 +61,11 @@ def grpo_step(
             rows, prompt_ids = launched.rows, launched.prompt_ids
         else:
             prompt_ids, scored = rollout_and_score(ctx, cfg, rows, tok)
+        baselines = None
+        if (
+            cfg.algo.adv_estimator == "remax"
+        ):  # ReMax: each prompt's greedy completion, scored, is its baseline
+            baselines = policy_inputs.greedy_baselines(ctx, cfg, rows, prompt_ids, tok)
     sums = maybe_evaluate(ctx, val_rows, cfg, tok)  # the policy that generated this step's samples
     sleep_engines(ctx, cfg, plan)  # full colocation: the engines give the devices to the learner
 
@@ -73,29 +78,45 @@ def grpo_step(
         group_ids = torch.tensor([scored.owner[i] for i in kept])
         score_t = torch.tensor([scored.scores[i] for i in kept], dtype=torch.float32)
         components = [scored.components[i] for i in kept]
-        advantages = group_advantages(cfg, score_t, batch["response_mask"], group_ids, components)
+
+    fused = old_logprobs_from_update(cfg)
+    lp: dict = {}
+    if policy_inputs.forward_before_advantages(cfg):  # the optimal token baselines read the old policy
+        with ctx.phase("logprobs"):
+            lp, rollout_lp = old_logprobs(ctx, batch, samples, sum_pi_squared=True)
+
+    with ctx.phase("advantages"):
+        mask = batch["response_mask"]
+        baseline_t = None if baselines is None else torch.tensor([baselines[int(g)] for g in group_ids])
+        inputs = policy_inputs.advantage_inputs(cfg, lp or None, rollout_lp if lp else None, mask, baseline_t)
+        advantages = group_advantages(cfg, score_t, mask, group_ids, components, inputs)
         if cfg.algo.pf_ppo_method != "none":  # pf-PPO: train on rows resampled by reward
             picked = pf_ppo_rows(cfg, ctx, score_t)
             batch, advantages, group_ids = take_rows(batch, picked), advantages[picked], group_ids[picked]
             samples = [samples[i] for i in picked]
+            if lp:
+                lp, rollout_lp = take_rows(lp, picked), rollout_lp[picked]
 
-    fused = old_logprobs_from_update(cfg)
-    if not fused:  # old (this policy) and reference logprobs, on this controller's learner ranks
-        with ctx.phase("logprobs"):
-            lp, rollout_lp = old_logprobs(ctx, batch, samples)
+    if fused:  # the update's own forward gives the old logprobs (in the train phase)
+        rollout_lp = rollout_logprobs(batch, samples)
+    elif not lp:  # old (this policy) and reference logprobs, on this controller's learner ranks
+        with ctx.phase("logprobs"):  # bypass mode: the rollout's logprobs are the old ones (reference only)
+            lp, rollout_lp = old_logprobs(ctx, batch, samples, policy=not policy_inputs.bypass(cfg))
+    lp, policy_lp = policy_inputs.old_policy(cfg, lp, rollout_lp)  # bypass mode: the rollout's
 
     version, train_started = ctx.policy_version, time.perf_counter()  # the policy being updated
     with ctx.phase("train"):  # SPMD: every learner rank updates together (gradient all-reduce)
         experience = {**batch, "advantages": advantages, "group_ids": group_ids}
         if fused:  # one call: the reference forward, then the update whose forward gives the old logprobs
-            rollout_lp = rollout_logprobs(batch, samples)
             lp, stats = logprobs_and_train(ctx, {**experience, "rollout_logprobs": rollout_lp})
+            policy_lp = lp["old_logprobs"]
         else:
             stats = train_policy(ctx, batch, lp, rollout_lp, advantages, group_ids=group_ids)
 
     push_weights(ctx, cfg, plan)  # version v+1 to every rollout replica; all controllers wait
 
     sums |= sample_sums(scored, kept, len(rows), batch["response_mask"], lp, rollout_lp)
+    sums |= policy_inputs.offpolicy_sums(cfg, policy_lp, rollout_lp, batch["response_mask"])
     sums |= judge_sums(cfg, scored, kept)
     if cfg.algo.max_staleness:
         own = producers.of(ctx.rank)
@@ -116,6 +137,8 @@ def old_logprobs_from_update(cfg: RunConfig) -> bool:
         cfg.algo.num_updates_per_batch == 1
         and cfg.optim.mini_batch_size == 0
         and learner_backend(cfg) != "megatron"
+        and not policy_inputs.forward_before_advantages(cfg)  # those ran the forward before the advantages
+        and not policy_inputs.bypass(cfg)  # bypass mode: the old logprobs are the rollout's
     )
 
 
@@ -153,11 +176,27 @@ def step_function(cfg: RunConfig, policy_dir: str, val_rows: ValRows, plan: Plac
     )
 
 
+def check(cfg: RunConfig) -> None:
+    """The async settings (`producer.check_async`), and an estimator whose inputs the step provides: all but
+    GAE (yatt ppo); ReMax's greedy baseline only on-policy (an async batch's policy is an older one)."""
+    producer.check_async(cfg)
+    policy_inputs.check_estimator(
+        cfg,
+        "grpo",
+        ("optimal_token_baseline", "tir_optimal_token_baseline", "remax", "gdpo"),
+        learner_backend(cfg),
+    )
+    if cfg.algo.adv_estimator == "remax" and cfg.algo.max_staleness:
+        raise ValueError(
+            "algo.adv_estimator='remax' greedy baselines need on-policy steps: set algo.max_staleness=0"
+        )
+
+
 JOB = JobDef(
     name="grpo",
     help="GRPO with rule rewards and a generative reward model (default: the tiny CPU run)",
     preset=tiny_cpu,
     step=step_function,
-    check=producer.check_async,
+    check=check,
     asynchronous=True,
 )

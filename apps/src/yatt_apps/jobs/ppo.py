@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from yatt_apps.config import PpoConfig, tiny_cpu_ppo
 from yatt_apps.io.data import PromptRow
+from yatt_apps.runtime import policy_inputs
 from yatt_apps.runtime.job import JobDef, StepFn, ValRows, build_services, policy_roles
 from yatt_apps.runtime.phases import (
     kept_batch,
@@ -138,6 +139,7 @@ def ppo_step(
     with ctx.phase("logprobs"):  # policy and reference on the learner ranks, values on the critic beside them
         values_refs = critic.shard_rows("values", batch)
         lp, rollout_lp = old_logprobs(ctx, batch, samples)
+        lp, policy_lp = policy_inputs.old_policy(cfg, lp, rollout_lp)  # bypass mode: the rollout's
         values = torch.cat(ctx.get(values_refs))
 
     with ctx.phase("advantages"):  # score on the last token, minus coef * KL on every token; GAE
@@ -166,6 +168,7 @@ def ppo_step(
     push_weights(ctx, cfg, plan)
 
     sums |= sample_sums(scored, kept, len(rows), mask, lp, rollout_lp)
+    sums |= policy_inputs.offpolicy_sums(cfg, policy_lp, rollout_lp, mask)
     sums["ppo/kl_reward/sum"] = float(mean_kl) * float(mask.sum())  # KL per token x tokens
     total = ctx.all_reduce(sums)
     out = summarize({k: v for k, v in total.items() if not k.startswith("ppo/")}, stats, ctx.world_size)
@@ -199,6 +202,16 @@ def ppo_services(
     return build_services(pool, cfg=cfg, policy_dir=policy_dir, judge_dir=judge_dir, plan=plan, extra=critic)
 
 
+def check(cfg: PpoConfig) -> None:
+    """PPO's advantages are GAE's, on the critic's values and the KL-penalized token rewards; the outcome
+    estimators (group baselines) run in yatt grpo."""
+    if cfg.algo.adv_estimator != "gae":
+        raise ValueError(
+            f"yatt ppo trains with GAE on the critic's values: algo.adv_estimator must be 'gae', got "
+            f"{cfg.algo.adv_estimator!r} (the outcome estimators run in yatt grpo)"
+        )
+
+
 JOB = JobDef(
     name="ppo",
     help="PPO with a critic (GAE, KL as a reward penalty, clipped value loss) on rule rewards",
@@ -207,4 +220,5 @@ JOB = JobDef(
     config=PpoConfig,
     roles=functools.partial(policy_roles, critic=True),
     build=ppo_services,
+    check=check,
 )

@@ -23,6 +23,7 @@ import msgspec
 
 from yatt_apps.config import RunConfig, tiny_cpu_vlm
 from yatt_apps.io.data import PromptRow
+from yatt_apps.runtime import policy_inputs
 from yatt_apps.runtime.job import JobDef, StepFn, ValRows
 from yatt_apps.runtime.phases import (
     kept_batch,
@@ -103,6 +104,7 @@ def check(cfg: RunConfig) -> None:
     """A tiny policy built here must be the vision-language one (a user's model.path is checked on load)."""
     if cfg.model.arch != "qwen2_vl" and not cfg.model.path:
         raise ValueError(f"grpo-vlm needs a vision-language policy: model.arch is {cfg.model.arch!r}")
+    policy_inputs.check_estimator(cfg, "grpo-vlm", (), "torch")
 
 
 # ---- the step ---------------------------------------------------------------------------------------------
@@ -184,6 +186,7 @@ def vlm_step(
 
     with ctx.phase("logprobs"):  # old and reference logprobs through the vision tower too
         lp, rollout_lp = old_logprobs(ctx, batch, samples)
+        lp, policy_lp = policy_inputs.old_policy(cfg, lp, rollout_lp)  # bypass mode: the rollout's
 
     with ctx.phase("train"):  # SPMD across controllers
         stats = train_policy(ctx, batch, lp, rollout_lp, advantages, group_ids=group_ids)
@@ -191,6 +194,7 @@ def vlm_step(
     push_weights(ctx, cfg, plan)
 
     sums |= sample_sums(scored, kept, len(rows), batch["response_mask"], lp, rollout_lp)
+    sums |= policy_inputs.offpolicy_sums(cfg, policy_lp, rollout_lp, batch["response_mask"])
     return summarize(ctx.all_reduce(sums), stats, ctx.world_size)
 
 

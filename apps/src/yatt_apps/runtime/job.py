@@ -98,12 +98,14 @@ def build_services(
     reward_args: tuple = (),
     extra: Callable[[HostPool, dict[str, Any]], Any] | None = None,
     rollout_cls: Any = None,
+    actor_cls: Any = None,
 ) -> Services:
     """The default services: `actor` (the learner, with its reference), `rollout` (the policy's engine, fed
     by weight pushes: in process where it shares a learner rank's process, broadcast elsewhere) and `reward`
     (`reward_cls`, default the rule/GenRM `RewardWorker`). `extra(pool, groups)` adds a job's own groups and
     returns the names of those every checkpoint holds. `rollout_cls` replaces the rollout worker class (a
-    RolloutWorker subclass; default RolloutWorker, or AgentRolloutWorker with `rollout.env`). Each engine
+    RolloutWorker subclass; default RolloutWorker, or AgentRolloutWorker with `rollout.env`); `actor_cls` the
+    learner's (a PolicyWorker subclass; default PolicyWorker). Each engine
     learns from `plan` whether the learner shares its devices (vLLM then takes a part of the memory)."""
     from yatt_controller.runner import Services
     from yatt_controller.sync import WeightSync
@@ -113,7 +115,12 @@ def build_services(
 
     key = f"yatt-actor-{uuid.uuid4().hex}"  # this attempt's learner rendezvous (a restart gets a new one)
     actor = WorkerGroup.create(
-        pool, "actor", PolicyWorker, args=(cfg, policy_dir, key), pass_worker_info=True, lock="learner"
+        pool,
+        "actor",
+        actor_cls or PolicyWorker,
+        args=(cfg, policy_dir, key),
+        pass_worker_info=True,
+        lock="learner",
     )
     if rollout_cls is None:
         rollout_cls = RolloutWorker

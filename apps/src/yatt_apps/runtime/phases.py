@@ -293,14 +293,20 @@ def generate(
 
 
 def group_advantages(
-    cfg: RunConfig, scores: Any, mask: Any, group_ids: Any, components: list[dict[str, float]]
+    cfg: RunConfig,
+    scores: Any,
+    mask: Any,
+    group_ids: Any,
+    components: list[dict[str, float]],
+    inputs: dict[str, Any] | None = None,
 ) -> Any:
     """`algo.adv_estimator` over the kept rows: scores [B], mask [B, T], group_ids [B]; GDPO also gets each
-    reward term's own score [B, K] (terms in `rewards` order; a term that did not score counts 0)."""
+    reward term's own score [B, K] (terms in `rewards` order; a term that did not score counts 0); `inputs`:
+    the estimator's other inputs (`policy_inputs.advantage_inputs`)."""
     import torch
     from yatt_algos.advantages import ADVANTAGE_ESTIMATORS
 
-    extra = {}
+    extra = dict(inputs or {})
     if cfg.algo.adv_estimator == "gdpo":
         names = [spec.name or spec.kind for spec in cfg.rewards]
         extra["reward_components"] = torch.tensor([[c.get(n, 0.0) for n in names] for c in components])
@@ -334,13 +340,17 @@ def concat_rows(parts: list[dict[str, Any]]) -> dict[str, Any]:
     return {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
 
 
-def old_logprobs(ctx: StepContext, batch: dict[str, Any], responses: list) -> tuple[dict[str, Any], Any]:
+def old_logprobs(
+    ctx: StepContext, batch: dict[str, Any], responses: list, **options: bool
+) -> tuple[dict[str, Any], Any]:
     """Old (this policy) and reference logprobs and entropy [B, T] from this controller's learner ranks, and
-    the rollout engine's own logprobs of `responses` (one per row of `batch`) on the same tokens [B, T]."""
+    the rollout engine's own logprobs of `responses` (one per row of `batch`) on the same tokens [B, T].
+    `options`: `PolicyWorker.logprobs`'s (sum_pi_squared, policy)."""
     import torch
 
-    lp = concat_rows(ctx.get(learner_of(ctx).shard_rows("logprobs", batch)))
-    rollout_lp = torch.zeros_like(lp["old_logprobs"])
+    parts = ctx.get(learner_of(ctx).shard_rows("logprobs", batch, **options))
+    lp = concat_rows(parts) if parts[0] else {}
+    rollout_lp = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
     for row, completion in enumerate(responses):
         logprobs = completion.logprobs
         if hasattr(completion, "response_mask"):  # a multi-turn trajectory: the model's tokens only

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from yatt_apps.config import RunConfig
 from yatt_apps.runtime.phases import Scored, generate, prompt_index, render_prompt
+from yatt_apps.runtime.policy_inputs import offpolicy_means
 
 if TYPE_CHECKING:
     from yatt_controller.controller import StepContext
@@ -53,7 +54,6 @@ def sample_sums(
         "prompts": float(num_prompts),
         "response_tokens": float(mask.sum()),
         "truncated": float(sum(c.finish_reason == "length" for c in scored.completions)),
-        "entropy/sum": float((lp["entropy"] * mask).sum()),
         "mismatch/sum": float(((lp["old_logprobs"] - rollout_lp).abs() * mask).sum()),
         **{
             f"reward_status/{s}": float(scored.statuses.count(s))
@@ -61,6 +61,8 @@ def sample_sums(
         },
         **{f"stream/{k}": v for k, v in scored.stream.items()},
     }
+    if "entropy" in lp:  # not where the forward gave the sum of squared probabilities instead (OTB)
+        sums["entropy/sum"] = float((lp["entropy"] * mask).sum())
     for i in kept:
         for name, value in scored.components[i].items():
             sums[f"reward/{name}/sum"] = sums.get(f"reward/{name}/sum", 0.0) + value
@@ -125,13 +127,16 @@ def summarize(total: dict[str, float], stats: dict[str, float], world_size: int 
         "rollout/response_len_mean": total["response_tokens"] / samples,
         "rollout/truncated_frac": total["truncated"] / max(total["samples"] + total["samples_dropped"], 1.0),
         "rollout/response_tokens": total["response_tokens"],
-        "train/entropy": total["entropy/sum"] / tokens,
         "train/rollout_mismatch": total["mismatch/sum"] / tokens,
         "samples_dropped": total["samples_dropped"],
-        **{f"train/{k}": v for k, v in stats.items()},
+        # the learner's figures; bypass mode's loss gives the off-policy diagnostics (rollout_corr/) itself
+        **{(k if k.startswith("rollout_corr/") else f"train/{k}"): v for k, v in stats.items()},
     }
+    if "entropy/sum" in total:
+        out["train/entropy"] = total["entropy/sum"] / tokens
     if "kl/sum" in total:
         out["train/kl"] = total["kl/sum"] / tokens
+    out |= offpolicy_means(total)  # rollout_corr/*: verl's off-policy diagnostics, when a correction is on
     if total.get("val/total"):
         out["val/accuracy"] = total["val/correct"] / total["val/total"]
     if "async/samples" in total:  # bounded-staleness training (yatt_apps.runtime.producer)

@@ -232,11 +232,21 @@ class PolicyWorker:
         self._gathered: list | None = None
         self.gather_weights()  # every rank builds together: the runtime's first push (version 0) reads this
 
-    def logprobs(self, batch: dict[str, Any]) -> dict[str, Any]:
-        """Old (current policy) and reference logprobs [B, T] and the policy's entropy [B, T]."""
+    def logprobs(
+        self, batch: dict[str, Any], *, sum_pi_squared: bool = False, policy: bool = True
+    ) -> dict[str, Any]:
+        """Old (current policy) and reference logprobs [B, T] and the policy's entropy [B, T]; with
+        `sum_pi_squared`, the sum of squared token probabilities [B, T] instead of the entropy (the optimal
+        token baselines' input; torch learners); `policy=False`: the reference's only (bypass mode, where the
+        rollout's logprobs are the old ones)."""
         self._gathered = None
-        old, entropy = self.learner.compute_logprobs_and_entropy(batch)
-        out = {"old_logprobs": old, "entropy": entropy}
+        out = {}
+        if sum_pi_squared:
+            out["old_logprobs"], out["sum_pi_squared"] = self.learner.compute_logprobs_and_sum_pi_squared(
+                batch
+            )
+        elif policy:
+            out["old_logprobs"], out["entropy"] = self.learner.compute_logprobs_and_entropy(batch)
         if self.reference is not None:
             out["ref_logprobs"] = self.reference.compute_logprobs(batch)
         return _to_cpu(out)

@@ -208,8 +208,9 @@ def bypass_mode(
     truncated at rollout_is_threshold. loss_type "reinforce": -A log pi * w on kept tokens (w = 1 without
     rollout_is); "ppo_clip": PPO's clipped surrogate with ratio pi / pi_rollout and no extra weight (the clip
     already bounds the IS ratio; weighting again would count it twice). rollout_rs: comma-chained criteria
-    of `rejection_criteria_mask` on log(pi / pi_rollout), applied to either loss type.
-    All inputs [B, T]."""
+    of `rejection_criteria_mask` on log(pi / pi_rollout), applied to either loss type. The metrics include
+    `compute_offpolicy_metrics` of the current policy against the rollout's, under `rollout_corr/` (verl
+    computes them in its bypass loss too: no separate old-policy forward runs). All inputs [B, T]."""
     from yatt_algos.policy_losses import ppo_clip  # here: policy_losses registers this module's loss
 
     if loss_type not in ("reinforce", "ppo_clip"):
@@ -217,6 +218,9 @@ def bypass_mode(
     mask = response_mask.bool()
     metrics: dict[str, torch.Tensor | float] = {}
     with torch.no_grad():
+        if mask.any():  # verl's diagnostics of the training (current) policy against the rollout's
+            diagnostics = compute_offpolicy_metrics(logprobs.detach(), rollout_logprobs, mask)
+            metrics |= {f"rollout_corr/{key}": value for key, value in diagnostics.items()}
         log_ratio = torch.where(mask, logprobs.detach() - rollout_logprobs, 0.0).float()
         if rollout_rs is not None:
             if rollout_rs_threshold is None:

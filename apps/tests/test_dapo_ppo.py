@@ -208,6 +208,28 @@ def test_ppo_whitening_spans_every_controller():
     assert one[0].tolist() == pytest.approx([-1.0, 0.0, 1.0], abs=1e-6)
 
 
+def test_ppo_adaptive_kl_coefficient_follows_the_target_across_steps():
+    """algo.kl_target > 0: the coefficient moves by 1 + clip(kl / target - 1, +-0.2) * n / horizon after each
+    step and is carried in the controller's checkpointed state; kl_target 0 keeps kl_reward_coef."""
+    from types import SimpleNamespace
+
+    from yatt_apps.jobs.ppo import kl_coef, update_kl_coef
+
+    base = PRESETS["tiny_cpu_ppo"]()
+    algo = msgspec.structs.replace(base.algo, kl_reward_coef=0.01, kl_target=0.1, kl_horizon=100)
+    cfg = msgspec.structs.replace(base, algo=algo)
+    ctx = SimpleNamespace(state={})
+    assert kl_coef(ctx, cfg) == 0.01
+    update_kl_coef(ctx, cfg, 0.2, 10)  # KL twice the target: error clipped to +0.2 -> x (1 + 0.2 * 10 / 100)
+    assert ctx.state["kl_coef"] == pytest.approx(0.0102, rel=1e-12)
+    update_kl_coef(ctx, cfg, 0.09, 50)  # 0.9 of the target: error -0.1 -> x (1 - 0.1 * 50 / 100)
+    assert kl_coef(ctx, cfg) == pytest.approx(0.0102 * 0.95, rel=1e-12)
+    fixed = msgspec.structs.replace(cfg, algo=msgspec.structs.replace(algo, kl_target=0.0))
+    still = SimpleNamespace(state={})
+    update_kl_coef(still, fixed, 5.0, 10)
+    assert still.state == {} and kl_coef(still, fixed) == 0.01
+
+
 def test_ppo_preset_plans_a_critic_beside_the_actor(capsys):
     cfg = PRESETS["tiny_cpu_ppo"]()
     assert (cfg.app, cfg.algo.adv_estimator, cfg.algo.kl_reward_coef, cfg.judge) == ("ppo", "gae", 0.01, None)

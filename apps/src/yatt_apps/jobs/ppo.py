@@ -112,6 +112,25 @@ def whiten_across(ctx: StepContext, advantages: Any, mask: Any) -> Any:
     return torch.where(mask, (advantages - mean) / (var**0.5 + 1e-8), 0.0).float()
 
 
+def kl_coef(ctx: StepContext, cfg: PpoConfig) -> float:
+    """The KL-in-reward coefficient of this step: `algo.kl_reward_coef`, or with `algo.kl_target > 0` the
+    adaptive controller's value, which this controller's `ctx.state` carries across steps and checkpoints."""
+    return float(ctx.state.get("kl_coef", cfg.algo.kl_reward_coef))
+
+
+def update_kl_coef(ctx: StepContext, cfg: PpoConfig, current_kl: float, batch_size: float) -> None:
+    """PPO's adaptive KL controller (Ziegler et al. 2019, verl's `AdaptiveKLController`): one update from the
+    step's global token-mean KL over `batch_size` sequences (verl's n_steps); every controller computes the
+    same value from the all-reduced figures."""
+    if not cfg.algo.kl_target:
+        return
+    from yatt_algos.kl import AdaptiveKLController
+
+    controller = AdaptiveKLController(kl_coef(ctx, cfg), cfg.algo.kl_target, cfg.algo.kl_horizon)
+    controller.update(current_kl, int(batch_size))
+    ctx.state["kl_coef"] = controller.value
+
+
 def ppo_step(
     ctx: StepContext,
     rows: list[PromptRow],
@@ -153,7 +172,7 @@ def ppo_step(
             lp["old_logprobs"],
             reference,
             mask,
-            coef=cfg.algo.kl_reward_coef,
+            coef=kl_coef(ctx, cfg),
             estimator=cfg.algo.kl_estimator,
         )
         advantages, returns = ADVANTAGE_ESTIMATORS[cfg.algo.adv_estimator](
@@ -176,6 +195,8 @@ def ppo_step(
     # the critic's stats are global (reduced in its learner): vf_loss, value_mean, return_mean, explained var
     out.update({f"critic/{k}": v for k, v in critic_stats.items()})
     out["ppo/kl_reward"] = total["ppo/kl_reward/sum"] / tokens
+    out["ppo/kl_coef"] = kl_coef(ctx, cfg)  # the coefficient this step's rewards used
+    update_kl_coef(ctx, cfg, out["ppo/kl_reward"], total["samples"])  # the next step's (adaptive)
     return out
 
 

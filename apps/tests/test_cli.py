@@ -35,9 +35,20 @@ def test_production_preset_is_partial_colocated_on_64_devices(capsys):
 
 
 def test_tiny_plan_is_colocated(capsys):
+    """`yatt plan` prints the table alone (the JSON only with --json), its figure with units."""
     assert main(["plan"]) == 0
-    out = capsys.readouterr().out
-    assert "mode colocated on 2 devices" in out and "genrm" in out
+    assert capsys.readouterr().out.splitlines() == [
+        "mode colocated, 2 devices, version 0",
+        "role     name  devices  replicas  group  device ids  shares with",
+        "actor    -     2        2         1      0-1         rollout, genrm",
+        "rollout  -     2        2         1      0-1         actor, genrm",
+        "genrm    -     2        2         1      0-1         actor, rollout",
+        "reason: every role time-shares all devices",
+    ]
+    assert main(["plan", "--set", "placement.mode=partial"]) == 0
+    reason = capsys.readouterr().out.splitlines()[-1]
+    assert reason.startswith("reason: split rollout 1, genrm 1: predicted concurrent load ")
+    assert reason.endswith(" parameters per device (no profile: a proxy)")
 
 
 @pytest.mark.parametrize(

@@ -204,3 +204,32 @@ def test_summary_panels_show_accuracy_agreement_and_each_reward_term():
         "reward/math_verify_mean": [(2, 0.2)],
         "reward/mean": [(0, 0.4), (1, 0.5), (2, 0.6)],
     }
+
+
+def test_summary_stacks_phase_times_only_and_draws_streaming_apart(tmp_path):
+    """A 0/1 flag and the busy times inside rollout_reward are not stacked as phase seconds; the streaming
+    figures get their own panel; the PNG is written."""
+    from yatt_apps.io.rundir import phase_keys, plot_panels, plot_summary
+
+    row = {
+        "step": 0,
+        "reward/mean": 0.5,
+        "time/rollout_reward": 2.0,
+        "time/train": 1.0,
+        "time/step": 3.5,
+        "time/startup": 20.0,
+        "time/rollout_s": 1.5,
+        "time/reward_s": 1.2,
+        "time/rollout_reward_overlap_s": 0.7,
+        "time/judge_started_before_rollout_end": 1.0,
+    }
+    history = [row, {**row, "step": 1, "time/train": 1.5}]
+    assert phase_keys(history) == ["time/rollout_reward", "time/train"]
+    panels = dict(plot_panels(history))
+    assert sorted(panels["rollout and reward streaming (s)"]) == [
+        "time/reward_s",
+        "time/rollout_reward_overlap_s",
+        "time/rollout_s",
+    ]
+    out = plot_summary(history, tmp_path / "summary.png")
+    assert out is not None and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

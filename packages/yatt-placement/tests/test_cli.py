@@ -29,7 +29,7 @@ def test_table_for_the_papers_16_device_example(tmp_path, capsys):
         "actor    -      16       16        1      0-15        rollout, judge",
         "rollout  -      8        4         2      0-7         actor",
         "genrm    judge  8        1         8      8-15        actor",
-        "reason: split rollout 8, judge 8: predicted concurrent time 6.25",
+        "reason: split rollout 8, judge 8: predicted concurrent time 6.25 s per step (profiled)",
     ]
 
 

@@ -31,7 +31,9 @@ def test_partial_reproduces_the_papers_16_device_example():
     }
     colocated = {(p.name or p.role): p.colocated_with for p in result.roles}
     assert colocated == {"actor": ["rollout", "judge"], "rollout": ["actor"], "judge": ["actor"]}
-    assert result.reason == "split rollout 8, judge 8: predicted concurrent time 6.25"  # 50 / 8
+    assert (
+        result.reason == "split rollout 8, judge 8: predicted concurrent time 6.25 s per step (profiled)"
+    )  # 50 / 8
 
 
 # (work rollout, work judge) -> rollout devices. N = 8, rollout mp 1, judge mp 2. Predicted time for S is

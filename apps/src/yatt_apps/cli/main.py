@@ -337,12 +337,12 @@ def plan_main(args: argparse.Namespace) -> int:
 
     cfg, job = load_config(args)
     plan = placement_plan(cfg, job)
-    if not args.json:
-        print(f"mode {plan.mode} on {plan.num_devices} devices: {plan.reason}")
-        for role in plan.roles:
-            label = role.role + (f":{role.name}" if role.name else "")
-            print(f"  {label:10} {len(role.replicas):3} replica(s)  devices {role.replicas}")
-    print(msgspec.json.encode(plan).decode())
+    if args.json:  # the PlacementPlan itself, for scripts
+        print(msgspec.json.encode(plan).decode())
+        return 0
+    from yatt_placement.cli import render
+
+    print(render(plan))  # the table alone: one row per role, device ids as ranges
     return 0
 
 

@@ -41,9 +41,20 @@ PLOT_PANELS = {
     "reward per term": ["reward/mean", "reward/*_mean"],
     "kl": ["train/kl"],
     "response length": ["rollout/response_len_mean"],
+    # busy seconds inside the rollout_reward phase (they overlap: not stacked with the phases)
+    "rollout and reward streaming (s)": ["time/rollout_s", "time/reward_s", "time/rollout_reward_overlap_s"],
 }
 TIMING_PREFIX = "time/"
-NOT_PHASES = {"time/step", "time/startup"}  # timings that are not a part of the step's stacked phase time
+# time/ figures that are not a part of the step's stacked phase time: totals, the streaming busy times above,
+# and a 0/1 flag (whether judging started before the last completion was done)
+NOT_PHASES = {
+    "time/step",
+    "time/startup",
+    "time/rollout_s",
+    "time/reward_s",
+    "time/rollout_reward_overlap_s",
+    "time/judge_started_before_rollout_end",
+}
 METRICS = "metrics.jsonl"
 # what a run writes into its folder (clear_run deletes these and nothing else: a user's own files stay)
 RUN_FILES = (
@@ -242,6 +253,16 @@ def plot_panels(history: list[dict[str, float]]) -> list[tuple[str, dict[str, li
     return panels
 
 
+def phase_keys(history: list[dict[str, float]]) -> list[str]:
+    """The step's phase timings (`ctx.phase` seconds) that summary.png stacks: every time/ figure except the
+    totals, the streaming busy times and the 0/1 flag (NOT_PHASES)."""
+    return sorted({k for row in history for k in row if k.startswith(TIMING_PREFIX) and k not in NOT_PHASES})
+
+
+def _legend_below(ax: Any) -> None:
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
+
+
 def plot_summary(history: list[dict[str, float]], out: Path) -> Path | None:
     """Draw validation accuracy, judge agreement, reward per term, KL, response length and stacked phase times
     against step into one PNG (see `plot_panels`)."""
@@ -254,18 +275,17 @@ def plot_summary(history: list[dict[str, float]], out: Path) -> Path | None:
 
     steps = [row["step"] for row in history]
     panels = plot_panels(history)
-    fig, axes = plt.subplots(1, len(panels) + 1, figsize=(4 * (len(panels) + 1), 3.2), squeeze=False)
+    # legends go below each panel (never over the data): room for up to ~6 legend rows under the axes
+    fig, axes = plt.subplots(1, len(panels) + 1, figsize=(4 * (len(panels) + 1), 4.6), squeeze=False)
     axes = axes[0]
     for ax, (title, series) in zip(axes, panels, strict=False):
         for key, points in series.items():
             ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", ms=3, label=key)
         if len(series) > 1:
-            ax.legend(fontsize=7)
+            _legend_below(ax)
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("step")
-    phases = sorted(
-        {k for row in history for k in row if k.startswith(TIMING_PREFIX) and k not in NOT_PHASES}
-    )
+    phases = phase_keys(history)
     bottom = [0.0] * len(steps)
     for phase in phases:
         values = [row.get(phase, 0.0) for row in history]
@@ -274,7 +294,7 @@ def plot_summary(history: list[dict[str, float]], out: Path) -> Path | None:
     axes[-1].set_title("phase time (s)")
     axes[-1].set_xlabel("step")
     if phases:
-        axes[-1].legend(fontsize=7)
+        _legend_below(axes[-1])
     fig.tight_layout()
     fig.savefig(out, dpi=90)
     plt.close(fig)

@@ -205,7 +205,11 @@ def _partial_counts(
         )
     predicted, counts = best
     shares = ", ".join(f"{key} {count}" for key, count in counts.items())
-    return {**counts, **_spanning(specs, n)}, f"split {shares}: predicted concurrent time {predicted:.4g}"
+    if profile is None:  # the parameter-count proxy: a load, not a time
+        figure = f"predicted concurrent load {predicted:.4g} parameters per device (no profile: a proxy)"
+    else:
+        figure = f"predicted concurrent time {predicted:.4g} s per step (profiled)"
+    return {**counts, **_spanning(specs, n)}, f"split {shares}: {figure}"
 
 
 def split_genrms(num_devices: int, genrms: list[RoleSpec]) -> dict[str, int] | None:

@@ -56,3 +56,23 @@ def test_errors_name_field_and_source(tmp_path):
         build_config(Cfg, Cfg(), bad)
     with pytest.raises(ValueError, match="config file not found"):
         build_config(Cfg, Cfg(), tmp_path / "missing.yaml")
+
+
+def test_a_users_model_path_replaces_the_presets_warm_started_model(tmp_path):
+    """`--set model.path=...` on a preset whose tiny models are warm-started: the user's model is used as is
+    (warm_start none); the judge keeps its warm start until it gets a path too; an explicit warm_start stays
+    (and a path with a warm start is still refused, naming the field)."""
+    from yatt_apps.config import RunConfig, tiny_cpu
+
+    cfg = build_config(RunConfig, tiny_cpu(), None, ["model.path=/models/Qwen2.5-Math-1.5B"])
+    assert (cfg.model.path, cfg.model.warm_start, cfg.judge.warm_start) == (
+        "/models/Qwen2.5-Math-1.5B",
+        "none",
+        "genrm",
+    )
+    path = tmp_path / "own.yaml"
+    path.write_text("judge:\n  path: /models/judge\n")
+    both = build_config(RunConfig, tiny_cpu(), path, ["model.path=/models/policy"])
+    assert (both.model.warm_start, both.judge.warm_start) == ("none", "none")
+    with pytest.raises(ValueError, match=r"warm-starts a tiny text model.*\$\.model"):
+        build_config(RunConfig, tiny_cpu(), None, ["model.path=/m", "model.warm_start=policy"])

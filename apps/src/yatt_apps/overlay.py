@@ -2,7 +2,8 @@
 
 A run's config is a frozen msgspec Struct (rejecting unknown fields). The preset gives the base values, a YAML
 file overlays some of them (nested mappings merge; lists and scalars replace), and `--set a.b.c=value` overrides
-one leaf (the value parsed as a YAML scalar). Validation happens once, on the merged document, so every error
+one leaf (the value parsed as a YAML scalar). A model section given a `path` (and no `warm_start`) drops the
+preset's warm start: the user's model replaces the tiny one. Validation happens once, on the merged document, so every error
 names its field path (`$.algo.clip_ratio_c`) and where the bad value came from.
 """
 
@@ -64,18 +65,31 @@ def build_config(
 ) -> T:
     """Merge base <- YAML <- overrides and validate as `cls`; a bad field raises ValueError naming it."""
     doc = msgspec.to_builtins(base)
+    given: dict[str, Any] = {}  # what the user's YAML and --set say, merged
     sources = []
     if yaml_path is not None:
-        doc = _merge(doc, read_yaml(Path(yaml_path)))
+        given = _merge(given, read_yaml(Path(yaml_path)))
         sources.append(str(yaml_path))
     for item in overrides:
-        doc = _merge(doc, parse_override(item))
+        given = _merge(given, parse_override(item))
         sources.append(f"--set {item}")
+    doc = _own_models(_merge(doc, given), given)
     try:
         return msgspec.convert(doc, cls, strict=False)  # lets "1e-6" (a string to YAML 1.1) be a float
     except msgspec.ValidationError as err:
         origin = f" (from {', '.join(sources)})" if sources else ""
         raise ValueError(f"invalid config{origin}: {err}") from None
+
+
+def _own_models(doc: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+    """A model the user points at (`model.path`, `judge.path`, ... set, `warm_start` not) replaces the
+    preset's tiny warm-started one: its `warm_start` becomes "none" (a warm start trains a tiny model built
+    from a config, and would refuse a path)."""
+    for key, section in given.items():
+        own = isinstance(section, dict) and section.get("path") and "warm_start" not in section
+        if own and isinstance(doc.get(key), dict) and doc[key].get("warm_start", "none") != "none":
+            doc[key] = {**doc[key], "warm_start": "none"}
+    return doc
 
 
 def to_yaml(config: msgspec.Struct) -> str:

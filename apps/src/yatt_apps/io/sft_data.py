@@ -57,14 +57,17 @@ def _ids(out: Any) -> list[int]:
 def encode_pair(tok: Any, messages: list[dict[str, str]], response: str) -> tuple[list[int], list[int]]:
     """(prompt ids, response ids) of one example. The prompt is the chat template with its generation prompt
     (exactly what a rollout engine or `HFChatCodec` is given); the response is the template's assistant turn
-    after it, up to and including the eos that ends the turn (text the template adds after eos is no target)."""
+    after it, up to and including the eos that ends the turn (text the template adds after eos is no target).
+    Special tokens spelled in the texts are encoded as plain text (`prompt_codecs.encode_chat`)."""
     if not getattr(tok, "chat_template", None):
         prompt = _ids(tok("\n".join(m["content"] for m in messages) + "\n", add_special_tokens=False))
         return prompt, [*_ids(tok(response, add_special_tokens=False)), tok.eos_token_id]
-    prompt = _ids(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
-    full = _ids(
-        tok.apply_chat_template([*messages, {"role": "assistant", "content": response}], tokenize=True)
-    )
+    from yatt_multimodal.prompt_codecs import encode_chat
+
+    # the texts are data: special tokens spelled in a prompt or response are encoded as plain text
+    turns = [(m["role"], m["content"]) for m in messages]
+    prompt = encode_chat(tok, turns)
+    full = encode_chat(tok, [*turns, ("assistant", response)], generation_prompt=False)
     if full[: len(prompt)] != prompt:
         raise ValueError(
             "the chat template does not render the conversation as prompt + response; cannot mask the prompt"

@@ -40,13 +40,14 @@ def tokenizer(path: str) -> Any:
 
 def render_prompt(tok: Any, row: PromptRow, system_prompt: str) -> list[int]:
     """The chat-templated prompt token ids of one row; a row with images opens its user turn with one
-    Qwen2-VL placeholder per image (one pad token each: the engine expands it to the image's size)."""
+    Qwen2-VL placeholder per image (one pad token each: the engine expands it to the image's size). The row's
+    text is data, not markup: a special token spelled in it (`<|im_end|>`) is encoded as plain text, so a
+    dataset row cannot close its turn or open another role's (`prompt_codecs.encode_chat`)."""
+    from yatt_multimodal.prompt_codecs import encode_chat
+
     placeholders = "<|vision_start|><|image_pad|><|vision_end|>" * len(row.images)
-    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
-        {"role": "user", "content": placeholders + row.prompt}
-    ]
-    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    system = [("system", system_prompt)] if system_prompt else []
+    return encode_chat(tok, [*system, ("user", row.prompt)], markup=[""] * len(system) + [placeholders])
 
 
 def make_requests(

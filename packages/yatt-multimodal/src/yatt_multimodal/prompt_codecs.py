@@ -51,18 +51,23 @@ def text_tokens(tokenizer: Any, text: str) -> list[int]:
 
 
 def encode_chat(
-    tokenizer: Any, messages: Sequence[tuple[str, str]], *, markup: Sequence[str] = ()
+    tokenizer: Any,
+    messages: Sequence[tuple[str, str]],
+    *,
+    markup: Sequence[str] = (),
+    generation_prompt: bool = True,
 ) -> list[int]:
-    """The chat template over `(role, text)` messages, generation prompt added, each text encoded by
-    `text_tokens`; `markup[i]` (trusted, e.g. image placeholders) goes before text i with its special tokens
-    kept. The template's rendering must hold each message's text exactly once (it may wrap it, not copy or
-    alter it), else a ValueError."""
+    """The chat template over `(role, text)` messages, generation prompt added (unless `generation_prompt`
+    is False: a whole conversation, e.g. with its assistant turn), each text encoded by `text_tokens`;
+    `markup[i]` (trusted, e.g. image placeholders) goes before text i with its special tokens kept. The
+    template's rendering must hold each message's text exactly once (it may wrap it, not copy or alter it),
+    else a ValueError."""
     markup = list(markup) or [""] * len(messages)
     if len(markup) != len(messages):
         raise ValueError(f"encode_chat: {len(markup)} markup entries for {len(messages)} messages")
     marks = [_PLACEHOLDER.format(i) for i in range(len(messages))]
     chat = [{"role": role, "content": markup[i] + marks[i]} for i, (role, _) in enumerate(messages)]
-    rendered = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    rendered = tokenizer.apply_chat_template(chat, add_generation_prompt=generation_prompt, tokenize=False)
     ids: list[int] = []
     rest = rendered
     for mark, (role, text) in zip(marks, messages, strict=True):

@@ -46,6 +46,11 @@ _STAND_IN = [
 ]
 
 
+def _mark(i: int) -> str:
+    """A placeholder for message i's content in a rendered template (private-use characters: no text has it)."""
+    return f"\ue000yatt-turn-{i}\ue001"
+
+
 class TurnCodec:
     """Chat-template rendering for one tokenizer: a prompt from messages (and tools), and an environment
     reply as a token delta. Tools go through the template's own `tools` support where it has one, else as
@@ -59,7 +64,8 @@ class TurnCodec:
         self.native_tools = "tools" in (tokenizer.chat_template or "")
 
     def _render(self, messages: Sequence[Message], tools: Sequence[ToolSpec], generation: bool) -> str:
-        docs = [{"role": m.role, "content": m.content} for m in messages]
+        """The template's text with each message's content replaced by a placeholder (`_mark(i)`)."""
+        docs = [{"role": m.role, "content": _mark(i)} for i, m in enumerate(messages)]
         kwargs: dict[str, Any] = {}
         if tools and self.native_tools:
             kwargs["tools"] = tool_schemas(tools)
@@ -74,9 +80,22 @@ class TurnCodec:
     def encode(self, text: str) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=False))
 
+    def _fill(self, rendered: str, messages: Sequence[Message]) -> list[int]:
+        """`rendered`'s ids, each placeholder replaced by its message's content as plain text: a special token
+        spelled in a message (a tool's output, a dataset prompt) never becomes a control token, so it cannot
+        close its turn or open another role's; the template's own markup keeps its special tokens."""
+        ids: list[int] = []
+        for i, message in enumerate(messages):
+            if rendered.count(_mark(i)) != 1:
+                raise ValueError(f"chat template: message {i} ({message.role}) is not rendered exactly once")
+            before, rendered = rendered.split(_mark(i))
+            ids += self.encode(before)
+            ids += self.tok(message.content, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        return ids + self.encode(rendered)
+
     def prompt_ids(self, messages: Sequence[Message], tools: Sequence[ToolSpec] = ()) -> list[int]:
         """The prompt of an episode: its messages with the assistant turn opened."""
-        return self.encode(self._render(messages, tools, generation=True))
+        return self._fill(self._render(messages, tools, generation=True), messages)
 
     def reply_ids(self, messages: Sequence[Message]) -> list[int]:
         """The tokens that follow a model turn's eos: the reply messages, then the next assistant turn
@@ -87,7 +106,11 @@ class TurnCodec:
         cut = before.rfind(eos) + len(eos)
         if cut < len(eos) or after[:cut] != before[:cut]:
             raise ValueError("chat template: a reply changes how the conversation before it renders")
-        return self.encode(after[cut:])
+        # the stand-in's placeholders lie before the cut: the reply's are renumbered from 0
+        tail = after[cut:]
+        for i in range(len(messages)):
+            tail = tail.replace(_mark(len(_STAND_IN) + i), _mark(i))
+        return self._fill(tail, messages)
 
 
 @dataclass

@@ -67,6 +67,25 @@ def test_maybe_evaluate_runs_on_the_schedule(monkeypatch):
     assert step_metrics.maybe_evaluate(ctx, None, cfg, None) == {}  # no validation rows: nothing evaluated
 
 
+def test_validation_verifies_answers_in_killable_workers(monkeypatch):
+    """An answer that sends math_verify into an endless power tower counts as wrong and is named
+    (`val/timeout`) after the deadline; the others are graded as usual. The generation is a test double
+    (fixed completions); the verification is the real worker pool."""
+    from yatt_apps.io.data import PromptRow
+
+    rows = [PromptRow(prompt="1 + 2 =", answer="3"), PromptRow(prompt="2 + 2 =", answer="4")]
+    rows.append(PromptRow(prompt="3 + 3 =", answer="6"))
+    answers = ["3", r"\boxed{9^{9^{9^{9^{9}}}}}", "7"]
+    outs = [SimpleNamespace(request_id=f"eval-p{i}", token_ids=[i]) for i in range(3)]
+    monkeypatch.setattr(step_metrics, "render_prompt", lambda tok, row, system: [0])
+    monkeypatch.setattr(step_metrics, "generate", lambda *args: outs)
+    monkeypatch.setattr(step_metrics, "VAL_TIMEOUT_S", 2.0)
+    tok = SimpleNamespace(decode=lambda ids, skip_special_tokens: answers[ids[0]])
+    ctx = SimpleNamespace(rank=0, world_size=1)
+    sums = step_metrics.evaluate(ctx, lambda: rows, tiny_cpu(), tok)
+    assert sums == {"val/correct": 1.0, "val/total": 3.0, "val/timeout": 1.0}
+
+
 # ---- quiet output ---------------------------------------------------------------------------------------------
 
 

@@ -15,6 +15,8 @@ from yatt_apps.runtime.policy_inputs import offpolicy_means
 if TYPE_CHECKING:
     from yatt_controller.controller import StepContext
 
+VAL_TIMEOUT_S = 10.0  # per validation answer: math_verify of a short answer takes milliseconds
+
 
 def judge_sums(cfg: RunConfig, scored: Scored, kept: list[int]) -> dict[str, float]:
     """GenRM figures over the kept samples: verdicts parsed (of K judgements each) and agreement of the
@@ -72,29 +74,36 @@ def sample_sums(
 
 
 def evaluate(ctx: StepContext, val_rows: Any, cfg: RunConfig, tok: Any) -> dict[str, float]:
-    """Greedy accuracy (math_verify against the answer) on this controller's share of the validation rows."""
+    """Greedy accuracy (math_verify against the answer) on this controller's share of the validation rows.
+    The policy's answers are untrusted text: they are verified in killable worker processes with a deadline
+    each (`RuleWorkerPool`), as the reward service does, so an answer that sends math_verify into an endless
+    computation counts as wrong (`val/timeout`) instead of hanging the controller."""
+    from yatt_multimodal.rewards import RuleReward
+    from yatt_multimodal.rule_workers import RuleWorkerPool
     from yatt_multimodal.rules import math_reward
     from yatt_multimodal.types import RewardRequest
     from yatt_rollout.types import SamplingParams
 
     mine = val_rows()[ctx.rank :: ctx.world_size]
     if not mine:
-        return {"val/correct": 0.0, "val/total": 0.0}
+        return {"val/correct": 0.0, "val/total": 0.0, "val/timeout": 0.0}
     greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=cfg.sampling.max_new_tokens)
     ids = [render_prompt(tok, row, cfg.data.system_prompt) for row in mine]
     outs = sorted(generate(ctx, mine, ids, greedy, "eval", None), key=prompt_index)
-    correct = sum(
-        math_reward(
-            RewardRequest(
-                request_id="eval",
-                prompt=row.prompt,
-                response=tok.decode(c.token_ids, skip_special_tokens=True),
-                reference=row.answer,
-            )
+    requests = [
+        RewardRequest(
+            request_id=f"eval-{i}",
+            prompt=row.prompt,
+            response=tok.decode(c.token_ids, skip_special_tokens=True),
+            reference=row.answer,
         )
-        for row, c in zip(mine, outs, strict=True)
-    )
-    return {"val/correct": float(correct), "val/total": float(len(mine))}
+        for i, (row, c) in enumerate(zip(mine, outs, strict=True))
+    ]
+    with RuleWorkerPool(num_workers=2) as pool:
+        batch = RuleReward("val", math_reward, timeout_s=VAL_TIMEOUT_S, pool=pool).score_sync(requests)
+    correct = sum(r.score for r in batch.rewards if r.status == "ok")
+    timeouts = sum(r.status == "timeout" for r in batch.rewards)
+    return {"val/correct": float(correct), "val/total": float(len(mine)), "val/timeout": float(timeouts)}
 
 
 def evaluates(step: int, num_steps: int, every: int) -> bool:
@@ -139,6 +148,7 @@ def summarize(total: dict[str, float], stats: dict[str, float], world_size: int 
     out |= offpolicy_means(total)  # rollout_corr/*: verl's off-policy diagnostics, when a correction is on
     if total.get("val/total"):
         out["val/accuracy"] = total["val/correct"] / total["val/total"]
+        out["val/timeout"] = total.get("val/timeout", 0.0)  # answers whose verification ran out of time
     if "async/samples" in total:  # bounded-staleness training (yatt_apps.runtime.producer)
         out["async/staleness_mean"] = total["async/staleness/sum"] / max(total["async/samples"], 1.0)
         out["async/staleness_max"] = total["async/staleness_max_all"] / max(world_size, 1)

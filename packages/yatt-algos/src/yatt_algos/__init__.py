@@ -15,6 +15,7 @@ the math modules import torch. Import them by name:
 - `value`: value_loss, logprobs/entropy from logits (chunked)
 - `filters`: DAPO dynamic sampling, overlong penalty and masking
 - `capo`: critique voting, step spans, token rewards, group normalization
+- `dpo`: offline preference losses (LOSS_TYPES sigmoid/DPO, ipo, hinge; label smoothing), dpo_loss, preference_sums
 - `bone_soup`: backbone matrix, merging coefficients, state-dict merging
 - `groups`, `checks`: group statistics by id; input checks
 """

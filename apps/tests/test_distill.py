@@ -14,7 +14,7 @@ from yatt_algos.distill import reverse_kl_advantages
 from yatt_apps.config import ModelSpec
 from yatt_apps.io.data import PromptRow, arithmetic_task
 from yatt_apps.io.models import load_tokenizer, prepare_model, tokenizer_corpus
-from yatt_apps.jobs.distill import JOB, MODES, TEACHER, check, serve_teacher, tiny_cpu_distill
+from yatt_apps.jobs.distill import JOB, TEACHER, check, check_plan, serve_teacher, tiny_cpu_distill
 from yatt_apps.runtime.launch import placement_plan
 from yatt_apps.runtime.phases import pad_batch, render_prompt
 from yatt_apps.runtime.teacher import TeacherWorker, check_tokenizers, teacher_tensor
@@ -22,6 +22,7 @@ from yatt_multimodal.types import RewardRequest
 from yatt_placement.types import ClusterSpec
 
 ROWS = arithmetic_task(32, seed=3)
+MODES = ("colocated", "partial", "disaggregated")  # the placements distill accepts (dynamic: check_plan)
 
 
 @pytest.fixture(scope="module")
@@ -104,8 +105,8 @@ def test_config_errors_name_their_keys():
     with pytest.raises(ValueError, match="leave judge null"):
         check(msgspec.structs.replace(cfg, judge=ModelSpec(seed=7)))
     dynamic = msgspec.structs.replace(cfg.placement, mode="dynamic")
-    with pytest.raises(ValueError, match=r"placement\.mode in"):
-        check(msgspec.structs.replace(cfg, placement=dynamic))
+    with pytest.raises(ValueError, match=r"distill moves no devices between steps: set placement\.mode"):
+        check_plan(placement_plan(msgspec.structs.replace(cfg, placement=dynamic), JOB))
     with pytest.raises(ValueError, match=r"model\.path is set"):
         check(msgspec.structs.replace(cfg, model=ModelSpec(path="/models/student")))
     vllm = msgspec.structs.replace(
@@ -132,6 +133,7 @@ def test_the_teacher_is_placed_in_every_mode(mode):
         cfg, placement=msgspec.structs.replace(cfg.placement, mode=mode, cluster=cluster)
     )
     plan = placement_plan(cfg, JOB)
+    check_plan(plan)
     assert sorted(plan.role_keys()) == ["actor", "rollout", TEACHER]
     assert plan.placement(TEACHER).role == "genrm"
     teacher, rollout, actor = (set(plan.devices(key)) for key in (TEACHER, "rollout", "actor"))

@@ -54,7 +54,6 @@ if TYPE_CHECKING:
     from yatt_placement.types import PlacementPlan, RoleSpec
 
 TEACHER = "teacher"  # the teacher's role key in the plan (a `genrm` role by kind: placed like a judge)
-MODES = ("colocated", "partial", "disaggregated")
 
 # the tiny preset's teacher: twice the student's width, warm-started on the task for longer (cached); measured
 # held-out accuracy 0.80 after 1000 steps at lr 2e-3 (0.65-0.76 from 1200 to 1500 steps at 3e-3: noisier)
@@ -168,6 +167,7 @@ def step_function(cfg: DistillConfig, policy_dir: str, val_rows: ValRows, plan: 
     from yatt_apps.runtime.teacher import check_tokenizers, teacher_dir
 
     check(cfg)
+    check_plan(plan)
     check_tokenizers(policy_dir, teacher_dir(cfg, policy_dir))
     return functools.partial(
         distill_step,
@@ -234,8 +234,6 @@ def check(cfg: DistillConfig) -> None:
         raise ValueError(
             "distill serves distill.teacher in the judge's slot: set distill.teacher and leave judge null"
         )
-    if cfg.placement.mode not in MODES:
-        raise ValueError(f"distill runs with placement.mode in {MODES}, got {cfg.placement.mode!r}")
     if teacher.engine != "hf" or teacher.tensor_parallel != 1 or teacher.pipeline_parallel != 1:
         raise ValueError(
             "distill.teacher is served by an HF engine on one device: set distill.teacher.engine=hf, "
@@ -251,6 +249,15 @@ def check(cfg: DistillConfig) -> None:
         raise ValueError("distill distils text policies on single-turn prompts (model.arch, rollout.env)")
     if cfg.distill.reward_coef and not cfg.rewards:
         raise ValueError("distill.reward_coef is set but rewards is empty: add the task's reward terms")
+
+
+def check_plan(plan: PlacementPlan) -> None:
+    """The placements distill runs in: colocated, partial and disaggregated. A movable plan (dynamic) is
+    refused: re-partitioning the rollout/teacher split live is not verified for this job."""
+    if plan.movable:
+        raise ValueError(
+            "distill moves no devices between steps: set placement.mode to colocated, partial or disaggregated"
+        )
 
 
 def serve_teacher(cfg: DistillConfig, run_dir: Path) -> DistillConfig:

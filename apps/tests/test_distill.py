@@ -17,7 +17,7 @@ from yatt_apps.io.models import load_tokenizer, prepare_model, tokenizer_corpus
 from yatt_apps.jobs.distill import JOB, TEACHER, check, check_plan, serve_teacher, tiny_cpu_distill
 from yatt_apps.runtime.launch import placement_plan
 from yatt_apps.runtime.phases import pad_batch, render_prompt
-from yatt_apps.runtime.teacher import TeacherWorker, check_tokenizers, teacher_tensor
+from yatt_apps.runtime.teacher import TeacherWorker, check_tokenizers, teacher_tensor, token_logprobs
 from yatt_multimodal.types import RewardRequest
 from yatt_placement.types import ClusterSpec
 
@@ -35,13 +35,13 @@ def models(tmp_path_factory):
     return str(student), str(teacher)
 
 
-def _forward_logprobs(model_dir: str, input_ids: torch.Tensor) -> torch.Tensor:
+def _forward_logprobs(model_dir: str, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log p(token t | tokens < t) [B, T] by a plain full-logits forward (0 at t = 0): the reference."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     with torch.no_grad():
-        logits = model(input_ids=input_ids).logits.float()
+        logits = model(input_ids=input_ids).logits.float() / temperature
     picked = logits[:, :-1].log_softmax(-1).gather(-1, input_ids[:, 1:, None])[..., 0]
     return torch.cat([torch.zeros(input_ids.shape[0], 1), picked], dim=1)
 
@@ -82,6 +82,12 @@ def test_teacher_logprobs_and_advantages_equal_separate_forwards(models):
     torch.testing.assert_close(advantages[mask], -(student_ref - teacher_ref)[mask], rtol=0, atol=1e-5)
     assert bool((advantages[~mask] == 0).all())
     assert (student_ref - teacher_ref)[mask].abs().min() > 1e-3  # two different models: a real difference
+
+    # distill.teacher_temperature: the teacher's logits / T before its log-probs
+    sharp = token_logprobs(worker.teacher.model, batch, chunk_size=4, micro_batch_size=1, temperature=0.5)
+    torch.testing.assert_close(
+        sharp, _forward_logprobs(teacher_dir, batch["input_ids"], 0.5), rtol=0, atol=1e-5
+    )
 
 
 def test_matching_tokenizers_pass_and_mismatched_ones_are_refused(models, tmp_path):
@@ -182,7 +188,9 @@ def test_distill_runs_and_resumes_exactly(tmp_path, ray_session):
     assert first["distill/teacher_logprob"] < 0 and 0 <= first["val/teacher_accuracy"] <= 1
     assert (run_dir / "final" / "config.json").is_file()
 
-    shutil.rmtree(run_dir / "checkpoints" / "step-2")
+    newest = sorted((run_dir / "checkpoints").glob("step-*"))[-1]
+    assert newest.name.endswith("2")  # step 2's checkpoint: removed, so the resume redoes step 2
+    shutil.rmtree(newest)
     again = run_job(cfg, run_dir, JOB, existing="resume")
     for key in (
         "train/loss",

@@ -52,3 +52,11 @@ def test_bad_inputs_name_the_argument() -> None:
         reverse_kl_advantages(STUDENT, TEACHER, MASK, reward=torch.ones(3), reward_coef=1.0)
     with pytest.raises(ValueError, match="response_mask must hold only 0 and 1"):
         reverse_kl_advantages(STUDENT, TEACHER, MASK * 2)
+
+
+def test_baseline_subtracts_the_mean_over_response_tokens() -> None:
+    adv = reverse_kl_advantages(STUDENT, TEACHER, MASK, baseline=True)
+    # the advantages on the mask, -2, 0, -9, -1, 2, have mean -2; padding and prompt stay 0
+    expected = torch.tensor([[0.0, 0.0, 2.0, -7.0], [1.0, 4.0, 0.0, 0.0]])
+    assert torch.equal(adv, expected)
+    assert float(adv[MASK.bool()].sum()) == 0.0

@@ -8,8 +8,9 @@ the teacher on prompt + response (the prompt rendered with the student's chat te
 controller rendered it for the student). So the teacher's log-probs come from the teacher's engine, never from
 the learner's process, and chunks of completions stream into it as rollout finishes them (`score_stream`).
 
-The teacher forward runs at temperature 1 (the teacher's own distribution); the student's log-probs are the
-sampling policy's (the rollout engine's, at `sampling.temperature`; the tiny preset samples at 1.0).
+The teacher forward runs at `distill.teacher_temperature` (1: the teacher's own distribution; below 1 a
+sharper target, nearer the teacher's greedy answers); the student's log-probs are the sampling policy's (the
+rollout engine's, at `sampling.temperature`; the tiny preset samples at 1.0).
 """
 
 from __future__ import annotations
@@ -79,9 +80,12 @@ def teacher_dir(cfg: RunConfig, policy_dir: str) -> str:
     return str(Path(policy_dir).parent / "judge")
 
 
-def token_logprobs(model: Any, batch: dict[str, Any], *, chunk_size: int, micro_batch_size: int) -> Any:
-    """Log-probs [B, T] of each token of `batch["input_ids"]` under `model` given the tokens before it (0 at
-    position 0), no grad, in micro-batches, on the model's device; returned on the CPU in float32."""
+def token_logprobs(
+    model: Any, batch: dict[str, Any], *, chunk_size: int, micro_batch_size: int, temperature: float = 1.0
+) -> Any:
+    """Log-probs [B, T] of each token of `batch["input_ids"]` under `model` (its logits / `temperature`) given
+    the tokens before it (0 at position 0), no grad, in micro-batches, on the model's device; returned on the
+    CPU in float32."""
     import torch
     from yatt_algos.learner.torch_backend import causal_lm_forward
 
@@ -90,7 +94,7 @@ def token_logprobs(model: Any, batch: dict[str, Any], *, chunk_size: int, micro_
     with torch.no_grad():
         for start in range(0, batch["input_ids"].shape[0], micro_batch_size):
             mb = {k: v[start : start + micro_batch_size].to(dev) for k, v in batch.items()}
-            out = causal_lm_forward(model, mb, chunk_size=chunk_size, temperature=1.0)
+            out = causal_lm_forward(model, mb, chunk_size=chunk_size, temperature=temperature)
             parts.append(out["logprobs"].float().cpu())
     return torch.cat(parts)
 
@@ -100,7 +104,13 @@ class TeacherWorker(RewardWorker):
     an HF engine in this process (slept and woken as a judge is: `RewardWorker.sleep` / `wake_up`)."""
 
     def __init__(
-        self, cfg: RunConfig, teacher_dir: str, policy_dir: str, *, shared_device: bool = True
+        self,
+        cfg: RunConfig,
+        teacher_dir: str,
+        policy_dir: str,
+        *,
+        temperature: float = 1.0,
+        shared_device: bool = True,
     ) -> None:
         from yatt_rollout.hf_engine import HFEngine
 
@@ -111,6 +121,7 @@ class TeacherWorker(RewardWorker):
         spec = cfg.judge
         assert spec is not None, "distill serves its teacher in the judge's slot (serve_teacher)"
         self.system_prompt = cfg.data.system_prompt
+        self.temperature = temperature  # the teacher's logits / temperature: < 1 sharpens the target
         self.chunk_size = cfg.learner.logits_chunk_size
         self.micro_batch_size = cfg.optim.micro_batch_size or 32
         # the student's tokenizer renders prompts exactly as the controllers did (one vocabulary: checked)
@@ -135,7 +146,11 @@ class TeacherWorker(RewardWorker):
         ]
         batch = pad_batch(prompts, [list(r.response_token_ids) for r in requests], self.tok.pad_token_id)
         lp = token_logprobs(
-            self.teacher.model, batch, chunk_size=self.chunk_size, micro_batch_size=self.micro_batch_size
+            self.teacher.model,
+            batch,
+            chunk_size=self.chunk_size,
+            micro_batch_size=self.micro_batch_size,
+            temperature=self.temperature,
         )
         return [lp[i][batch["response_mask"][i]].tolist() for i in range(len(requests))]
 

@@ -7,7 +7,7 @@ the ones asked for.
   `distill/reverse_kl` (first and last: the means over the run's first and last three steps, since one step's
   batch estimate is noisy), target >= 0.3; `distill.student_acc_gain` = the student's last `val/accuracy`
   minus its first (step 0), target >= 0.1; `distill.teacher_accuracy` beside it. `--quick` and the full run
-  are the preset's 40 steps (about 1-2 s each on 2 idle cores: learning needs them). The warm starts are cached
+  are the preset's 30 steps (about 1-2 s each on 2 cores: learning needs them). The warm starts are cached
   (~/.cache/yatt/models); a cold cache adds them to `distill.wall_s`.
 
     python benchmarks/bench_jobs.py --quick [--jobs distill]

@@ -99,25 +99,28 @@ def tiny_cpu_distill() -> DistillConfig:
     """`yatt distill` on the embedded task: a tiny Qwen2 student warm-started briefly (400 steps: greedy
     validation accuracy 0.22) distils a twice-wider tiny teacher warm-started for longer (0.75; both built once
     and cached). Pure distillation (reward_coef 0; the exact-answer rule is scored as a metric), the mean
-    advantage of each controller's batch as the baseline, token-mean PPO-clip, one update per batch at lr 5e-4,
-    no KL to a reference, 32 prompts x 8 samples per step, 40 steps. Tried (20-30 steps, seed 0): without the
-    baseline the reverse KL barely fell at lr 5e-4 and rose at 2e-3; with it, lr 1e-3 and a teacher at
-    temperature 0.5 both made the first steps worse; the default student (700 warm-start steps, 0.53) left too
+    advantage of each controller's batch as the baseline, token-mean PPO-clip, two updates per batch at lr
+    5e-4, no KL to a reference, 32 prompts x 8 samples per step, 30 steps. Measured (seed 0, a loaded 2-core
+    machine): reverse KL 2.13 -> 1.50 nats/token (means of the first and last three steps: -29%), sampled
+    accuracy (`reward/mean`) 0.12 -> 0.24, greedy `val/accuracy` 0.22 -> 0.25 (noisy: 64 rows). Tried: without
+    the baseline the reverse KL barely fell at lr 5e-4 and rose at 2e-3; with it, lr 1e-3 and a teacher at
+    temperature 0.5 made the first steps worse; one update per batch reached 0.33 greedy accuracy at step 29
+    once but only 0.25 at step 39 of a 40-step run; the default student (700 warm-start steps, 0.53) left too
     little room below the teacher (its greedy accuracy fell while its sampled accuracy rose)."""
     base = _tiny_base()
     return as_config(
         DistillConfig,
         base,
         run=msgspec.structs.replace(
-            base.run, name="distill-tiny", num_steps=40, prompts_per_step=32, eval_every=5
+            base.run, name="distill-tiny", num_steps=30, prompts_per_step=32, eval_every=5
         ),
         model=ModelSpec(warm_start="policy", warm_start_steps=400, warm_start_batch_size=64),
         judge=None,
         sampling=msgspec.structs.replace(base.sampling, n=8),
         rewards=[RewardSpec(kind="math_verify", weight=1.0)],
-        algo=AlgoConfig(loss_agg_mode="token-mean", kl_loss_coef=0.0),
+        algo=AlgoConfig(loss_agg_mode="token-mean", kl_loss_coef=0.0, num_updates_per_batch=2),
         optim=OptimConfig(
-            lr=5e-4, num_warmup_steps=2, num_training_steps=40, micro_batch_size=32, clip_grad_norm=1.0
+            lr=5e-4, num_warmup_steps=2, num_training_steps=30, micro_batch_size=32, clip_grad_norm=1.0
         ),
         distill=DistillSpec(teacher=TINY_TEACHER),
     )

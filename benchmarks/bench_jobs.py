@@ -1,6 +1,6 @@
-"""The offline and distillation jobs' learning on their embedded defaults: one function per job, each running the
-real job (`yatt_apps.runtime.launch.run_job` with the job's default preset, in one local Ray session) and
-returning its figures as `JOB.key` entries.
+"""The jobs' learning benchmarks: each shipped job's embedded default run for a few minutes through the real job
+(`yatt_apps.runtime.launch.run_job`, one local Ray session), reporting whether it learns by issue 28's targets.
+One function per job, each returning its `JOB.key` figures; `main` joins the ones asked for.
 
 - `dpo`: `tiny_cpu_dpo` (the warm-started tiny policy, DPO + RPO on the arithmetic task's pairs, two parallel
   controllers). `dpo.accuracy_rise`: validation preference accuracy (chosen reward strictly above rejected,
@@ -10,10 +10,16 @@ returning its figures as `JOB.key` entries.
   instead (5 updates). `dpo.gen_accuracy_first` / `_last`: greedy generation accuracy (math_verify) on the
   same prompts, the first being the warm-started policy's. `--quick` runs 20 steps (evaluated at 0, 5, 10, 15,
   19), the full run the preset's 30.
+- `distill`: `tiny_cpu_distill` (the tiny student distils the wider warm-started teacher);
+  `distill.reverse_kl_drop` = (first - last) / first of `distill/reverse_kl` (first and last: the means over the
+  run's first and last three steps, since one step's batch estimate is noisy), target >= 0.3;
+  `distill.student_acc_gain` = the student's last `val/accuracy` minus its first (step 0), target >= 0.1;
+  `distill.teacher_accuracy` beside it. `--quick` and the full run are the preset's 30 steps.
 
-    python benchmarks/bench_jobs.py --quick
+    python benchmarks/bench_jobs.py --quick [--jobs dpo distill]
 
-The last printed line is one JSON object (figures of every job run, the load average at start and end).
+The warm starts are cached (~/.cache/yatt/models); a cold cache adds them to the wall times. The last printed
+line is one JSON object (every job's figures, the load average at start and end).
 """
 
 from __future__ import annotations
@@ -27,9 +33,8 @@ import time
 from pathlib import Path
 
 
-def _metrics(run_dir: Path) -> dict[int, dict]:
-    rows = (json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines())
-    return {row["step"]: row for row in rows}
+def _rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def dpo(quick: bool) -> dict:
@@ -45,7 +50,7 @@ def dpo(quick: bool) -> dict:
         started = time.perf_counter()
         run_job(cfg, Path(tmp) / "run", JOB)
         seconds = time.perf_counter() - started
-        rows = _metrics(Path(tmp) / "run")
+        rows = {row["step"]: row for row in _rows(Path(tmp) / "run")}
     evaluated = [rows[s] for s in sorted(rows) if "val/dpo/accuracy" in rows[s]]
     first, last = evaluated[0], evaluated[-1]
     return {
@@ -63,20 +68,57 @@ def dpo(quick: bool) -> dict:
     }
 
 
-JOBS = {"dpo": dpo}
+def distill(quick: bool) -> dict:
+    """`yatt distill`'s embedded default: the reverse KL's relative drop and the student's accuracy gain."""
+    import msgspec
+    from yatt_apps.jobs.distill import JOB, tiny_cpu_distill
+    from yatt_apps.runtime.launch import run_job
+
+    cfg = tiny_cpu_distill()  # `quick` runs it as is: fewer steps would not show the learning
+    cfg = msgspec.structs.replace(cfg, run=msgspec.structs.replace(cfg.run, progress=False))
+    with tempfile.TemporaryDirectory(prefix="bench-distill-") as tmp:
+        started = time.perf_counter()
+        summary = run_job(cfg, Path(tmp) / "run", JOB, existing="refuse")
+        rows = _rows(Path(tmp) / "run")
+    kl = [row["distill/reverse_kl"] for row in rows]
+    first, last = sum(kl[:3]) / 3, sum(kl[-3:]) / 3
+    acc = [row["val/accuracy"] for row in rows if "val/accuracy" in row]
+    teacher = [row["val/teacher_accuracy"] for row in rows if "val/teacher_accuracy" in row]
+    return {
+        "distill.reverse_kl_drop": round((first - last) / first, 4),
+        "distill.student_acc_gain": round(acc[-1] - acc[0], 4),
+        "distill.reverse_kl": [round(v, 4) for v in kl],
+        "distill.student_accuracy": acc,
+        "distill.teacher_accuracy": teacher[0],
+        "distill.steps": len(rows),
+        "distill.wall_s": round(time.perf_counter() - started, 1),
+        "distill.run_s": round(summary["seconds"], 1),
+    }
+
+
+JOBS = {"dpo": dpo, "distill": distill}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer steps per job")
-    parser.add_argument("--jobs", nargs="+", choices=sorted(JOBS), default=list(JOBS), help="jobs to run")
+    parser.add_argument(
+        "--quick", action="store_true", help="shorter runs (a few minutes per job on 2 cores)"
+    )
+    parser.add_argument("--jobs", nargs="+", choices=list(JOBS), default=list(JOBS), help="which jobs to run")
     args = parser.parse_args(argv)
-    out: dict = {"quick": args.quick, "load_start": os.getloadavg()[0]}
+    for key, value in {
+        "RAY_AUTH_MODE": "disabled",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }.items():
+        os.environ.setdefault(key, value)
+    out: dict = {"benchmark": "jobs", "quick": args.quick, "load_start": round(os.getloadavg()[0], 2)}
     for name in args.jobs:
         figures = JOBS[name](args.quick)
         print(f"{name}: {figures}", file=sys.stderr)
         out |= figures
-    out["load_end"] = os.getloadavg()[0]
+    out["load_end"] = round(os.getloadavg()[0], 2)
     print(json.dumps(out))
     return 0
 

@@ -537,7 +537,11 @@ def tiny_cpu_capo() -> CapoConfig:
     - the critic's warm start runs 1500 steps: at 800 it sat on a plateau, flagging a right and an off-by-one
       answer alike (P("none") 0.42 each; held-out accuracy 0.625, about "always wrong" on its data), so the
       process penalty was noise that the per-prompt normalization scaled to unit size wherever r_v was
-      constant; it leaves the plateau after ~1000 steps (held-out accuracy 0.98 at 1200)."""
+      constant; it leaves the plateau after ~1000 steps (held-out accuracy 0.984 at 1500).
+    Measured, the default 30 steps (seed 0): val/accuracy 0.53 at step 0, 0.56 at 10, 0.64 at 20, 0.64 at 29;
+    reward 0.27 at step 0, 0.48 over the last five; KL <= 0.28; the vote flags 0-3% of right answers and
+    94-100% of wrong ones. The old settings, same 30 steps: val 0.53, 0.31, 0.31, 0.34; reward 0.34 -> 0.27;
+    KL up to 1.13; flagged 33% of right and 38% of wrong answers."""
     base = tiny_cpu()
     return as_config(
         CapoConfig,

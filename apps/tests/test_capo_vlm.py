@@ -69,7 +69,52 @@ def test_capo_credit_on_scripted_critiques(voting, row1, num_wrong):
         "capo/critique_failed": 1.0,
         "capo/penalized_tokens": float(penalized),
         "capo/wrong_steps": float(num_wrong),
+        "capo/right": 2.0,  # rows 0 and 2
+        "capo/flagged_right": 1.0,  # row 0 (row 2's critiques did not parse: no vote)
+        "capo/flagged_wrong": 1.0,  # row 1
     }
+
+
+def test_capo_metrics_flag_rates_hand_worked():
+    from yatt_apps.jobs.capo import capo_metrics
+
+    total = {
+        "samples": 10.0,
+        "response_tokens": 40.0,
+        "capo/critique_failed": 1.0,
+        "capo/penalized_tokens": 12.0,
+        "capo/wrong_steps": 7.0,
+        "capo/right": 4.0,
+        "capo/flagged_right": 1.0,
+        "capo/flagged_wrong": 5.0,
+    }
+    assert capo_metrics(total) == {
+        "capo/critique_failed_frac": 0.1,
+        "capo/penalized_token_frac": 0.3,
+        "capo/wrong_steps_mean": 0.7,
+        "capo/flagged_right_frac": 0.25,  # 1 of the 4 right answers
+        "capo/flagged_wrong_frac": 5 / 6,  # 5 of the 6 wrong ones
+    }
+    no_right = capo_metrics(total | {"capo/right": 0.0, "capo/flagged_right": 0.0})
+    assert no_right["capo/flagged_right_frac"] == 0.0 and no_right["capo/flagged_wrong_frac"] == 0.5
+
+
+def test_tiny_capo_preset_update_size_and_critic_warm_start():
+    """Issue 34's unlearning: at 16 prompts x 4 samples and lr 1e-3 the tiny policy drifted and validation
+    accuracy fell (with the critique penalty off too), and an 800-step critic warm start left the critic on its
+    plateau (flagging right and wrong answers alike). The preset takes `tiny_cpu`'s update size and warm-starts
+    the critic past the plateau (measured: held-out accuracy 0.625 at 800 steps, 0.98 at 1200)."""
+    from yatt_apps.config import tiny_cpu, tiny_cpu_capo
+
+    capo, grpo = tiny_cpu_capo(), tiny_cpu()
+    assert (capo.run.prompts_per_step, capo.sampling.n, capo.optim.lr) == (32, 8, 5e-4)
+    assert (capo.run.prompts_per_step, capo.sampling.n, capo.optim.lr) == (
+        grpo.run.prompts_per_step,
+        grpo.sampling.n,
+        grpo.optim.lr,
+    )
+    assert capo.judge is not None and capo.judge.warm_start == "step_critique"
+    assert capo.judge.warm_start_steps == 1500
 
 
 def test_capo_credit_hand_values_intersection():
@@ -254,12 +299,18 @@ def test_capo_runs_two_steps(tmp_path):
     assert summary["driver_bytes"] < 300_000 and summary["step"] == 1
     rows = _metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == [0, 1]
+    # the critic left its warm-start plateau (held-out accuracy 0.625 at 800 steps; 0.984 at the preset's 1500)
+    critic = json.loads((tmp_path / "run" / "models" / "judge" / "warm_start.json").read_text())
+    assert critic["kind"] == "step_critique" and critic["held_out_accuracy"] >= 0.9
     for row in rows:
-        # 16 prompts x 4 samples, each scored by the verifier once
+        # 32 prompts x 8 samples, each scored by the verifier once
         assert row["samples_dropped"] == 0  # rule rewards never fail
-        assert sum(row[f"reward_status/{s}"] for s in ("ok", "parse_error", "timeout", "error")) == 64
+        assert sum(row[f"reward_status/{s}"] for s in ("ok", "parse_error", "timeout", "error")) == 256
+        # and it tells right from wrong answers on the policy's own samples (30-step default run, seed 0:
+        # flagged_right_frac <= 0.026 and flagged_wrong_frac >= 0.94 every step)
+        assert row["capo/flagged_wrong_frac"] - row["capo/flagged_right_frac"] > 0.5
         # the warm-started critic's constrained critiques all parse, and it finds wrong steps (measured over a
-        # 30-step default run: failed 0.0 every step, penalized token fraction 0.26..0.48)
+        # 30-step default run: failed 0.0 every step, penalized token fraction 0.31..0.49)
         assert row["capo/critique_failed_frac"] < 0.2
         assert 0.0 < row["capo/penalized_token_frac"] <= 1.0
         assert row["reward/mean"] == row["reward/math_verify_mean"]  # r_v is the only term

@@ -95,6 +95,7 @@ def capo_credit(
     verifier [B] r_v in {0, 1}; critiques[b] row b's `StepCritique` (token spans relative to the response,
     shifted here by prompt_lens[b] into columns); response_mask [B, T]; group_ids [B] the prompt of each row.
     """
+    import torch
     from yatt_algos.capo import capo_advantages, capo_token_rewards, vote_wrong_steps
 
     if not bool(((verifier == 0) | (verifier == 1)).all()):
@@ -116,10 +117,17 @@ def capo_credit(
     advantages = capo_advantages(rewards, response_mask, group_ids, eps=eps)
     whole = verifier.float()[:, None] * spec.w_whole
     penalized = (rewards < whole) & response_mask.bool()
+    # the critic's agreement with the verifier: a critic flagging right and wrong answers alike adds noise,
+    # not credit (issue 34's unlearning run had an untrained critic), so both rates are reported
+    flagged = torch.tensor([len(v) > 0 for v in votes], dtype=torch.bool)
+    right = verifier.detach().cpu() == 1
     counts = {
         "capo/critique_failed": float(failed),
         "capo/penalized_tokens": float(penalized.sum()),
         "capo/wrong_steps": float(sum(len(v) for v in votes)),
+        "capo/right": float(right.sum()),
+        "capo/flagged_right": float((flagged & right).sum()),
+        "capo/flagged_wrong": float((flagged & ~right).sum()),
     }
     return rewards, advantages, counts
 
@@ -180,12 +188,16 @@ def capo_step(
 
 
 def capo_metrics(total: dict[str, float]) -> dict[str, float]:
-    """Means of the summed CAPO counts: per trained sample and per response token."""
+    """Means of the summed CAPO counts: per trained sample and per response token; the share of right (r_v = 1)
+    and of wrong answers in which the vote flags a step (a useful critic: low, high; 0 where there are none)."""
     samples, tokens = max(total["samples"], 1.0), max(total["response_tokens"], 1.0)
+    right, wrong = total["capo/right"], total["samples"] - total["capo/right"]
     return {
         "capo/critique_failed_frac": total["capo/critique_failed"] / samples,
         "capo/penalized_token_frac": total["capo/penalized_tokens"] / tokens,
         "capo/wrong_steps_mean": total["capo/wrong_steps"] / samples,
+        "capo/flagged_right_frac": total["capo/flagged_right"] / right if right else 0.0,
+        "capo/flagged_wrong_frac": total["capo/flagged_wrong"] / wrong if wrong else 0.0,
     }
 
 

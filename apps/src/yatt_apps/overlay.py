@@ -82,14 +82,18 @@ def build_config(
 
 
 def _own_models(doc: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
-    """A model the user points at (`model.path`, `judge.path`, ... set, `warm_start` not) replaces the
-    preset's tiny warm-started one: its `warm_start` becomes "none" (a warm start trains a tiny model built
-    from a config, and would refuse a path)."""
+    """A model the user points at (a section such as `model`, `judge` or `distill.teacher` given a `path` and
+    no `warm_start`) replaces the preset's tiny warm-started one: its `warm_start` becomes "none" (a warm start
+    trains a tiny model built from a config, and would refuse a path)."""
+    out = dict(doc)
     for key, section in given.items():
-        own = isinstance(section, dict) and section.get("path") and "warm_start" not in section
-        if own and isinstance(doc.get(key), dict) and doc[key].get("warm_start", "none") != "none":
-            doc[key] = {**doc[key], "warm_start": "none"}
-    return doc
+        if not (isinstance(section, dict) and isinstance(out.get(key), dict)):
+            continue
+        out[key] = _own_models(out[key], section)  # nested sections (distill.teacher)
+        own = section.get("path") and "warm_start" not in section
+        if own and out[key].get("warm_start", "none") != "none":
+            out[key] = {**out[key], "warm_start": "none"}
+    return out
 
 
 def to_yaml(config: msgspec.Struct) -> str:

@@ -22,8 +22,10 @@ and without a process group: what export reads, never holding the whole model tw
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import warnings
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -37,6 +39,15 @@ from yatt_algos.learner import checkpoint
 METADATA = ".metadata"
 # rank -> (relative path, (sha256 hex, size)) of the files it wrote
 FileEntries = dict[str, tuple[str, int]]
+
+
+@contextlib.contextmanager
+def _single_process(no_dist: bool):
+    """DCP warns on every single-process save or load that it assumes one process; that is the intent here."""
+    with warnings.catch_warnings():
+        if no_dist:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def file_entry(path: Path) -> tuple[str, int]:
@@ -150,11 +161,12 @@ class ShardedState:
         writer = dcp.FileSystemWriter(path, thread_count=1, sync_files=True)
         state, no_dist = self.tensors(), group is None
         future = None
-        if background:
-            future = dcp.async_save(state, storage_writer=writer, process_group=group, no_dist=no_dist)
-            assert isinstance(future, Future), "a thread async save returns a Future"
-        else:
-            dcp.save(state, storage_writer=writer, process_group=group, no_dist=no_dist)
+        with _single_process(no_dist):
+            if background:
+                future = dcp.async_save(state, storage_writer=writer, process_group=group, no_dist=no_dist)
+                assert isinstance(future, Future), "a thread async save returns a Future"
+            else:
+                dcp.save(state, storage_writer=writer, process_group=group, no_dist=no_dist)
         self.pending = PendingSave(path, rank, future)
         return self.pending
 
@@ -174,7 +186,9 @@ class ShardedState:
         self.wait()
         engine, group = self.engine, self._process_group()
         state = self.tensors()  # the template: this rank's shards at the current world size
-        dcp.load(state, storage_reader=dcp.FileSystemReader(path), process_group=group, no_dist=group is None)
+        with _single_process(group is None):
+            reader = dcp.FileSystemReader(path)
+            dcp.load(state, storage_reader=reader, process_group=group, no_dist=group is None)
         optims = [engine.optimizer] if engine.optimizer else []
         set_state_dict(
             engine.model,
@@ -223,7 +237,8 @@ def iter_checkpoint_tensors(
             size += _nbytes(specs[end])
             end += 1
         bucket = {name: torch.empty(shape, dtype=dtype) for name, shape, dtype in specs[start:end]}
-        dcp.load({"model": bucket}, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+        with _single_process(True):
+            dcp.load({"model": bucket}, storage_reader=dcp.FileSystemReader(path), no_dist=True)
         yield list(bucket.items())
         start = end
 
@@ -231,3 +246,41 @@ def iter_checkpoint_tensors(
 def _nbytes(spec: tuple[str, torch.Size, torch.dtype]) -> int:
     _, shape, dtype = spec
     return shape.numel() * dtype.itemsize
+
+
+class LearnerFiles:
+    """The sharded checkpoint protocol of a worker that hosts a learner (what
+    `yatt_controller.controller_checkpoint` calls `save/finish/load_checkpoint_shards`): a torch learner writes
+    its DCP shards (`save_shards`, in the background when asked); another learner (Megatron) writes its own
+    rank's whole `state_dict()` as `state-R.pt`, R its rank in the default process group, synchronously, and
+    loads it back at the same layout."""
+
+    def __init__(self) -> None:
+        self._written: FileEntries = {}
+
+    @staticmethod
+    def _rank() -> int:
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+    def save(self, learner: Any, folder: str, background: bool) -> None:
+        if hasattr(learner, "save_shards"):
+            learner.save_shards(folder, background=background)
+            return
+        path = Path(folder) / f"state-{self._rank()}.pt"
+        checkpoint.save_checkpoint(learner.state_dict(), path)
+        self._written = {path.name: file_entry(path)}
+
+    def finish(self, learner: Any) -> FileEntries:
+        if hasattr(learner, "wait_shards"):
+            return learner.wait_shards()
+        written, self._written = self._written, {}
+        return written
+
+    def load(self, learner: Any, folder: str) -> None:
+        if (Path(folder) / METADATA).is_file():
+            learner.load_shards(folder)
+            return
+        path = Path(folder) / f"state-{self._rank()}.pt"
+        if not path.is_file():
+            raise ValueError(f"{folder}: neither a DCP checkpoint ({METADATA}) nor this rank's {path.name}")
+        learner.load_state_dict(checkpoint.load_checkpoint(path))

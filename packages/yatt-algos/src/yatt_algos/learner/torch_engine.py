@@ -270,5 +270,6 @@ class TorchEngine:
         self.shards.load(path)
 
     def export_weights(self, bucket_bytes: int) -> Iterator[export.NamedTensors]:
-        """Buckets of (HF name, tensor) of at most `bucket_bytes` each."""
-        return export.iter_buckets(export.hf_named_tensors(self.model), bucket_bytes)
+        """Buckets of (HF name, tensor) of at most `bucket_bytes` each; under FSDP2 each bucket's shards are
+        gathered when it is taken (every rank takes every bucket), so a rank holds one bucket at a time."""
+        return export.export_buckets(self.model, bucket_bytes)

@@ -160,11 +160,12 @@ class ShardedState:
         checkpoint.save_checkpoint(self.extra(), path / f"extra-{rank}.pt")
         writer = dcp.FileSystemWriter(path, thread_count=1, sync_files=True)
         state, no_dist = self.tensors(), group is None
-        future = None
+        future: Future | None = None
         with _single_process(no_dist):
             if background:
-                future = dcp.async_save(state, storage_writer=writer, process_group=group, no_dist=no_dist)
-                assert isinstance(future, Future), "a thread async save returns a Future"
+                started = dcp.async_save(state, storage_writer=writer, process_group=group, no_dist=no_dist)
+                assert isinstance(started, Future), "a thread async save returns a Future"
+                future = started
             else:
                 dcp.save(state, storage_writer=writer, process_group=group, no_dist=no_dist)
         self.pending = PendingSave(path, rank, future)

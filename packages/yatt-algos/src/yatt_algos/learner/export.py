@@ -37,7 +37,7 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
-GATHER_CHUNK_BYTES = 16 << 20  # per rank per collective: what a gather holds beside its output
+GATHER_CHUNK_BYTES = 4 << 20  # per rank per collective: what a gather holds beside its output
 
 
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -56,6 +56,8 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.full_tensor()
     world, rows, group = mesh.size(), tensor.shape[0], mesh.get_group()
     per = -(-rows // world)
+    # all_gather_into_tensor is deprecated (a warning per call) where torch has its successor
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     local = tensor.to_local()
     if local.shape[0] != per:  # pad this rank's block to the common size
         local = torch.cat([local, local.new_zeros(per - local.shape[0], *local.shape[1:])])
@@ -65,7 +67,7 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     for start in range(0, per, step):
         part = local[start : start + step].contiguous()
         gathered = part.new_empty(world * part.shape[0], *part.shape[1:])  # gloo: ranks stacked on dim 0
-        dist.all_gather_into_tensor(gathered, part, group=group)
+        gather(gathered, part, group=group)
         out[:, start : start + part.shape[0]] = gathered.view(world, *part.shape)
     return out.view(world * per, *local.shape[1:])[:rows]
 

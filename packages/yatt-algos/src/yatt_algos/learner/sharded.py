@@ -77,13 +77,14 @@ def own_files(path: Path, rank: int) -> list[str]:
 class PendingSave:
     """A save in flight (or done): `wait()` blocks until this rank's files are on disk and returns them."""
 
-    def __init__(self, path: Path, rank: int, future: Future | None) -> None:
+    def __init__(self, path: Path, rank: int, future: Future | None, extra: dict[str, Any]) -> None:
         self.path, self.rank = path, rank
-        # hashing runs on the same background thread, after the write
+        # the small per-rank file, then the hashes, on a background thread of their own, after DCP's write
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="yatt-ckpt")
-        self._entries = self._pool.submit(self._finish, future)
+        self._entries = self._pool.submit(self._finish, future, extra)
 
-    def _finish(self, future: Future | None) -> FileEntries:
+    def _finish(self, future: Future | None, extra: dict[str, Any]) -> FileEntries:
+        checkpoint.save_checkpoint(extra, self.path / f"extra-{self.rank}.pt")
         if future is not None:
             future.result()
         entries = {}
@@ -157,7 +158,7 @@ class ShardedState:
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         group, rank = self._process_group(), self.rank
-        checkpoint.save_checkpoint(self.extra(), path / f"extra-{rank}.pt")
+        extra = checkpoint.snapshot(self.extra())  # now: the files are written later
         writer = dcp.FileSystemWriter(path, thread_count=1, sync_files=True)
         state, no_dist = self.tensors(), group is None
         future: Future | None = None
@@ -168,7 +169,7 @@ class ShardedState:
                 future = started
             else:
                 dcp.save(state, storage_writer=writer, process_group=group, no_dist=no_dist)
-        self.pending = PendingSave(path, rank, future)
+        self.pending = PendingSave(path, rank, future, extra)
         return self.pending
 
     def wait(self) -> FileEntries:

@@ -548,7 +548,7 @@ def test_megatron_pipeline_parallel_under_the_cpu_shim(ray_session, tmp_path):
     2 steps with a checkpoint after each. Step 0's update moves the weights (KL to the reference at step 1);
     step 1's samples come from HF engines on both devices, each loaded in process from its own learner
     stage's export (so each stage must export the whole model), and match the learner's logprobs to 1e-4.
-    The checkpoint's two learner blobs are the two stages' shards: the embeddings and layer 0 on stage 0,
+    The checkpoint's two learner files (learner/state-R.pt) are the two stages' shards: the embeddings and layer 0 on stage 0,
     layer 1, the final norm and the output layer on stage 1."""
     import torch
 
@@ -565,7 +565,7 @@ def test_megatron_pipeline_parallel_under_the_cpu_shim(ray_session, tmp_path):
     assert rows[0]["train/grad_norm"] > 0 and rows[1]["train/kl"] > 0.0
     assert all(0.0 < row["train/rollout_mismatch"] < 1e-4 for row in rows.values())
     last = max(p for p in (tmp_path / "pp" / "checkpoints").iterdir() if p.is_dir())
-    stages = [torch.load(last / f"learner-0.{i}.bin", weights_only=True)["model"] for i in (0, 1)]
+    stages = [torch.load(last / "learner" / f"state-{i}.pt", weights_only=True)["model"] for i in (0, 1)]
     assert [sorted(k for k in s if not k.startswith("decoder.layers.")) for s in stages] == [
         ["embedding.word_embeddings.weight"],
         ["decoder.final_layernorm.weight", "output_layer.weight"],

@@ -116,3 +116,31 @@ def test_a_runs_config_reads_back_as_its_jobs_config(tmp_path, preset):
     cfg = PRESETS[preset]()
     (tmp_path / "config.yaml").write_text(to_yaml(cfg))
     assert run_config(tmp_path) == cfg
+
+
+def test_export_of_a_sharded_checkpoint_streams_into_the_policy(policy_dir, tmp_path):
+    """A LoRA learner's sharded (DCP) checkpoint, as the runtime writes it (`learner/` in the checkpoint),
+    exports bucket by bucket as a plain model equal to the live learner's."""
+    from yatt_algos.learner.torch_backend import TorchPolicyLearner
+    from yatt_algos.types import AlgoConfig, OptimConfig
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    overrides = [f"model.path={policy_dir}", "learner.lora_rank=4", "learner.lora_alpha=8.0"]
+    (run_dir / "config.yaml").write_text(to_yaml(build_config(RunConfig, RunConfig(), None, overrides)))
+    learner = TorchPolicyLearner(
+        load_causal_lm(policy_dir), algo=AlgoConfig(), optim_config=OptimConfig(), learner=LORA
+    )
+    with torch.no_grad():
+        for name, param in learner.model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5)
+    staging = checkpoint.begin(run_dir / "checkpoints", 4)
+    learner.save_shards(str(staging / "learner"), background=True)
+    files = {f"learner/{name}": entry for name, entry in learner.wait_shards().items()}
+    checkpoint.commit(run_dir / "checkpoints", 4, files)
+    assert sorted(files) == ["learner/.metadata", "learner/__0_0.distcp", "learner/extra-0.pt"]
+    record = export_checkpoint(run_dir, None, tmp_path / "out")
+    assert record["step"] == 4 and record["lora_merged"] is True
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    torch.testing.assert_close(_logits(loaded), _logits(learner.model.eval()), atol=1e-5, rtol=1e-5)

@@ -134,14 +134,14 @@ def exported(two_step_run) -> dict[int, Path]:
 
 
 def _learner_reference(run_dir: Path, step: int):
-    """The learner's policy at `step`, straight from the checkpoint blob: the initial model with the blob's
-    model weights loaded."""
-    import torch
+    """The learner's policy at `step`, straight from the checkpoint's sharded learner files: the initial model
+    with the checkpoint's model tensors loaded."""
+    from yatt_algos.learner.sharded import iter_checkpoint_tensors
     from yatt_apps.io.models import load_causal_lm
 
-    state = torch.load(run_dir / "checkpoints" / f"step-{step:08d}" / "learner-0.0.bin", weights_only=True)
+    shards = run_dir / "checkpoints" / f"step-{step:08d}" / "learner"
     model = load_causal_lm(run_dir / "models" / "policy")
-    model.load_state_dict(state["model"])
+    model.load_state_dict({k: v for bucket in iter_checkpoint_tensors(shards) for k, v in bucket})
     return model.eval()
 
 
@@ -238,7 +238,7 @@ def test_a_new_job_in_the_runs_folder_is_refused_and_changes_nothing(two_step_ru
 
 
 def _corrupt(ckpt: Path) -> None:
-    blob = ckpt / "learner-0.0.bin"
+    blob = ckpt / "learner" / "extra-0.pt"
     data = bytearray(blob.read_bytes())
     data[len(data) // 2] ^= 0xFF  # one flipped byte, same size: only the sha256 tells
     blob.write_bytes(bytes(data))
@@ -259,7 +259,7 @@ def test_resume_names_a_corrupt_checkpoint_and_refuses_when_none_is_valid(two_st
         _corrupt(ckpts / f"step-{step:08d}")
     before = _files(run)
     assert main(["resume", str(run), "--set", "run.num_steps=3", "--set", "log.wandb=false"]) == 2
-    why = "learner-0.0.bin does not match its manifest entry (size or sha256)"
+    why = "learner/extra-0.pt does not match its manifest entry (size or sha256)"
     assert capsys.readouterr().err == (
         f"yatt resume: error: {ckpts}: no checkpoint verifies against its manifest, so the run cannot resume "
         f"(nothing was changed):\n  {ckpts}/step-00000001: {why}\n  {ckpts}/step-00000000: {why}\n"

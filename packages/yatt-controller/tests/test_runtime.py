@@ -7,6 +7,7 @@ import dataclasses
 import re
 import sys
 
+import msgspec
 import pytest
 import ray
 import yatt_controller_doubles as doubles  # loaded by conftest.py
@@ -42,11 +43,10 @@ def _rows() -> list[int]:
     return list(range(ROWS))
 
 
-def _build(engine_kwargs: dict | None = None, learner_kwargs: dict | None = None):
+def _build(engine_kwargs: dict | None = None, learner_kwargs: dict | None = None, learner_cls=None):
     def build(pool: HostPool) -> Services:
-        learner = WorkerGroup.create(
-            pool, "actor", doubles.CountingLearner, kwargs=learner_kwargs or {}, pass_worker_info=True
-        )
+        cls = learner_cls or doubles.CountingLearner
+        learner = WorkerGroup.create(pool, "actor", cls, kwargs=learner_kwargs or {}, pass_worker_info=True)
         rollout = WorkerGroup.create(
             pool, "rollout", doubles.ScriptedEngine, kwargs={"media_bytes": MEDIA, **(engine_kwargs or {})}
         )
@@ -198,6 +198,37 @@ def test_resume_takes_the_newest_complete_checkpoint(cluster, tmp_path):
     assert sorted(first.reports) == [0, 1, 2] and sorted(rest.reports) == [3, 4]
     for step in (3, 4):
         assert [r.metrics for r in rest.reports[step]] == [r.metrics for r in whole.reports[step]]
+
+
+@pytest.mark.slow
+def test_sharded_background_checkpoints_commit_after_the_write_and_resume(cluster, tmp_path):
+    """A learner with the sharded protocol writes its own files (learner/total-R.bin) in the background; each
+    checkpoint commits once written, the last before the run returns, and a resume loads them."""
+    from yatt_controller import checkpoint
+
+    spec = ControllerSpec(num_controllers=2, heartbeat_interval_s=0.5, checkpoint_every=2, keep_checkpoints=3)
+    sharded = {"learner_cls": doubles.ShardedCountingLearner, "learner_kwargs": {"write_s": 0.3}}
+    whole = run(spec, _job(tmp_path / "a", num_steps=5), cluster)
+    first = run(spec, _job(tmp_path / "b", num_steps=3, **sharded), cluster)
+    root = tmp_path / "b" / "ckpt"
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000001", "step-00000002"]
+    manifest = checkpoint.verify(root / "step-00000002")
+    assert sorted(manifest.files) == [
+        "controller-0.msgpack",
+        "controller-1.msgpack",
+        "learner/total-0.bin",
+        "learner/total-1.bin",
+    ]
+    rest = run(spec, _job(tmp_path / "b", num_steps=5, **sharded), cluster)
+    assert sorted(first.reports) == [0, 1, 2] and sorted(rest.reports) == [3, 4]
+    for step in (3, 4):  # the learners' totals were restored from their shard files
+        assert [r.metrics for r in rest.reports[step]] == [r.metrics for r in whole.reports[step]]
+    sync = msgspec.structs.replace(spec, checkpoint_async=False)
+    run(sync, _job(tmp_path / "c", num_steps=2, **sharded), cluster)
+    assert (
+        sorted(checkpoint.verify(tmp_path / "c" / "ckpt" / "step-00000001").files)[-1]
+        == "learner/total-1.bin"
+    )
 
 
 def test_killed_worker_fails_fast_naming_actor_and_node(cluster, tmp_path):

@@ -1,11 +1,14 @@
 """`yatt export`: a trained policy out of a run as an HF model folder, without Ray.
 
-A run's `models/policy` is the initial model; the trained weights live in the learner blobs of its checkpoints
-(`checkpoints/step-N/learner-<dp>.<tp>.bin`, a `torch.save`d learner state: model, optimizer, scheduler,
-counters, RNG). `export_checkpoint` verifies a complete checkpoint against its manifest, rebuilds the policy
-from its initial folder (config, with the run's LoRA adapters when the learner used LoRA), loads the learner's
-model weights, and writes an HF folder with `save_hf`: config, safetensors weights, tokenizer and chat
-template (and the image processor of a VLM), LoRA merged into the base weights. `yatt merge` and
+A run's `models/policy` is the initial model; the trained weights live in its checkpoints: a torch learner's
+sharded checkpoint (`checkpoints/step-N/learner/`: DCP's `.metadata` and one `__R_0.distcp` per rank, see
+`yatt_algos.learner.sharded`), or, written by earlier releases, the learner blob
+(`checkpoints/step-N/learner-<dp>.<tp>.bin`, a `torch.save`d learner state). `export_checkpoint` verifies a
+complete checkpoint against its manifest, rebuilds the policy from its initial folder (config, with the run's
+LoRA adapters when the learner used LoRA), loads the learner's model weights (from a sharded checkpoint a
+bucket at a time, straight into the model: the weights are never held twice, whatever the world size that
+wrote them), and writes an HF folder with `save_hf`: config, safetensors weights, tokenizer and chat template
+(and the image processor of a VLM), LoRA merged into the base weights. `yatt merge` and
 `AutoModelForCausalLM.from_pretrained` read it like any HF folder.
 
 `save_hf` is also what a run uses to write `RUN_DIR/final` from the live learner at the end.
@@ -26,6 +29,8 @@ if TYPE_CHECKING:
 # the blob of data-parallel rank 0, tensor-parallel rank 0: every DP rank holds the full model (DDP, and
 # FSDP2's full state dict), so one rank's file restores it
 LEARNER_BLOB = "learner-0.0.bin"
+LEARNER_SHARDS = "learner"  # a sharded (DCP) learner checkpoint's folder
+BUCKET_BYTES = 256 << 20  # what a sharded checkpoint's export reads at a time
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -116,6 +121,8 @@ def load_policy(run_dir: Path, ckpt: Path) -> Any:
     from yatt_apps.io.models import load_causal_lm
 
     cfg = run_config(run_dir)
+    if (ckpt / LEARNER_SHARDS / ".metadata").is_file():
+        return _policy_from_shards(run_dir, cfg, ckpt / LEARNER_SHARDS)
     blob = ckpt / LEARNER_BLOB
     if not blob.is_file():
         raise ValueError(f"{ckpt}: no {LEARNER_BLOB} (the learner's state); files: {sorted(_names(ckpt))}")
@@ -134,6 +141,37 @@ def load_policy(run_dir: Path, ckpt: Path) -> Any:
         model.load_state_dict(state["model"])
     except RuntimeError as err:
         raise ValueError(f"{blob}: the learner's weights do not fit the run's policy model: {err}") from None
+    return model.eval()
+
+
+def _policy_from_shards(run_dir: Path, cfg: RunConfig, shards: Path) -> Any:
+    """The run's policy (LoRA adapters attached) with a sharded checkpoint's model weights copied in a bucket at
+    a time (`sharded.iter_checkpoint_tensors`): the model is the only whole copy."""
+    import torch
+    from yatt_algos.learner.sharded import iter_checkpoint_tensors
+    from yatt_algos.learner.torch_engine import apply_lora
+
+    from yatt_apps.io.models import load_causal_lm
+
+    model = apply_lora(
+        load_causal_lm(policy_dir(run_dir, cfg), trust_remote_code=cfg.model.trust_remote_code), cfg.learner
+    )
+    target, written = model.state_dict(), set()
+    with torch.no_grad():
+        for bucket in iter_checkpoint_tensors(shards, BUCKET_BYTES):
+            for name, tensor in bucket:
+                if name not in target or target[name].shape != tensor.shape:
+                    raise ValueError(
+                        f"{shards}: the learner's {name} {tuple(tensor.shape)} does not fit the run's policy "
+                        f"model ({tuple(target[name].shape) if name in target else 'no such tensor'})"
+                    )
+                target[name].copy_(tensor)
+                written.add(target[name].data_ptr())
+    missing = sorted(name for name, t in target.items() if t.data_ptr() not in written)  # tied ones share
+    if missing:
+        raise ValueError(
+            f"{shards}: the checkpoint lacks the policy's {missing[:5]} ({len(missing)} tensors)"
+        )
     return model.eval()
 
 

@@ -6,7 +6,9 @@ Layout:
     RUN_DIR/metrics.jsonl       one JSON object per step (appended, flushed, so a killed run keeps its history)
     RUN_DIR/tb/                 TensorBoard events of the same scalars
     RUN_DIR/wandb/              the W&B run's local files, with `log.wandb=true`
-    RUN_DIR/checkpoints/        written by yatt_controller's atomic checkpointer
+    RUN_DIR/checkpoints/        written by yatt_controller's atomic checkpointer: step-N/ (manifest.json last),
+                                its learner/ the policy learner's sharded DCP files (.metadata, __R_0.distcp
+                                and extra-R.pt per rank), controller-C.msgpack, other workers' <name>-D.T.bin
     RUN_DIR/final/              the trained policy as an HF folder, written when the run ends
     RUN_DIR/placement.jsonl     placement.mode=dynamic: the re-planner's decision after every step, and why
     RUN_DIR/summary.png         reward, KL, response length and phase times, drawn at the end

@@ -235,6 +235,16 @@ class SFTWorker:
 
         self.learner.load_state_dict(torch.load(io.BytesIO(data), weights_only=True))
 
+    # the sharded checkpoint protocol (as PolicyWorker's): each rank writes its own DCP shards
+    def save_checkpoint_shards(self, folder: str, background: bool) -> None:
+        self.learner.save_shards(folder, background=background)
+
+    def finish_checkpoint_shards(self) -> dict[str, tuple[str, int]]:
+        return self.learner.wait_shards()
+
+    def load_checkpoint_shards(self, folder: str) -> None:
+        self.learner.load_shards(folder)
+
 
 JOB = JobDef(
     name="sft",

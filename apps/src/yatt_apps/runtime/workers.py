@@ -303,6 +303,30 @@ class PolicyWorker:
         self.learner.load_state_dict(torch.load(io.BytesIO(data), weights_only=True))
         self.gather_weights()  # every rank restores together; the push after a resume reads this
 
+    # The sharded checkpoint protocol (yatt_controller.controller_checkpoint prefers it to the bytes above):
+    # every rank writes its own files into the checkpoint's folder, all ranks together.
+    def _files(self) -> Any:
+        from yatt_algos.learner.sharded import LearnerFiles
+
+        if getattr(self, "_learner_files", None) is None:
+            self._learner_files = LearnerFiles()
+        return self._learner_files
+
+    def save_checkpoint_shards(self, folder: str, background: bool) -> None:
+        """Torch learners: this rank's DCP shards (FSDP2: its own shards; DDP: one copy over the ranks),
+        staged in host memory and written on a thread when `background`; Megatron: its rank's state file."""
+        self._files().save(self.learner, folder, background)
+
+    def finish_checkpoint_shards(self) -> dict[str, tuple[str, int]]:
+        """Wait for the last save's files: {name in the folder: (sha256, size)}."""
+        return self._files().finish(self.learner)
+
+    def load_checkpoint_shards(self, folder: str) -> None:
+        """Load a folder `save_checkpoint_shards` wrote, at any torch learner world size (DCP reshards)."""
+        self._gathered = None
+        self._files().load(self.learner, folder)
+        self.gather_weights()  # every rank restores together; the push after a resume reads this
+
 
 def build_engine(
     cfg: RunConfig,

@@ -52,6 +52,7 @@ class ControllerPlan:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     keep_checkpoints: int = 2
+    checkpoint_async: bool = False  # sharded groups write in the background (ControllerSpec.checkpoint_async)
     collective_timeout_s: float = 600.0
     # other stateful services (a PPO critic): name -> this controller's view; checkpointed like the learner
     checkpointed: dict[str, WorkerGroup] = field(default_factory=dict)
@@ -241,6 +242,7 @@ class ControllerCore:
                 self.replacements.start_step(step, self.ctx.collective, self.plan.rank, self.plan.movable)
             batch = self._next_rows()
             metrics = self.plan.step_fn(self.ctx, batch)
+            self.checkpoint.settle()  # the previous step's background save, written while this step ran
             self.ctx.timings_s["step"] = time.perf_counter() - started
             if not isinstance(metrics, dict):
                 raise ValueError(
@@ -262,6 +264,9 @@ class ControllerCore:
             with self._lock:
                 self._reports.append(report)
                 self._beat = (step + 1, "step done", time.time())
+        if self.checkpoint.pending:  # the run waits for its last write before it ends
+            self._progress("checkpoint")
+            self.checkpoint.settle()
         return end_step
 
     def _roster_metrics(self) -> dict[str, float]:

@@ -75,6 +75,7 @@ class Launcher:
             checkpoint_dir=job.checkpoint_dir,
             checkpoint_every=spec.checkpoint_every,
             keep_checkpoints=spec.keep_checkpoints,
+            checkpoint_async=spec.checkpoint_async,
             collective_timeout_s=spec.hang_timeout_s,
             checkpointed={name: groups[name] for name in services.checkpointed},
             book=self.book,

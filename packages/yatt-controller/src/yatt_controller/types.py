@@ -43,6 +43,10 @@ class ControllerSpec(_Config, kw_only=True, frozen=True):
     # count every payload byte the driver sends or receives through Ray (wraps Ray's API for the run's
     # duration); off by default: `RunResult.driver_bytes` is then None, never a 0 that was not counted
     count_driver_bytes: bool = False
+    # workers with the sharded checkpoint protocol (a torch learner) stage their state in host memory and write
+    # it while the next step runs; the checkpoint commits (manifest last) once written, and the run waits for
+    # the last write before it ends. Workers without it (bytes state) always save synchronously.
+    checkpoint_async: bool = True
 
     def __post_init__(self) -> None:
         if self.num_controllers < 1:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from yatt_algos.learner.export import NamedTensors
 from yatt_algos.learner.lm_head import chunked_head, head_token_outputs, hidden_states_only
 from yatt_algos.learner.packing import Batch, as_batch, split_mini_batches
+from yatt_algos.learner.sharded import FileEntries, PendingSave
 from yatt_algos.learner.torch_engine import TorchEngine
 from yatt_algos.learner.update_loop import Normalizer, critic_objective, policy_objective
 from yatt_algos.types import AlgoConfig, Experience, LearnerConfig, OptimConfig, TrainStats
@@ -257,6 +258,16 @@ class TorchPolicyLearner:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.engine.load_state_dict(state)
 
+    def save_shards(self, path: str, *, background: bool = False) -> PendingSave:
+        """Sharded (DCP) checkpoint of this rank into `path` (`TorchEngine.save_shards`)."""
+        return self.engine.save_shards(path, background=background)
+
+    def wait_shards(self) -> FileEntries:
+        return self.engine.wait_shards()
+
+    def load_shards(self, path: str) -> None:
+        self.engine.load_shards(path)
+
 
 class TorchCriticLearner:
     """Critic learner (PPO with GAE) over an HF token-classification model with `num_labels=1`."""
@@ -299,3 +310,13 @@ class TorchCriticLearner:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.engine.load_state_dict(state)
+
+    def save_shards(self, path: str, *, background: bool = False) -> PendingSave:
+        """Sharded (DCP) checkpoint of this rank into `path` (`TorchEngine.save_shards`)."""
+        return self.engine.save_shards(path, background=background)
+
+    def wait_shards(self) -> FileEntries:
+        return self.engine.wait_shards()
+
+    def load_shards(self, path: str) -> None:
+        self.engine.load_shards(path)

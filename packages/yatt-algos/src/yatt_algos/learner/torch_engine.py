@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from yatt_algos.learner import checkpoint, export, optim
 from yatt_algos.learner.packing import Batch, as_batch, micro_batches
+from yatt_algos.learner.sharded import FileEntries, PendingSave, ShardedState
 from yatt_algos.learner.update_loop import MetricSums, Normalizer, run_update
 from yatt_algos.types import AlgoConfig, LearnerConfig, OptimConfig, TrainStats
 
@@ -93,6 +94,7 @@ class TorchEngine:
             self.scheduler = optim.build_scheduler(self.optimizer, optim_config)
         self.num_steps = 0  # optimizer steps applied
         self.num_skipped_total = 0
+        self.shards = ShardedState(self)  # sharded (DCP) checkpoints: save_shards / load_shards
 
     @property
     def fsdp(self) -> bool:
@@ -216,7 +218,7 @@ class TorchEngine:
         """A snapshot (cloned tensors) of model, optimizer, scheduler, counters and RNG.
 
         Under FSDP2 a collective, and every rank gets the full (unsharded) model and optimizer state, so any
-        rank's file restores the model; each rank saves its own for its RNG."""
+        rank's file restores the model; each rank saves its own for its RNG. What scales is `save_shards`."""
         if self.fsdp:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
@@ -254,6 +256,20 @@ class TorchEngine:
         self.num_steps, self.num_skipped_total = int(state["num_steps"]), int(state["num_skipped_total"])
         checkpoint.set_rng_state(state["rng"])
 
+    def save_shards(self, path: str, *, background: bool = False) -> PendingSave:
+        """This rank's part of a sharded (DCP) checkpoint into folder `path`, every rank together
+        (`sharded.ShardedState.save`); `background`: staged to host memory, written by a thread."""
+        return self.shards.save(path, background=background)
+
+    def wait_shards(self) -> FileEntries:
+        """The files of the last `save_shards` once written: {name: (sha256, size)}."""
+        return self.shards.wait()
+
+    def load_shards(self, path: str) -> None:
+        """Load a sharded checkpoint saved at any world size (every rank together)."""
+        self.shards.load(path)
+
     def export_weights(self, bucket_bytes: int) -> Iterator[export.NamedTensors]:
-        """Buckets of (HF name, tensor) of at most `bucket_bytes` each."""
-        return export.iter_buckets(export.hf_named_tensors(self.model), bucket_bytes)
+        """Buckets of (HF name, tensor) of at most `bucket_bytes` each; under FSDP2 each bucket's shards are
+        gathered when it is taken (every rank takes every bucket), so a rank holds one bucket at a time."""
+        return export.export_buckets(self.model, bucket_bytes)

@@ -194,14 +194,19 @@ def check_hardware(cfg: RunConfig, plan: PlacementPlan) -> None:
         )
 
 
+def tiny_corpus(cfg: RunConfig, dataset: Any = train_rows) -> list[str]:
+    """The text a tiny model's tokenizer is trained on: the training rows and the judge's instruction."""
+    judge_text = ["Verify the solution step by step. Is the answer correct? Yes No"]
+    rows = dataset(cfg)
+    return tokenizer_corpus((rows[i] for i in range(len(rows))), judge_text)
+
+
 def prepare_models(cfg: RunConfig, run: RunDir | Path, dataset: Any = train_rows) -> tuple[str, str]:
     """The policy's and the judge's model directories; tiny ones are built under RUN_DIR/models with a
     tokenizer trained on the task's text (the only time the driver reads every row's text)."""
     root = run if isinstance(run, Path) else run.path
     tiny = not cfg.model.path or (cfg.judge is not None and not cfg.judge.path)
-    judge_text = ["Verify the solution step by step. Is the answer correct? Yes No"]
-    rows = dataset(cfg)
-    corpus = tokenizer_corpus((rows[i] for i in range(len(rows))), judge_text) if tiny else []
+    corpus = tiny_corpus(cfg, dataset) if tiny else []
     policy_dir = str(prepare_model(cfg.model, root / "models" / "policy", corpus))
     judge = root / "models" / "judge"
     judge_dir = str(prepare_model(cfg.judge, judge, corpus, key="judge.path")) if cfg.judge else ""

@@ -16,7 +16,8 @@ and a random tiny judge never states a verdict. The tiny presets therefore warm-
 
 The result is cached under `$YATT_CACHE_DIR` (default `~/.cache/yatt/models`) in a folder named by a hash of
 the spec, the tokenizer corpus, the task and this module's settings and the YATT versions, written atomically
-(tmp + rename): a second run, and every test, reuses it. A warm start that has to run says so on stderr and
+(tmp + rename): a second run, and every test, reuses it. The default presets' policy and judge ship with the
+package (`runtime.shipped`) and are copied into the cache instead of trained. A warm start that has to run says so on stderr and
 shows a bar of its steps (transformers' own bars are turned off: `progress.quiet_transformers`).
 """
 
@@ -98,6 +99,18 @@ def cached_or_build(spec: ModelSpec, out: Path, corpus: list[str], build: Any) -
     """`out` holds the warm-started model: copied from the cache, or built by `build()`, warm-started,
     and stored in the cache first (both writes atomic)."""
     cached = cache_root() / f"{spec.warm_start}-{cache_key(spec, corpus)}"
+    from yatt_apps.runtime import shipped
+
+    source = None if os.environ.get("YATT_NO_SHIPPED") else shipped.find(spec, corpus)
+    if source is not None and not (cached / "config.json").is_file():  # the package's own copy: no training
+        tmp = cached.with_name(f"{cached.name}.tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(source, tmp)
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            tmp.replace(cached)
+        except OSError:  # another process stored the same key first
+            shutil.rmtree(tmp, ignore_errors=True)
     if not (cached / "config.json").is_file():
         from yatt_apps.runtime.progress import quiet_transformers
 
@@ -117,6 +130,7 @@ def cached_or_build(spec: ModelSpec, out: Path, corpus: list[str], build: Any) -
         report = warm_start(spec, model, tok)
         # wall seconds, and this process's CPU seconds (what the warm start costs on an idle machine)
         report["seconds"], report["cpu_seconds"] = time.perf_counter() - started, time.process_time() - cpu
+        report["ship_key"] = shipped.ship_key(spec, corpus)  # its name if shipped (`shipped.rebuild`)
         from yatt_rollout.tiny import save_tiny
 
         save_tiny(model, tok, tmp)
@@ -232,11 +246,13 @@ def sft_steps(
     seed: int,
     prompt_weight: float = 0.0,
     desc: str = "",
+    stop: int | None = None,
 ) -> list[float]:
     """Plain-torch SFT: AdamW, linear warmup over the first tenth, constant after, clipping at 1.0. With
     `prompt_weight` > 0 the prompt tokens are also targets at that weight (a response token weighs 1): a judge
     then also learns to predict the candidate from the reference, which shortens its plateau. A `desc` shows a
-    progress bar of the steps (on stderr) under that name."""
+    progress bar of the steps (on stderr) under that name. `stop`: run only the first `stop` steps of that
+    schedule (a reproducibility check of a long warm start's beginning)."""
     import torch
     from tqdm import tqdm
 
@@ -246,7 +262,8 @@ def sft_steps(
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
     model.train()
     losses = []
-    for _ in tqdm(range(steps), desc=desc, unit="step", disable=not desc, dynamic_ncols=True):
+    run = steps if stop is None else min(stop, steps)
+    for _ in tqdm(range(run), desc=desc, unit="step", disable=not desc, dynamic_ncols=True):
         batch = pad_examples([examples[rng.randrange(len(examples))] for _ in range(batch_size)], pad_id)
         loss = masked_nll(model, batch) if not prompt_weight else weighted_nll(model, batch, prompt_weight)
         opt.zero_grad(set_to_none=True)
@@ -280,8 +297,19 @@ def response_accuracy(model: Any, examples: list, pad_id: int) -> float:
     return float(right.all(-1).float().mean())
 
 
-def warm_start(spec: ModelSpec, model: Any, tok: Any) -> dict[str, Any]:
-    """Train `model` in place for `spec.warm_start_steps`; returns a report (losses, held-out accuracy)."""
+def warm_start_threads(available: int) -> int:
+    """Torch threads for a warm start: two at most (measured on an idle 2-core machine, the judge's warm start
+    runs 1.3x faster on two than on one, same losses; tiny matrices gain nothing from more), one on a machine
+    of one core or one whose cores are already busy (load average above the core count: two threads that wait
+    on each other ran 20-40x slower there than one)."""
+    cores = os.cpu_count() or 1
+    busy = os.getloadavg()[0] > cores if hasattr(os, "getloadavg") else False
+    return 1 if busy else min(2, available)
+
+
+def warm_start(spec: ModelSpec, model: Any, tok: Any, *, stop: int | None = None) -> dict[str, Any]:
+    """Train `model` in place for `spec.warm_start_steps` (or its first `stop` steps); returns a report
+    (every step's loss, held-out accuracy)."""
     import torch
 
     rows = arithmetic_task(TASK_ROWS, seed=TASK_SEED + spec.seed)
@@ -295,9 +323,7 @@ def warm_start(spec: ModelSpec, model: Any, tok: Any) -> dict[str, Any]:
     examples = make()
     held_out, train = examples[:128], examples[128:]
     threads = torch.get_num_threads()
-    # two threads at most: measured on an idle 2-core machine, the judge's warm start runs 1.3x faster on two
-    # than on one (same losses), and tiny matrices gain nothing from more; one on a machine of one core
-    torch.set_num_threads(min(2, threads))
+    torch.set_num_threads(warm_start_threads(threads))
     torch.manual_seed(spec.seed)
     try:
         losses = sft_steps(
@@ -310,6 +336,7 @@ def warm_start(spec: ModelSpec, model: Any, tok: Any) -> dict[str, Any]:
             seed=spec.seed,
             prompt_weight=prompt_weight,
             desc=f"warm start ({spec.warm_start})",
+            stop=stop,
         )
     finally:
         torch.set_num_threads(threads)
@@ -319,4 +346,5 @@ def warm_start(spec: ModelSpec, model: Any, tok: Any) -> dict[str, Any]:
         "first_loss": losses[0],
         "last_loss": sum(losses[-10:]) / len(losses[-10:]),
         "held_out_accuracy": response_accuracy(model, held_out, tok.pad_token_id),
+        "losses": losses,
     }

@@ -42,7 +42,10 @@ def ship_key(spec: ModelSpec, corpus: list[str]) -> str:
 def find(spec: ModelSpec, corpus: list[str]) -> Path | None:
     """The shipped folder of this warm start, or None (then it is trained)."""
     folder = ASSETS / f"{spec.warm_start}-{ship_key(spec, corpus)}"
-    return folder if (folder / "config.json").is_file() else None
+    complete = all(
+        (folder / name).is_file() for name in ("config.json", "model.safetensors", "tokenizer.json")
+    )
+    return folder if complete else None
 
 
 def rebuild() -> list[Path]:

@@ -29,7 +29,6 @@ the validation pairs' prompts with their `answer` (the embedded task's: the corr
 from __future__ import annotations
 
 import functools
-import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -40,15 +39,14 @@ from yatt_rollout.types import SamplingParams
 from yatt_apps.config import DataSpec, RunConfig, _Config, _tiny_base, as_config
 from yatt_apps.io.data import PromptRow, load_rows
 from yatt_apps.io.pref_data import PrefRow, arithmetic_pairs, load_pref_rows, pair_batch
+from yatt_apps.jobs import sft
 from yatt_apps.jobs.sft import SFTWorker
 from yatt_apps.runtime.job import JobDef, StepFn, ValRows
 from yatt_apps.runtime.phases import learner_of
 
 if TYPE_CHECKING:
     from yatt_controller.controller import StepContext
-    from yatt_controller.runner import Services
-    from yatt_controller.worker_group import HostPool
-    from yatt_placement.types import PlacementPlan, RoleSpec
+    from yatt_placement.types import PlacementPlan
 
 METRICS = (
     "loss",
@@ -247,52 +245,6 @@ def step_function(cfg: DpoConfig, policy_dir: str, val_rows: ValRows, plan: Plac
     )
 
 
-def roles(cfg: DpoConfig) -> list[RoleSpec]:
-    """The actor (the trained policy, its frozen reference in the same process) and, when the run evaluates,
-    a rollout engine for the greedy accuracy."""
-    from yatt_placement.types import RoleSpec
-
-    from yatt_apps.runtime.job import num_params
-
-    policy, tp = num_params(cfg.model), cfg.model.tensor_parallel
-    # the frozen reference's weights ride along the policy's weights, gradients and optimizer state (~1/8 more)
-    out = [RoleSpec(role="actor", num_params=policy, trainable=True, tensor_parallel=tp)]
-    if cfg.run.eval_every:
-        out.append(RoleSpec(role="rollout", num_params=policy, tensor_parallel=tp))
-    return out
-
-
-def build(
-    pool: HostPool, *, cfg: DpoConfig, policy_dir: str, judge_dir: str, plan: PlacementPlan
-) -> Services:
-    """The DPO job's services: the DPO learner ranks, and the rollout engine that evaluates (if any)."""
-    from yatt_controller.runner import Services
-    from yatt_controller.sync import WeightSync
-    from yatt_controller.worker_group import WorkerGroup
-
-    from yatt_apps.runtime.workers import RolloutWorker
-
-    key = f"yatt-dpo-{uuid.uuid4().hex}"  # this attempt's learner rendezvous
-    actor = WorkerGroup.create(
-        pool, "actor", DPOWorker, args=(cfg, policy_dir, key), pass_worker_info=True, lock="learner"
-    )
-    if not cfg.run.eval_every:
-        return Services(groups={"actor": actor}, learner="actor")
-    rollout = WorkerGroup.create(
-        pool,
-        "rollout",
-        RolloutWorker,
-        args=(cfg, policy_dir),
-        kwargs={"shared_device": plan.shares_device("rollout", "actor")},
-        pass_worker_info=True,
-    )
-    return Services(
-        groups={"actor": actor, "rollout": rollout},
-        learner="actor",
-        weight_sync=WeightSync(actor, [rollout], mode="auto", backend="auto"),
-    )
-
-
 def pair_forward(model: Any, mb: dict[str, Any], *, chunk_size: int) -> dict[str, Any]:
     """Per-token log-probs [b, t] of the chosen and the rejected sequences of a micro-batch of pairs, in one
     forward of the 2b sequences (0 outside each sequence's response)."""
@@ -399,8 +351,8 @@ JOB = JobDef(
     preset=tiny_cpu_dpo,
     step=step_function,
     config=DpoConfig,
-    roles=roles,
-    build=build,
+    roles=sft.roles,  # the trained policy (its frozen reference in its process) and the evaluating engine
+    build=functools.partial(sft.build, worker_cls=DPOWorker),
     check=check,
     prepare=with_absolute_data,
     dataset=train_rows,

@@ -104,7 +104,8 @@ def step_function(cfg: SftConfig, policy_dir: str, val_rows: ValRows, plan: Plac
 
 
 def roles(cfg: SftConfig) -> list:
-    """The actor (the trained policy) and, when the run evaluates, a rollout engine for greedy accuracy."""
+    """The actor (the trained policy; `yatt dpo`'s frozen reference rides in the same process) and, when the
+    run evaluates, a rollout engine for greedy accuracy."""
     from yatt_placement.types import RoleSpec
 
     from yatt_apps.runtime.job import num_params
@@ -118,18 +119,26 @@ def roles(cfg: SftConfig) -> list:
 
 
 def build(
-    pool: HostPool, *, cfg: SftConfig, policy_dir: str, judge_dir: str, plan: PlacementPlan
+    pool: HostPool,
+    *,
+    cfg: SftConfig,
+    policy_dir: str,
+    judge_dir: str,
+    plan: PlacementPlan,
+    worker_cls: Any = None,
 ) -> Services:
-    """The SFT job's services: the SFT learner ranks, and the rollout engine that evaluates (if any)."""
+    """The SFT job's services: the SFT learner ranks (`worker_cls`, default SFTWorker; `yatt dpo` passes its
+    subclass), and the rollout engine that evaluates (if any)."""
     from yatt_controller.runner import Services
     from yatt_controller.sync import WeightSync
     from yatt_controller.worker_group import WorkerGroup
 
     from yatt_apps.runtime.workers import RolloutWorker
 
-    key = f"yatt-sft-{uuid.uuid4().hex}"  # this attempt's learner rendezvous
+    key = f"yatt-{cfg.app}-{uuid.uuid4().hex}"  # this attempt's learner rendezvous
+    cls = worker_cls or SFTWorker
     actor = WorkerGroup.create(
-        pool, "actor", SFTWorker, args=(cfg, policy_dir, key), pass_worker_info=True, lock="learner"
+        pool, "actor", cls, args=(cfg, policy_dir, key), pass_worker_info=True, lock="learner"
     )
     if not cfg.run.eval_every:
         return Services(groups={"actor": actor}, learner="actor")

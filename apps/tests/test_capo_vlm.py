@@ -292,6 +292,11 @@ def test_capo_runs_two_steps(tmp_path):
         "run.num_steps=2",
         "--set",
         "controller.count_driver_bytes=true",
+        # a quarter of the preset's 32 x 8 (the suite's time): the plumbing and the critic's flags show as well
+        "--set",
+        "run.prompts_per_step=16",
+        "--set",
+        "sampling.n=4",
         cwd=tmp_path,
     )
     assert out.returncode == 0, out.stderr[-3000:]
@@ -303,9 +308,9 @@ def test_capo_runs_two_steps(tmp_path):
     critic = json.loads((tmp_path / "run" / "models" / "judge" / "warm_start.json").read_text())
     assert critic["kind"] == "step_critique" and critic["held_out_accuracy"] >= 0.9
     for row in rows:
-        # 32 prompts x 8 samples, each scored by the verifier once
+        # 16 prompts x 4 samples, each scored by the verifier once
         assert row["samples_dropped"] == 0  # rule rewards never fail
-        assert sum(row[f"reward_status/{s}"] for s in ("ok", "parse_error", "timeout", "error")) == 256
+        assert sum(row[f"reward_status/{s}"] for s in ("ok", "parse_error", "timeout", "error")) == 64
         # and it tells right from wrong answers on the policy's own samples (30-step default run, seed 0:
         # flagged_right_frac <= 0.026 and flagged_wrong_frac >= 0.94 every step)
         assert row["capo/flagged_wrong_frac"] - row["capo/flagged_right_frac"] > 0.5

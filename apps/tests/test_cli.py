@@ -9,6 +9,7 @@ from yatt_apps.cli.main import main
 from yatt_apps.config import RunConfig
 from yatt_apps.jobs import find, presets
 from yatt_apps.runtime.launch import placement_plan
+from yatt_apps.runtime.progress import yatt_command
 
 PRESETS = presets()  # config.PRESETS and every shipped job's default (some live in their job's module)
 
@@ -168,7 +169,7 @@ def test_resume_of_a_finished_run_starts_nothing(tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out.splitlines()
     assert out[0] == (
         f"run {run_dir} is finished: its last step (4) is done; to train longer: "
-        f"yatt resume {run_dir} --set run.num_steps=N"
+        f"{yatt_command()} resume {run_dir} --set run.num_steps=N"
     )
     assert json.loads(out[-1]) == {"run_dir": str(run_dir), "finished": True, "step": 4}
 
@@ -194,7 +195,7 @@ def test_interrupted_message_names_the_last_step_and_checkpoint(tmp_path):
     assert interrupted_message(str(run_dir)).startswith("interrupted before the first step; resume with: ")
     (run_dir / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n{"step": 2}\n')
     assert interrupted_message(str(run_dir)) == (
-        f"interrupted at step 2; resume with: yatt resume {run_dir}\n"
+        f"interrupted at step 2; resume with: {yatt_command()} resume {run_dir}\n"
         "(the run continues after the checkpoint of step 1)"
     )
 

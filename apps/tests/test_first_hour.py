@@ -252,3 +252,17 @@ def test_the_readme_preset_table_is_the_presets():
     rows = readme_table("### Presets", r"^\| `(\w+)` \|")
     assert sorted(rows) == sorted(presets())  # config.PRESETS and every job's own default
     assert "tiny_cpu_sft" in rows  # `yatt sft`'s default
+
+
+def test_pasted_commands_say_uv_run_where_yatt_ran_under_uv(monkeypatch):
+    """Messages print the command the user can paste: `uv run yatt ...` after the README's `uv sync` (the
+    process was started by `uv run`), `yatt ...` from an activated environment."""
+    from yatt_apps.runtime.interrupt import interrupted_message
+    from yatt_apps.runtime.progress import yatt_command
+
+    monkeypatch.setenv("UV_RUN_RECURSION_DEPTH", "1")
+    assert yatt_command() == "uv run yatt"
+    assert "resume with: uv run yatt resume /no/run" in interrupted_message("/no/run")
+    monkeypatch.delenv("UV_RUN_RECURSION_DEPTH")
+    assert yatt_command() == "yatt"
+    assert "resume with: yatt resume /no/run" in interrupted_message("/no/run")

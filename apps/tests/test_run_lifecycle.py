@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from yatt_apps.runtime.progress import yatt_command
 
 pytestmark = pytest.mark.slow
 
@@ -231,7 +232,7 @@ def test_a_new_job_in_the_runs_folder_is_refused_and_changes_nothing(two_step_ru
     before = _files(two_step_run)
     assert main(["grpo", "--run-dir", str(two_step_run), *SHORT]) == 2
     assert capsys.readouterr().err == (
-        f"yatt grpo: error: {two_step_run} already holds a run: continue it with `yatt resume {two_step_run}`, "
+        f"yatt grpo: error: {two_step_run} already holds a run: continue it with `{yatt_command()} resume {two_step_run}`, "
         "or add --overwrite to delete its records and checkpoints and start over there\n"
     )
     assert _files(two_step_run) == before
@@ -299,7 +300,7 @@ def test_ctrl_c_stops_cleanly_and_resume_logs_every_step_once(tmp_path):
     # their reports, and the resumed run logs them first)
     assert found is not None and found[1].step < 24
     assert err.endswith(
-        f"interrupted at step {logged[-1]}; resume with: yatt resume {run_dir}\n"
+        f"interrupted at step {logged[-1]}; resume with: {yatt_command()} resume {run_dir}\n"
         f"(the run continues after the checkpoint of step {found[1].step})\n"
     ), err[-3000:]
     assert "yatt: stopping (Ctrl-C again to exit at once)" in err

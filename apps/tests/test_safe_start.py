@@ -13,6 +13,7 @@ import pytest
 from yatt_apps.cli.main import build_parser, load_config, main
 from yatt_apps.io.rundir import clear_run, holds_run
 from yatt_apps.overlay import to_yaml
+from yatt_apps.runtime.progress import yatt_command
 
 
 def _snapshot(folder: Path) -> dict[str, bytes]:
@@ -42,7 +43,7 @@ def _old_run(tmp_path: Path, *sets: str) -> Path:
 
 def _refusal(run: Path) -> str:
     return (
-        f"yatt grpo: error: {run.resolve()} already holds a run: continue it with `yatt resume {run.resolve()}`, "
+        f"yatt grpo: error: {run.resolve()} already holds a run: continue it with `{yatt_command()} resume {run.resolve()}`, "
         "or add --overwrite to delete its records and checkpoints and start over there\n"
     )
 

@@ -309,7 +309,9 @@ def resume_main(args: argparse.Namespace) -> int:
     done = finished_step(args.run_dir, cfg.run.num_steps)
     if done is not None:
         if not args.json:
-            more = f"yatt resume {args.run_dir} --set run.num_steps=N"
+            from yatt_apps.runtime.progress import yatt_command
+
+            more = f"{yatt_command()} resume {args.run_dir} --set run.num_steps=N"
             print(f"run {args.run_dir} is finished: its last step ({done}) is done; to train longer: {more}")
         print(json.dumps({"run_dir": args.run_dir, "finished": True, "step": done}))
         return 0

@@ -56,7 +56,9 @@ def interrupted_message(run_dir: str) -> str:
     found = checkpoint.latest(os.path.join(run_dir, "checkpoints"))
     where = "from its start" if found is None else f"after the checkpoint of step {found[1].step}"
     head = f"interrupted at step {step}" if step is not None else "interrupted before the first step"
-    return f"{head}; resume with: yatt resume {run_dir}\n(the run continues {where})"
+    from yatt_apps.runtime.progress import yatt_command
+
+    return f"{head}; resume with: {yatt_command()} resume {run_dir}\n(the run continues {where})"
 
 
 GUARD = SigintGuard()  # the `yatt` command's: `cli._run` asks it whether an error followed a Ctrl-C

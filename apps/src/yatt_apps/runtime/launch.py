@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -173,6 +174,7 @@ def _init_ray(cfg: RunConfig) -> bool:
         include_dashboard=False,
         object_store_memory=512 * 2**20,
         log_to_driver=False,
+        logging_level=logging.WARNING,  # no "Started a local Ray instance" line in a normal run
     )
     return True
 
@@ -240,9 +242,11 @@ def check_run_folder(path: Path, existing: Existing) -> None:
 
     if existing not in EXISTING:
         raise ValueError(f"existing={existing!r} is not one of {EXISTING}")
+    from yatt_apps.runtime.progress import yatt_command
+
     if existing == "refuse" and holds_run(path):
         raise ValueError(
-            f"{path} already holds a run: continue it with `yatt resume {path}`, or add --overwrite to delete "
+            f"{path} already holds a run: continue it with `{yatt_command()} resume {path}`, or add --overwrite to delete "
             "its records and checkpoints and start over there"
         )
 

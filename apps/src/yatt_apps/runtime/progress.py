@@ -18,6 +18,16 @@ from typing import Any
 
 from yatt_apps.io.rundir import RunDir
 
+
+def yatt_command() -> str:
+    """How the user runs `yatt`, for commands printed in messages that they paste: `uv run yatt` when this
+    process was started by `uv run` (the README's install puts `yatt` in the project's environment, not on the
+    shell's PATH), else `yatt`."""
+    import os
+
+    return "uv run yatt" if os.environ.get("UV_RUN_RECURSION_DEPTH") else "yatt"
+
+
 RATE_WINDOW = 10  # steps the bar's seconds per step averages over
 
 

@@ -151,6 +151,23 @@ def _fake_run(tmp_path, num_steps: int, checkpoint_step: int | None):
     return run_dir
 
 
+def _log_steps(run_dir, last: int) -> None:
+    """metrics.jsonl with steps 0..last, as the driver logs them."""
+    (run_dir / "metrics.jsonl").write_text("".join(f'{{"step": {step}}}\n' for step in range(last + 1)))
+
+
+def test_a_run_whose_last_steps_were_not_logged_is_not_finished(tmp_path):
+    """kill -9 after the last step's checkpoint but before its report was logged: the checkpoint holds the
+    report, so resume must run (it writes the report), not say the run is finished."""
+    from yatt_apps.cli.main import finished_step
+
+    run_dir = _fake_run(tmp_path, num_steps=5, checkpoint_step=4)
+    _log_steps(run_dir, 4)
+    assert finished_step(str(run_dir), 5) == 4
+    _log_steps(run_dir, 2)
+    assert finished_step(str(run_dir), 5) is None
+
+
 def build_config_for_steps(num_steps: int) -> RunConfig:
     from yatt_apps.overlay import build_config
 
@@ -165,6 +182,7 @@ def test_resume_of_a_finished_run_starts_nothing(tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(yatt_apps.runtime.launch, "run_job", no_run)
     run_dir = _fake_run(tmp_path, num_steps=5, checkpoint_step=4)
+    _log_steps(run_dir, 4)
     assert main(["resume", str(run_dir)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == (

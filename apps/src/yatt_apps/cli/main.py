@@ -288,10 +288,12 @@ def finished_step(run_dir: str, num_steps: int) -> int | None:
     from yatt_apps.io.rundir import last_step
 
     found = checkpoint.latest(str(Path(run_dir) / "checkpoints"))
+    logged = last_step(run_dir)
+    if logged is None or logged < num_steps - 1:  # a killed driver may not have logged the last steps: the
+        return None  # checkpoint holds their reports, which a resume writes (it starts at the checkpoint)
     if found is not None and found[1].step >= num_steps - 1:
         return found[1].step
-    logged = last_step(run_dir)
-    if (Path(run_dir) / "final" / "config.json").is_file() and logged is not None and logged >= num_steps - 1:
+    if (Path(run_dir) / "final" / "config.json").is_file():
         return logged
     return None
 

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from yatt_apps.runtime import local_ray
 from yatt_apps.runtime.progress import yatt_command
 
 pytestmark = pytest.mark.slow
@@ -310,17 +311,66 @@ def test_ctrl_c_stops_cleanly_and_resume_logs_every_step_once(tmp_path):
     assert _steps(run_dir) == list(range(24))
 
 
+def _still_running(tree: dict[int, int]) -> list[str]:
+    """The processes of `tree` ({pid: start time}) that are still the same live, non-zombie process."""
+    left = []
+    for pid, started in tree.items():
+        if local_ray.start_time(pid) == started and _state(pid) not in ("Z", "gone"):
+            left.append(f"{pid}: {_comm(pid)}")
+    return left
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return "gone"
+
+
+def _state(pid: int) -> str:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return "gone"
+    return stat[stat.rindex(")") + 2 :].split()[0]
+
+
+def _listening(pids: set[int]) -> list[str]:
+    """host:port of every listening TCP socket of these processes."""
+    import psutil
+
+    return sorted(
+        f"{c.laddr.ip}:{c.laddr.port}"
+        for c in psutil.net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN and c.pid in pids
+    )
+
+
 def test_kill_9_then_resume_logs_every_step_once(tmp_path):
+    """The job's Ray listens on the loopback interface only; a kill -9 of the driver alone leaves no Ray
+    process behind (its reaper ends the agents Ray does not fate-share); resume then logs every step once."""
     run_dir, ray_tmp = tmp_path / "run", _ray_tmp()
     proc = _start(
-        run_dir, _env(ray_tmp), "--set", "run.num_steps=4", "--set", "controller.checkpoint_every=2"
+        run_dir, _env(ray_tmp), "--set", "run.num_steps=8", "--set", "controller.checkpoint_every=2"
     )
     try:
-        _wait_for_step(proc, run_dir, 2)
-        os.killpg(proc.pid, signal.SIGKILL)
+        _wait_for_step(proc, run_dir, 2)  # 8 steps: the run is still going, Ray and its agents are up
+        # every process the driver started, by pid and start time (Ray's agents rename themselves, so their
+        # command lines do not name the Ray temp dir)
+        tree = local_ray.descendants([proc.pid])
+        assert "raylet" in {_comm(pid) for pid in tree}
+        sockets = _listening({proc.pid, *tree})
+        loopback = ("127.0.0.1", "::ffff:127.0.0.1")
+        assert sockets and all(s.rsplit(":", 1)[0] in loopback for s in sockets), sockets
+        os.kill(proc.pid, signal.SIGKILL)  # the driver only: what a crash or the OOM killer does
         proc.communicate(timeout=60)
+        deadline = time.monotonic() + 20
+        while (left := _still_running(tree)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert left == [], left
+        assert _no_ray_left(ray_tmp, within_s=5) == []
     finally:
         _kill_leftovers(ray_tmp)
     assert _steps(run_dir)[:3] == [0, 1, 2]
     _yatt("resume", str(run_dir), "--json", env=_env(_ray_tmp()))
-    assert _steps(run_dir) == [0, 1, 2, 3]
+    assert _steps(run_dir) == list(range(8))

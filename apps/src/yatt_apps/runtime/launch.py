@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import json
-import logging
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -151,32 +150,25 @@ def with_schedule(cfg: RunConfig, plan: PlacementPlan) -> RunConfig:
     return msgspec.structs.replace(cfg, **changes)
 
 
-def _init_ray(cfg: RunConfig) -> bool:
+def _init_ray(cfg: RunConfig) -> Callable[[], None] | None:
     """Join the cluster at `ray.address` (or $RAY_ADDRESS) with its real resources, or start the embedded
-    local Ray declaring the config's devices as logical GPUs. False: Ray was already up (an embedding
-    program's, or a test's shared session), and the job leaves it running."""
+    local Ray (loopback only, no dashboard, its processes reaped with the driver: `local_ray`) declaring the
+    config's devices as logical GPUs. Returns what stops what this call started; None: Ray was already up
+    (an embedding program's, or a test's shared session), and the job leaves it running."""
     import ray
 
     if ray.is_initialized():
-        return False
+        return None
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS", "")
     if address:
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
-        return True
+        return ray.shutdown
+    from yatt_apps.runtime import local_ray
+
     devices = cfg.placement.cluster.num_devices
-    # No dashboard. Ray 2.60's GCS, raylet and worker ports still listen on every interface: ray.init has no
-    # bind address, and `_node_ip_address="127.0.0.1"` is rewritten to the routed address
-    # (services.resolve_ip_for_localhost), so it is not passed (see README, Multi-node)
-    ray.init(
-        address="local",
-        num_cpus=int(devices * cfg.placement.cpus_per_device) + 4,
-        num_gpus=devices,
-        include_dashboard=False,
-        object_store_memory=512 * 2**20,
-        log_to_driver=False,
-        logging_level=logging.WARNING,  # no "Started a local Ray instance" line in a normal run
-    )
-    return True
+    return local_ray.start(
+        num_cpus=int(devices * cfg.placement.cpus_per_device) + 4, num_gpus=devices
+    ).shutdown
 
 
 def check_hardware(cfg: RunConfig, plan: PlacementPlan) -> None:
@@ -333,12 +325,11 @@ def run_job(
     cfg = with_async_correction(with_schedule(cfg, plan))
     rows = job.dataset or train_rows
 
-    import ray
     from yatt_controller.runner import Job
     from yatt_controller.runner import run as run_controllers
     from yatt_placement.realize import realize, release
 
-    owns_ray = _init_ray(cfg)
+    stop_ray = _init_ray(cfg)
     realized = realize(plan, cpus_per_device=cfg.placement.cpus_per_device)
     start = 0 if found is None else found[1].step + 1
     logger = StepLogger(run, cfg.run.num_steps, start, cfg.run.progress, started_at=started_at)
@@ -357,8 +348,8 @@ def run_job(
     finally:
         logger.close()
         release(realized)
-        if owns_ray:
-            ray.shutdown()
+        if stop_ray is not None:
+            stop_ray()
         plot = run.close()
     final = export_final(run, cfg)
     return {

@@ -1,0 +1,157 @@
+"""The Ray a job starts for itself: reachable from this machine only, and gone when the driver is.
+
+Local by default. Ray binds its GCS, raylet, object manager and every worker's gRPC server to the node's
+address, which it resolves to the routed interface on Linux (a `_node_ip_address="127.0.0.1"` is rewritten
+to it). Ray's one switch for a loopback node is the flag that macOS and Windows run with
+(`ray_constants.ENABLE_RAY_CLUSTER` off, from `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`): the node address is
+then 127.0.0.1 and every one of those services listens there (measured with Ray 2.60: no socket of the
+job's processes on another interface). It is set for the driver (already imported) and in the environment
+its processes inherit. A run that joins a cluster (`ray.address`) changes nothing: see the README's
+Multi-node section for what that exposes.
+
+Gone with the driver. A kill -9 of the driver takes the GCS and raylet down (Ray fate-shares them) but leaves
+the raylet's DashboardAgent and RuntimeEnvAgent alive under PID 1. A reaper process, started next to Ray,
+keeps the list of Ray's processes (the driver's children that `ray.init` started, and all of their
+descendants; pid and start time, so a reused pid is never hit) and SIGKILLs whichever of them are still
+alive a few seconds after the driver's end of its pipe closes: on kill -9, or on a normal exit once
+`ray.shutdown` has had its chance. Other children of the driver (an embedding program's, a test's) are not
+Ray's and are never touched.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+GRACE_S = 3.0  # after the driver's end: Ray's own shutdown goes first
+POLL_S = 1.0  # how often the reaper refreshes its list of the driver's descendants
+
+
+def start(num_cpus: int, num_gpus: int) -> LocalRay:
+    """Start a local Ray on the loopback interface, with no dashboard, and its reaper."""
+    import ray
+    import ray._private.ray_constants as ray_constants
+
+    os.environ[LOOPBACK_ENV] = "0"  # Ray's processes and workers read it at import
+    ray_constants.ENABLE_RAY_CLUSTER = False  # the driver's copy, read when ray.init picks the node address
+    before = set(descendants([os.getpid()], depth=1))
+    ray.init(
+        address="local",
+        num_cpus=num_cpus,
+        num_gpus=num_gpus,
+        include_dashboard=False,
+        object_store_memory=512 * 2**20,
+        log_to_driver=False,
+        logging_level=logging.WARNING,  # no "Started a local Ray instance" line in a normal run
+    )
+    ray_roots = sorted(set(descendants([os.getpid()], depth=1)) - before)  # GCS, raylet, monitors
+    return LocalRay(Reaper.spawn(ray_roots))
+
+
+class LocalRay:
+    """A started local Ray; `shutdown()` stops it and then its reaper (which kills what Ray left)."""
+
+    def __init__(self, reaper: Reaper) -> None:
+        self.reaper = reaper
+
+    def shutdown(self) -> None:
+        import ray
+
+        try:
+            ray.shutdown()
+        finally:
+            self.reaper.close()
+
+
+class Reaper:
+    """The driver's end of the reaper: a pipe whose close (explicit or by the driver's death) starts the
+    reaping."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        self.proc = proc
+
+    @classmethod
+    def spawn(cls, roots: list[int]) -> Reaper:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "yatt_apps.runtime.local_ray", *map(str, roots)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            start_new_session=True,  # a Ctrl-C to the driver's group must not stop the reaper first
+        )
+        return cls(proc)
+
+    def close(self) -> None:
+        """Closing its stdin is the signal; the reaper exits on its own after the grace time."""
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            self.proc.stdin.close()
+
+
+def start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (/proc/PID/stat field 22); None if it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # the command name (field 2) may hold spaces and parentheses: split after its last ")"
+    return int(stat[stat.rindex(")") + 2 :].split()[19])
+
+
+def descendants(roots: list[int], depth: int | None = None) -> dict[int, int]:
+    """{pid: start time} of every live descendant of `roots` (down to `depth` generations; all when None),
+    from one scan of /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    found: dict[int, int] = {}
+    stack = [(pid, 1) for root in roots for pid in children.get(root, [])]
+    while stack:
+        pid, generation = stack.pop()
+        if (started := start_time(pid)) is not None:
+            found[pid] = started
+        if depth is None or generation < depth:
+            stack.extend((child, generation + 1) for child in children.get(pid, []))
+    return found
+
+
+def reap(known: dict[int, int]) -> list[int]:
+    """SIGKILL every process of `known` that is still the same process (same start time); the pids hit."""
+    killed = []
+    for pid, started in known.items():
+        if start_time(pid) == started:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            except ProcessLookupError:
+                pass
+    return killed
+
+
+def main(roots: list[int]) -> None:
+    """The reaper: watch Ray's processes (`roots` and their descendants) until stdin closes, wait the grace
+    time, kill the rest."""
+    known = {pid: started for pid in roots if (started := start_time(pid)) is not None}
+    while True:
+        known.update(descendants(roots))
+        ready, _, _ = select.select([sys.stdin.buffer], [], [], POLL_S)
+        if ready and not os.read(sys.stdin.fileno(), 4096):
+            break  # EOF: closed by the driver, or the driver died
+    time.sleep(GRACE_S)
+    reap(known)
+
+
+if __name__ == "__main__":
+    main([int(arg) for arg in sys.argv[1:]])

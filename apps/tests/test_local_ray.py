@@ -1,0 +1,84 @@
+"""The local Ray's reaper on real processes (no Ray): it finds a tree's descendants, kills exactly the
+processes it recorded when its pipe closes, and never a process that merely reuses a recorded pid. The
+job-level check (loopback sockets, nothing left after a kill -9 of the driver) is in test_run_lifecycle."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from yatt_apps.runtime import local_ray
+
+# a parent that starts a grandchild which outlives it (as Ray's agents outlive the raylet) and then waits
+TREE = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"
+
+
+def _alive(pid: int) -> bool:
+    return local_ray.start_time(pid) is not None and "Z" not in _state(pid)
+
+
+def _state(pid: int) -> str:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return "gone"
+    return stat[stat.rindex(")") + 2 :].split()[0]
+
+
+def _wait(predicate, timeout_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return predicate()
+
+
+def test_descendants_reach_every_generation_and_depth_limits_them():
+    root = subprocess.Popen([sys.executable, "-c", TREE])
+    try:
+        assert _wait(lambda: len(local_ray.descendants([root.pid])) == 1)
+        everything = local_ray.descendants([os.getpid()])
+        children = local_ray.descendants([os.getpid()], depth=1)
+        assert root.pid in children
+        grandchildren = set(local_ray.descendants([root.pid]))
+        assert (
+            len(grandchildren) == 1 and grandchildren <= set(everything) and not grandchildren & set(children)
+        )
+        assert everything[root.pid] == local_ray.start_time(root.pid)
+    finally:
+        for pid in local_ray.descendants([root.pid]):
+            os.kill(pid, 9)
+        root.kill()
+        root.wait()
+
+
+def test_reap_kills_recorded_processes_and_spares_a_reused_pid():
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    started = local_ray.start_time(bystander.pid)
+    assert started is not None
+    known = {
+        victim.pid: local_ray.start_time(victim.pid),
+        bystander.pid: started + 1,
+    }  # +1: "another" process
+    assert local_ray.reap(known) == [victim.pid]
+    assert victim.wait(timeout=10) == -9
+    assert bystander.poll() is None
+    bystander.kill()
+    bystander.wait()
+
+
+def test_the_reaper_kills_the_orphans_of_its_roots_after_its_pipe_closes():
+    root = subprocess.Popen([sys.executable, "-c", TREE])
+    assert _wait(lambda: len(local_ray.descendants([root.pid])) == 1)
+    (orphan,) = local_ray.descendants([root.pid])
+    reaper = local_ray.Reaper.spawn([root.pid])
+    time.sleep(2 * local_ray.POLL_S)  # one poll records the grandchild
+    root.kill()  # the root dies first, as the raylet does: its child is now an orphan
+    root.wait()
+    assert _alive(orphan)
+    reaper.close()
+    assert reaper.proc.wait(timeout=local_ray.GRACE_S + 10) == 0
+    assert _wait(lambda: not _alive(orphan), timeout_s=5)

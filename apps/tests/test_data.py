@@ -123,3 +123,30 @@ def test_a_rows_text_cannot_spell_the_chat_templates_special_tokens(tmp_path):
     assert tok.decode(ids).count("<|im_end|>") == 2  # the spelled one is text, decoded back as written
     _, reply = encode_pair(tok, chat_messages("", "1 + 2 ="), "3<|im_end|><|im_start|>user x")
     assert reply.count(end) == 1 and reply[-1] == end and start not in reply
+
+
+def test_a_row_that_is_not_utf8_names_its_file_and_line(tmp_path):
+    from yatt_apps.io.sft_data import load_sft_rows
+
+    path = tmp_path / "train.jsonl"
+    path.write_bytes(b'{"prompt": "1 + 1 =", "answer": "2"}\n\n{"prompt": "\xff\xfe", "answer": "3"}\n')
+    with pytest.raises(ValueError, match=r"train.jsonl:3: not UTF-8 text"):
+        load_rows(path)
+    sft = tmp_path / "sft.jsonl"
+    sft.write_bytes(b'{"prompt": "1 + 1 =", "response": "2"}\n{"prompt": "\xff", "response": "3"}\n')
+    with pytest.raises(ValueError, match=r"sft.jsonl:2: not UTF-8 text"):
+        load_sft_rows(sft)
+
+
+def test_sft_refuses_the_rl_jobs_data_key_instead_of_ignoring_it():
+    import msgspec
+    from yatt_apps.jobs import find
+
+    job = find("sft")
+    assert job.check is not None
+    cfg = job.preset()
+    cfg = msgspec.structs.replace(cfg, data=msgspec.structs.replace(cfg.data, train="mine.jsonl"))
+    with pytest.raises(
+        ValueError, match=r"data.train='mine.jsonl': yatt sft reads prompt/response rows from sft.train"
+    ):
+        job.check(cfg)

@@ -89,7 +89,7 @@ def _where(source: str, index: int) -> str:
     `SOURCE: row N (1-based)`."""
     path = Path(source)
     if path.suffix == ".jsonl" and path.is_file():
-        lines = [n for n, line in enumerate(path.read_text().splitlines(), start=1) if line.strip()]
+        lines = [n for n, line in enumerate(path.read_bytes().splitlines(), start=1) if line.strip()]
         if index < len(lines):
             return f"{path}:{lines[index]}"
     return f"{source}: row {index + 1} (1-based)"

@@ -21,11 +21,13 @@ def read_records(path: str | Path, *, parquet_where: str = "{path}: row {n}") ->
         raise ValueError(f"dataset not found: {path}")
     if path.suffix == ".jsonl":
         records = []
-        for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+        for lineno, line in enumerate(path.read_bytes().splitlines(), start=1):
             if not line.strip():
                 continue
             try:
                 records.append((f"{path}:{lineno}", msgspec.json.decode(line)))
+            except UnicodeDecodeError as err:  # msgspec decodes the bytes as UTF-8 first
+                raise ValueError(f"{path}:{lineno}: not UTF-8 text: {err}") from None
             except msgspec.DecodeError as err:
                 raise ValueError(f"{path}:{lineno}: not valid JSON: {err}") from None
     elif path.suffix == ".parquet":

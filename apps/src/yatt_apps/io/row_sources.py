@@ -41,6 +41,8 @@ class JsonlRows(Sequence):
             line = f.readline()
         try:
             raw = msgspec.json.decode(line)
+        except UnicodeDecodeError as err:  # msgspec decodes the bytes as UTF-8 first
+            raise ValueError(f"{self.path}:{lineno}: not UTF-8 text: {err}") from None
         except msgspec.DecodeError as err:
             raise ValueError(f"{self.path}:{lineno}: not valid JSON: {err}") from None
         return _row(raw, f"{self.path}:{lineno}", self.keys, self.path.parent)

@@ -96,6 +96,11 @@ def check(cfg: SftConfig) -> None:
         raise ValueError("sft trains on responses, not rewards: set judge to null and rewards to []")
     if cfg.model.pipeline_parallel > 1:
         raise ValueError("sft trains with the torch learner: model.pipeline_parallel must be 1")
+    if cfg.data.train:  # the RL jobs' key: ignoring it would train on the embedded task without a word
+        raise ValueError(
+            f"data.train={cfg.data.train!r}: yatt sft reads prompt/response rows from sft.train "
+            "(keys sft.prompt_key, sft.response_key); data.train is the RL jobs' prompt/answer data"
+        )
 
 
 def step_function(cfg: SftConfig, policy_dir: str, val_rows: ValRows, plan: PlacementPlan) -> StepFn:

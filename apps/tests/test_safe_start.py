@@ -173,3 +173,58 @@ def test_the_rendezvous_store_listens_on_the_given_host_only():
     client = dist.TCPStore("127.0.0.1", store.port, 2, is_master=False, timeout=timeout)
     client.set("rank1", "here")
     assert store.get("rank1") == b"here"
+
+
+def test_a_full_disk_stops_with_one_line_naming_the_run_folder(tmp_path, capsys, monkeypatch):
+    """A write that fails on a full disk (TensorBoard's writer names no file) ends the job with exit 1 and one
+    line naming the run folder and what to do: no traceback, no second error from the cleanup."""
+    import errno
+
+    import yatt_apps.runtime.launch
+
+    def full_disk(cfg, run_dir, job, existing):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(yatt_apps.runtime.launch, "run_job", full_disk)
+    assert main(["grpo", "--run-dir", str(tmp_path / "run")]) == 1
+    err = capsys.readouterr().err
+    assert err == (
+        f"yatt grpo: error: No space left on device: {(tmp_path / 'run').resolve()} (free space on that disk, "
+        "then `yatt resume` the run folder, or start over elsewhere)\n"
+    )
+
+
+def test_a_read_only_path_is_named_with_its_cause(capsys, monkeypatch):
+    import errno
+
+    import yatt_apps.runtime.launch
+
+    def read_only(cfg, run_dir, job, existing):
+        raise OSError(errno.EROFS, "Read-only file system", "/mnt/ro/run/config.yaml")
+
+    monkeypatch.setattr(yatt_apps.runtime.launch, "run_job", read_only)
+    assert main(["grpo", "--run-dir", "/mnt/ro/run"]) == 1
+    assert capsys.readouterr().err == (
+        "yatt grpo: error: Read-only file system: /mnt/ro/run/config.yaml (the disk is read-only: give --run-dir "
+        "on a writable disk)\n"
+    )
+
+
+def test_closing_after_a_failure_keeps_the_first_error_and_removes_staging_folders(tmp_path):
+    from yatt_apps.io.rundir import RunDir
+    from yatt_apps.runtime.launch import close_all
+
+    run = RunDir(tmp_path / "run", resume_step=-1)
+    (run.checkpoints / ".staging-step-00000003").mkdir(parents=True)
+    (run.checkpoints / "step-00000001").mkdir()
+    calls = []
+
+    def failing():
+        calls.append("failing")
+        raise OSError(28, "No space left on device")
+
+    assert close_all([failing, lambda: calls.append("next") or "plot"], run, quiet=True) == "plot"
+    assert calls == ["failing", "next"]  # a closer's error does not stop the others
+    assert sorted(p.name for p in run.checkpoints.iterdir()) == ["step-00000001"]
+    with pytest.raises(OSError, match="No space left"):  # after a good run, a cleanup error is the error
+        close_all([failing], run, quiet=False)

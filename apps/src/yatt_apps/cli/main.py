@@ -11,9 +11,11 @@ HF folder. Exit codes: 0 done, 1 the run failed, 2 bad input (config, data, argu
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
+import threading
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -248,6 +250,9 @@ def _run(cfg: RunConfig, job: JobDef, run_dir: str, args: argparse.Namespace, ex
     try:
         summary = run_job(cfg, run_dir, job, existing=existing)
     except (KeyboardInterrupt, Exception) as err:  # run_job's cleanup has run: Ray is shut down
+        if isinstance(err, OSError) and not err.filename and err.errno in DISK_ERRNOS:
+            # a failed write() or flush() names no file: the run folder is what the job writes to
+            raise OSError(err.errno, err.strerror, str(Path(run_dir).resolve())) from err
         if not (isinstance(err, KeyboardInterrupt) or GUARD.count):
             raise
         # after a Ctrl-C, an error from the cleanup (a Ray process that got the terminal's SIGINT too) is
@@ -350,10 +355,32 @@ def plan_main(args: argparse.Namespace) -> int:
     return 0
 
 
+DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+
+
+def quiet_thread_disk_errors(args: threading.ExceptHookArgs) -> None:
+    """A writer thread's full-disk error (TensorBoard's event writer) is raised again in the main thread on
+    its next write, and reported there in one line: the thread's own traceback is not printed."""
+    if isinstance(args.exc_value, OSError) and args.exc_value.errno in DISK_ERRNOS:
+        return
+    threading.__excepthook__(args)
+
+
+def os_error_message(err: OSError) -> str:
+    """One line for an OSError: what failed on which path, and what to do about a full or read-only disk."""
+    message = f"{err.strerror or err}: {err.filename}" if err.filename else str(err)
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        message += " (free space on that disk, then `yatt resume` the run folder, or start over elsewhere)"
+    elif err.errno == errno.EROFS:
+        message += " (the disk is read-only: give --run-dir on a writable disk)"
+    return message
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from yatt_apps.runtime.interrupt import EXIT_INTERRUPTED, GUARD
 
     args = build_parser().parse_args(argv)
+    threading.excepthook = quiet_thread_disk_errors
     try:
         with GUARD:
             return _load(commands()[args.command][1])(args)
@@ -363,6 +390,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as err:
         print(f"yatt {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # a full or read-only disk, a permission: the path and the cause, no traceback
+        print(f"yatt {args.command}: error: {os_error_message(err)}", file=sys.stderr)
+        return 1
     except RuntimeError as err:  # a failed run (yatt_controller.ControllerFailure, a failed reward step)
         if os.environ.get("YATT_DEBUG"):  # the remote traceback, for developers
             traceback.print_exception(err.__cause__ or err)

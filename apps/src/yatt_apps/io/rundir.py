@@ -298,6 +298,11 @@ def plot_summary(history: list[dict[str, float]], out: Path) -> Path | None:
     if phases:
         _legend_below(axes[-1])
     fig.tight_layout()
-    fig.savefig(out, dpi=90)
-    plt.close(fig)
+    partial = out.with_name(f".{out.name}.partial")  # a full disk leaves no half-written (0-byte) PNG
+    try:
+        fig.savefig(partial, dpi=90, format="png")
+        partial.replace(out)
+    finally:
+        plt.close(fig)
+        partial.unlink(missing_ok=True)
     return out

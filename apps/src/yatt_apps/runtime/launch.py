@@ -343,14 +343,13 @@ def run_job(
         on_step=logger,
         **({"replan": hook} if (hook := replan_hook(cfg, job, plan, path / "placement.jsonl")) else {}),
     )
+    failed = True
     try:
         result = run_controllers(cfg.controller, runtime, realized)
+        failed = False
     finally:
-        logger.close()
-        release(realized)
-        if stop_ray is not None:
-            stop_ray()
-        plot = run.close()
+        closers = [logger.close, functools.partial(release, realized), stop_ray or (lambda: None), run.close]
+        plot = close_all(closers, run, quiet=failed)
     final = export_final(run, cfg)
     return {
         **logger.last,
@@ -365,6 +364,27 @@ def run_job(
         "plot": str(plot),
         "final": str(final) if final else "",
     }
+
+
+def close_all(closers: list[Callable[[], Any]], run: RunDir, *, quiet: bool) -> Any:
+    """Run every closer in order, then remove checkpoint staging folders (nothing writes one any more). After
+    a failed run (`quiet`) a closer's own error (the same full disk again) is dropped, so the run's first
+    error is the one reported; after a good run the first closer error is raised once all have run. Returns
+    the last closer's result (`RunDir.close`'s plot)."""
+    import shutil
+
+    first: BaseException | None = None
+    result = None
+    for closer in closers:
+        try:
+            result = closer()
+        except Exception as err:
+            first = first or err
+    for staging in run.checkpoints.glob(".staging-*") if run.checkpoints.is_dir() else []:
+        shutil.rmtree(staging, ignore_errors=True)
+    if first is not None and not quiet:
+        raise first
+    return result
 
 
 def export_final(run: RunDir, cfg: RunConfig) -> Path | None:

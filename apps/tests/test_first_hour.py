@@ -5,6 +5,8 @@ command table is the CLI's command list."""
 from __future__ import annotations
 
 import contextlib
+import functools
+import pickle
 import re
 import typing
 from pathlib import Path
@@ -84,6 +86,16 @@ def test_validation_verifies_answers_in_killable_workers(monkeypatch):
     ctx = SimpleNamespace(rank=0, world_size=1)
     sums = step_metrics.evaluate(ctx, lambda: rows, tiny_cpu(), tok)
     assert sums == {"val/correct": 1.0, "val/total": 3.0, "val/timeout": 1.0}
+
+    # a run's ValidationSet: the same grading processes serve every evaluation (no new interpreter each
+    # time), its killed worker replaced; a copy sent to another process carries the row function alone
+    val = step_metrics.ValidationSet(functools.partial(list, rows))
+    assert [step_metrics.evaluate(ctx, val, tiny_cpu(), tok) for _ in range(2)] == [sums, sums]
+    pool = val.grader()
+    assert pool._proc.poll() is None and pool.restarts == 2  # one supervisor, one kill per evaluation
+    copy = pickle.loads(pickle.dumps(val))
+    assert copy._pool is None and copy._cached is None and copy() == rows
+    pool.close()
 
 
 # ---- quiet output ---------------------------------------------------------------------------------------------

@@ -6,6 +6,9 @@ run's last step.
 
 from __future__ import annotations
 
+import contextlib
+import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from yatt_apps.config import RunConfig
@@ -16,6 +19,38 @@ if TYPE_CHECKING:
     from yatt_controller.controller import StepContext
 
 VAL_TIMEOUT_S = 10.0  # per validation answer: math_verify of a short answer takes milliseconds
+
+
+class ValidationSet:
+    """A run's validation rows, called like the plain `() -> rows` function it wraps, and the killable
+    processes that grade the policy's answers on them (`grader()`). Both live in the controller's process
+    for the whole run: the rows are built once, and the grading pool (a fresh interpreter importing
+    math_verify and sympy: about 3.5 s on an idle 2-core machine) starts at the first evaluation instead of
+    at every one. What is pickled to a controller is the row function alone."""
+
+    def __init__(self, rows: Callable[[], list]) -> None:
+        self.rows = rows
+        self._cached: list | None = None
+        self._pool: Any = None
+
+    def __call__(self) -> list:
+        if self._cached is None:
+            self._cached = self.rows()
+        return self._cached
+
+    def grader(self) -> Any:
+        """The started `RuleWorkerPool` (2 workers), closed when this object is collected or the process
+        exits (its supervisor also ends with the process, kill -9 included)."""
+        if self._pool is None:
+            from yatt_multimodal.rule_workers import RuleWorkerPool
+
+            self._pool = RuleWorkerPool(num_workers=2)
+            self._pool.start()  # returns at once: the supervisor imports while the policy generates
+            weakref.finalize(self, self._pool.close)
+        return self._pool
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"rows": self.rows, "_cached": None, "_pool": None}
 
 
 def judge_sums(cfg: RunConfig, scored: Scored, kept: list[int]) -> dict[str, float]:
@@ -87,6 +122,8 @@ def evaluate(ctx: StepContext, val_rows: Any, cfg: RunConfig, tok: Any) -> dict[
     mine = val_rows()[ctx.rank :: ctx.world_size]
     if not mine:
         return {"val/correct": 0.0, "val/total": 0.0, "val/timeout": 0.0}
+    # the run's grading processes when the rows come with them, else a pool for this evaluation alone
+    shared = val_rows.grader() if isinstance(val_rows, ValidationSet) else None
     greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=cfg.sampling.max_new_tokens)
     ids = [render_prompt(tok, row, cfg.data.system_prompt) for row in mine]
     outs = sorted(generate(ctx, mine, ids, greedy, "eval", None), key=prompt_index)
@@ -99,7 +136,7 @@ def evaluate(ctx: StepContext, val_rows: Any, cfg: RunConfig, tok: Any) -> dict[
         )
         for i, (row, c) in enumerate(zip(mine, outs, strict=True))
     ]
-    with RuleWorkerPool(num_workers=2) as pool:
+    with contextlib.nullcontext(shared) if shared is not None else RuleWorkerPool(num_workers=2) as pool:
         batch = RuleReward("val", math_reward, timeout_s=VAL_TIMEOUT_S, pool=pool).score_sync(requests)
     correct = sum(r.score for r in batch.rewards if r.status == "ok")
     timeouts = sum(r.status == "timeout" for r in batch.rewards)

@@ -161,10 +161,10 @@ class AlgoConfig(_Config, frozen=True, kw_only=True):  # frozen is inherited; sa
     # Asynchronous training: samples may be made by a policy up to this many versions older than the one
     # being updated (0: on-policy, every step waits for its own generation). Consumer: the apps' producer.
     max_staleness: int = 0
-    # Mixture-of-experts policies (learner/routing.py). Routing replay: the learner's MoE layers use the batch's
-    # `routed_experts` instead of their own top-k, the router's probabilities of those experts still weighing
-    # them (and getting gradients). "r3" (arXiv 2510.23027): the rollout engine's recorded choices; "r2": the
-    # learner's own from the old-logprob pass; "off": own top-k (agreement with given ids is still measured).
+    # Routing replay of a mixture-of-experts policy: "r3" makes the learner's MoE layers use the rollout engine's
+    # recorded experts (arXiv 2510.23027), "r2" the learner's own from the old-logprob pass, "off" their own
+    # top-k. The router's probabilities of the replayed experts still weigh them and get gradients; the
+    # agreement with given ids is measured in every mode (learner/routing.py).
     routing_replay: RoutingReplay = "off"
     # The router's load-balancing loss (Switch Transformer, arXiv 2101.03961) added with this weight; 0: off.
     router_aux_coef: float = 0.0

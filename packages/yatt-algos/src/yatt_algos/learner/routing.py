@@ -30,6 +30,14 @@ def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
 
 
+def router_shape(model: torch.nn.Module) -> tuple[int, int]:
+    """(MoE layers, experts per token) of `model`'s routers."""
+    routers = moe_routers(model)
+    if not routers:
+        raise ValueError(f"{type(model).__name__} has no mixture-of-experts routers")
+    return len(routers), int(getattr(routers[0], "top_k"))  # noqa: B009  (an nn.Module attribute mypy cannot see)
+
+
 def replayed_weights(logits: torch.Tensor, index: torch.Tensor, renormalize: bool) -> torch.Tensor:
     """The router weights [N, k] of the experts `index` [N, k]: softmax(logits [N, E]) at them, divided by
     their sum when the model renormalizes its top-k (as transformers' routers do), in the logits' dtype."""

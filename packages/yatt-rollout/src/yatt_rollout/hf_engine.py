@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from yatt_rollout import sampling
+from yatt_rollout.adapters import AdapterMerger
 from yatt_rollout.buckets import bucket_tensors
 from yatt_rollout.constraints import Spec, choice_token_ids
 from yatt_rollout.live_rows import LiveRows
@@ -107,6 +108,7 @@ class HFEngine:
         self.image_processor = getattr(processor, "image_processor", processor)
         self.image_token_id = getattr(model.config, "image_token_id", None)
         self.slots = WeightSlots(model)
+        self.adapters = AdapterMerger(self.model)  # LoRA adapter-only sync (`load_adapter`)
         self.partial = partial  # weight updates pause a running batch instead of waiting for it
         recorder: RoutingRecorder | None = RoutingRecorder(self.model)
         assert recorder is not None
@@ -193,8 +195,21 @@ class HFEngine:
             while self._busy:
                 self._cv.wait()
             self.slots.load(named)
+            self.adapters.forget(name for name, _ in named)
             self._version = version
             self._cv.notify_all()  # a worker waiting for discarded weights may go on
+
+    def load_adapter(self, named: Sequence[tuple[str, torch.Tensor]], *, scaling: float, version: int) -> int:
+        """LoRA adapter-only sync (`adapters.py`): peft-named lora_A / lora_B tensors applied onto the engine's
+        base weights (W = W0 + scaling * B @ A) between batches; later batches report `version`. Returns the
+        bytes received (the adapter's, not the model's)."""
+        with self._cv:
+            while self._swap is not None or self._busy:
+                self._cv.wait()
+            received = self.adapters.apply(named, scaling)
+            self._version = version
+            self._cv.notify_all()
+        return received
 
     def sleep(self, level: int = 1) -> None:
         """Stop serving and free memory until `wake_up`; `generate` meanwhile is a RuntimeError.
@@ -325,6 +340,7 @@ class HFEngine:
             assert self._swap is not None  # set by the updating thread before it asked for the swap
             named, version = self._swap
             self.slots.load(named)
+            self.adapters.forget(name for name, _ in named)
             self._version, self._swap = version, None
             self._cv.notify_all()
         return version

@@ -30,8 +30,9 @@ class ModelSpec(_Config, frozen=True, kw_only=True):
     tokenizer trained locally on the task's text (nothing is downloaded)."""
 
     path: str = ""
-    # tiny model: qwen2, llama, or qwen2_vl (a vision-language policy, grpo-vlm)
-    arch: Literal["qwen2", "llama", "qwen2_vl"] = "qwen2"
+    # tiny model: qwen2, llama, qwen3_moe (a mixture of experts: 4 experts, top-2; see algo.routing_replay), or
+    # qwen2_vl (a vision-language policy, grpo-vlm)
+    arch: Literal["qwen2", "llama", "qwen2_vl", "qwen3_moe"] = "qwen2"
     hidden_size: int = 64
     num_layers: int = 2
     num_heads: int = 2
@@ -312,6 +313,24 @@ def hardware_problems(cfg: RunConfig) -> list[str]:
             )
         if not megatron_device_ok(cfg):
             problems.append(MEGATRON_NEEDS_CUDA)
+    return problems + moe_problems(cfg)
+
+
+def moe_problems(cfg: RunConfig) -> list[str]:
+    """Mixture-of-experts settings that cannot run: routing replay and the router loss live in the torch
+    learner; R3 needs the rollout's recorded choices, which the HF engine gives."""
+    problems = []
+    moe_keys = cfg.algo.routing_replay != "off" or cfg.algo.router_aux_coef
+    if cfg.learner.backend == "megatron" and (moe_keys or cfg.model.arch == "qwen3_moe"):
+        problems.append(
+            "learner.backend='megatron' trains dense Llama/Qwen2 models: model.arch='qwen3_moe', "
+            "algo.routing_replay and algo.router_aux_coef need 'ddp' or 'fsdp2'"
+        )
+    if cfg.algo.routing_replay == "r3" and cfg.rollout.engine == "vllm":
+        problems.append(
+            "algo.routing_replay='r3' replays the rollout's recorded expert choices, which YATT takes from "
+            "rollout.engine='hf' only (vLLM's enable_return_routed_experts is not wired yet): use 'hf' or 'r2'"
+        )
     return problems
 
 

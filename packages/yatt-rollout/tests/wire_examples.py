@@ -9,6 +9,7 @@ from yatt_rollout.types import (
     MediaRef,
     Prompt,
     ReplicaLoad,
+    RoutedExperts,
     SamplingParams,
     WeightBucket,
 )
@@ -109,3 +110,5 @@ EXAMPLES += [
         tool_errors={"malformed": 1},
     ),
 ]
+# 2 positions x 2 layers x top-2, one byte per expert id
+EXAMPLES += [RoutedExperts(num_layers=2, top_k=2, dtype="uint8", data=bytes([0, 3, 2, 1, 1, 2, 3, 0]))]

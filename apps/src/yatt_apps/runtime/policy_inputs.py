@@ -174,3 +174,22 @@ def offpolicy_means(total: dict[str, float]) -> dict[str, float]:
         for key, value in total.items()
         if key.startswith("rollout_corr/") and key.endswith("/sum")
     }
+
+
+def routed_experts(cfg: RunConfig, batch: dict[str, Any], samples: list) -> Any:
+    """The rollout's expert choices of a mixture-of-experts policy as the learner batch's `routed_experts`
+    [B, T, layers, k] (int16, -1 where none; row b's prompt and response positions but the last), or None when
+    no sample carries them (a dense policy, an engine that does not record them) or replay is "r2" (the
+    learner's own old-logprob pass gives them). With `algo.routing_replay` "off" the learner only measures
+    `moe/routing_agreement` against them; with "r3" it replays them."""
+    from yatt_algos.learner.routing import routes_to_batch
+    from yatt_rollout.routing import decode_routes
+
+    if cfg.algo.routing_replay == "r2":
+        return None
+    routes = [getattr(s, "routed_experts", None) for s in samples]
+    first = next((r for r in routes if r is not None), None)
+    if first is None:
+        return None
+    rows = [None if r is None else decode_routes(r) for r in routes]
+    return routes_to_batch(rows, batch["input_ids"].shape[1], first.num_layers, first.top_k)

@@ -49,6 +49,7 @@ KLEstimator = Literal["k1", "k2", "k3", "abs", "k1+", "k3+", "abs+", "low_var_kl
 RolloutISLevel = Literal["none", "token", "sequence"]
 RolloutISMode = Literal["truncate", "mask"]
 PfPpoMethod = Literal["none", "pow", "max_min", "max_random"]
+RoutingReplay = Literal["off", "r2", "r3"]
 
 
 class _Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -160,10 +161,23 @@ class AlgoConfig(_Config, frozen=True, kw_only=True):  # frozen is inherited; sa
     # Asynchronous training: samples may be made by a policy up to this many versions older than the one
     # being updated (0: on-policy, every step waits for its own generation). Consumer: the apps' producer.
     max_staleness: int = 0
+    # Routing replay of a mixture-of-experts policy: "r3" makes the learner's MoE layers use the rollout engine's
+    # recorded experts (arXiv 2510.23027), "r2" the learner's own from the old-logprob pass, "off" their own
+    # top-k. The router's probabilities of the replayed experts still weigh them and get gradients; the
+    # agreement with given ids is measured in every mode (learner/routing.py).
+    routing_replay: RoutingReplay = "off"
+    # The router's load-balancing loss (Switch Transformer, arXiv 2101.03961) added with this weight; 0: off.
+    router_aux_coef: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_staleness < 0:
             raise ValueError(f"AlgoConfig.max_staleness must be >= 0, got {self.max_staleness}")
+        if self.routing_replay not in ("off", "r2", "r3"):
+            raise ValueError(
+                f"AlgoConfig.routing_replay must be 'off', 'r2' or 'r3', got {self.routing_replay!r}"
+            )
+        if self.router_aux_coef < 0:
+            raise ValueError(f"AlgoConfig.router_aux_coef must be >= 0, got {self.router_aux_coef}")
         self._check_names()
         self._check_new_losses()
         self._check_rollout_correction()

@@ -18,6 +18,11 @@ version made (its `policy_version` is the oldest).
 VLM prompts (the Qwen2-VL family): images from `Prompt.media` go through the image processor; the prompt's
 `<|image_pad|>` placeholders are expanded to the image token count, `mm_token_type_ids` marks them, and
 M-RoPE positions come from the model's `get_rope_index` (prefill) plus its per-row deltas (decode).
+
+Mixture-of-experts models (Qwen2-MoE, Qwen3-MoE, Mixtral): hooks on the routers record, for every prompt
+position and generated token, the experts each layer chose (`routing.py`); each completion carries them as
+`routed_experts` for rollout routing replay (R3). A partial rollout's re-prefill records its positions again
+under the new weights (the routing that made the KV cache the later tokens read).
 """
 
 from __future__ import annotations
@@ -35,12 +40,14 @@ from typing import Any
 import torch
 
 from yatt_rollout import sampling
+from yatt_rollout.adapters import AdapterMerger
 from yatt_rollout.buckets import bucket_tensors
 from yatt_rollout.constraints import Spec, choice_token_ids
 from yatt_rollout.live_rows import LiveRows
 from yatt_rollout.media import expand_image_tokens, load_image
 from yatt_rollout.requests import check_request, error_completions
-from yatt_rollout.types import Completion, FinishReason, GenerateRequest, WeightBucket
+from yatt_rollout.routing import RouteBuffer, RoutingRecorder
+from yatt_rollout.types import Completion, FinishReason, GenerateRequest, RoutedExperts, WeightBucket
 from yatt_rollout.weights import WeightSlots
 
 
@@ -69,6 +76,8 @@ class HFEngine:
     processor (or a full processor with `.image_processor`) for VLM prompts. `max_context` defaults to the
     model's `max_position_embeddings`. Unseeded requests draw from one generator seeded with `seed`.
     `partial`: weight updates pause the running batch between two decode steps instead of waiting for it.
+    `record_routing`: record a mixture-of-experts model's expert choices in each completion (default: when
+    the model has routers).
     """
 
     def __init__(
@@ -82,6 +91,7 @@ class HFEngine:
         max_context: int | None = None,
         seed: int = 0,
         partial: bool = False,
+        record_routing: bool | None = None,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -98,7 +108,16 @@ class HFEngine:
         self.image_processor = getattr(processor, "image_processor", processor)
         self.image_token_id = getattr(model.config, "image_token_id", None)
         self.slots = WeightSlots(model)
+        self.adapters = AdapterMerger(self.model)  # LoRA adapter-only sync (`load_adapter`)
         self.partial = partial  # weight updates pause a running batch instead of waiting for it
+        recorder: RoutingRecorder | None = RoutingRecorder(self.model)
+        assert recorder is not None
+        if record_routing and not recorder.routers:
+            raise ValueError("record_routing=True needs a mixture-of-experts model; this one has no routers")
+        if not recorder.routers or record_routing is False:
+            recorder.close()
+            recorder = None
+        self.routing = recorder  # hooks on the MoE routers, or None
         self.stats = {"batches": 0, "rows": 0, "generated_tokens": 0, "resumed_rows": 0}
         self.recent_batches: deque[list[str]] = deque(maxlen=256)  # request ids of the latest batches
         self._default_gen = torch.Generator(self.device).manual_seed(seed)
@@ -176,8 +195,21 @@ class HFEngine:
             while self._busy:
                 self._cv.wait()
             self.slots.load(named)
+            self.adapters.forget(name for name, _ in named)
             self._version = version
             self._cv.notify_all()  # a worker waiting for discarded weights may go on
+
+    def load_adapter(self, named: Sequence[tuple[str, torch.Tensor]], *, scaling: float, version: int) -> int:
+        """LoRA adapter-only sync (`adapters.py`): peft-named lora_A / lora_B tensors applied onto the engine's
+        base weights (W = W0 + scaling * B @ A) between batches; later batches report `version`. Returns the
+        bytes received (the adapter's, not the model's)."""
+        with self._cv:
+            while self._swap is not None or self._busy:
+                self._cv.wait()
+            received = self.adapters.apply(named, scaling)
+            self._version = version
+            self._cv.notify_all()
+        return received
 
     def sleep(self, level: int = 1) -> None:
         """Stop serving and free memory until `wake_up`; `generate` meanwhile is a RuntimeError.
@@ -308,6 +340,7 @@ class HFEngine:
             assert self._swap is not None  # set by the updating thread before it asked for the swap
             named, version = self._swap
             self.slots.load(named)
+            self.adapters.forget(name for name, _ in named)
             self._version, self._swap = version, None
             self._cv.notify_all()
         return version
@@ -318,13 +351,13 @@ class HFEngine:
         self.stats["rows"] += len(batch)
         switches = [(0, version)]  # (first step, version) of each policy the batch decoded under
         try:
-            results = self._decode(batch, switches)
+            results, routes = self._decode(batch, switches)
         except Exception as err:  # a failing batch fails its own requests; the engine keeps serving
             for row in batch:
                 message = f"{type(err).__name__}: {err}"
                 self._finish(row, error_completions(row.request.req, message, version)[row.index])
             return
-        for row, (tokens, logprobs, reason) in zip(batch, results, strict=True):
+        for i, (row, (tokens, logprobs, reason)) in enumerate(zip(batch, results, strict=True)):
             self.stats["generated_tokens"] += len(tokens)
             runs = _version_runs(switches, len(tokens))
             self.stats["resumed_rows"] += len(runs) > 1
@@ -336,6 +369,7 @@ class HFEngine:
                 finish_reason=reason,
                 policy_version=runs[0][0] if runs else switches[-1][1],
                 version_runs=runs,
+                routed_experts=routes[i] if routes else None,
             )
             self._finish(row, completion)
 
@@ -368,16 +402,22 @@ class HFEngine:
     @torch.inference_mode()
     def _decode(
         self, batch: list[_Row], switches: list[tuple[int, int]]
-    ) -> list[tuple[list[int], list[float], FinishReason]]:
+    ) -> tuple[list[tuple[list[int], list[float], FinishReason]], list[RoutedExperts]]:
         """Prefill the left-padded batch, then one cached step per token. A row that stops leaves the batch
         (its KV cache rows too), so the others run at their own size. A partial weight update taken at a step
         is appended to `switches` and the running rows are prefilled again under it.
 
         Tokens and logprobs stay on the device until the batch ends (one transfer each); per step the host
-        reads one flag (did any row end?) and, on the steps where rows end, which ones."""
+        reads one flag (did any row end?) and, on the steps where rows end, which ones. With an MoE model the
+        routers' choices of every forward go into a `RouteBuffer` (each row's `RoutedExperts`, else [])."""
         prompt_ids, prompt_mask, budget = self._left_pad(batch)
         rows = LiveRows.build(batch, budget, self.eos_ids, self.vocab_size, self.device)
+        routes = None
+        if self.routing is not None:
+            routes = RouteBuffer(self.routing, len(batch), prompt_ids.shape[1], max(budget), self.device)
         out, cache, mask, pos, deltas = self._prefill(batch, prompt_ids, prompt_mask)
+        if routes is not None:
+            routes.prefill(rows.live, prompt_ids.shape[1])
         for step in itertools.count():
             if self._swap is not None:  # partial: new weights, then the KV cache of the running rows again
                 switches.append((step, self._take_swap()))
@@ -385,6 +425,8 @@ class HFEngine:
                 ids = torch.cat([prompt_ids[live], rows.tokens[live, :step]], dim=1)
                 m = torch.cat([prompt_mask[live], prompt_mask.new_ones((len(live), step))], dim=1)
                 out, cache, mask, pos, deltas = self._prefill([batch[i] for i in live.tolist()], ids, m)
+                if routes is not None:
+                    routes.prefill(live, ids.shape[1])
             logits = out.logits[:, -1].float()  # [L, V]
             if rows.constraint is not None:  # logprobs below are then the constrained distribution's
                 logits = rows.constraint.mask(logits)
@@ -405,7 +447,13 @@ class HFEngine:
                 past_key_values=cache,
                 use_cache=True,
             )
-        return rows.results()
+            if routes is not None:
+                routes.step(rows.live, step)
+        results = rows.results()
+        if routes is None:
+            return results, []
+        prompt_lens = [len(row.request.token_ids) for row in batch]
+        return results, routes.rows(prompt_lens, [len(tokens) for tokens, _, _ in results])
 
     def _prefill(self, batch: list[_Row], input_ids: torch.Tensor, mask: torch.Tensor) -> tuple:
         """One forward over left-padded `input_ids` [L, T]: (output, KV cache, mask, last positions [L, 1],

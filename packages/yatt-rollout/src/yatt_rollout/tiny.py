@@ -2,7 +2,8 @@
 
 `train_tokenizer` trains a ByteLevel BPE on a local corpus (milliseconds) and wraps it as a
 `PreTrainedTokenizerFast` with eos/pad tokens and a ChatML chat template; `tiny_causal_lm` builds a
-randomly initialized Llama/Qwen2 from a config; `tiny_qwen2_vl` builds a Qwen2-VL model and its processor
+randomly initialized Llama/Qwen2, or a Qwen3-MoE (a few experts, top-k 2: the mixture-of-experts policy that
+routing replay is tested on), from a config; `tiny_qwen2_vl` builds a Qwen2-VL model and its processor
 (pillow, no torchvision); `save_tiny` writes an HF directory that `from_pretrained` and vLLM load.
 vLLM's CPU attention needs head_dim in {32, 64, 80, ...}, hence the default `head_dim=32`.
 """
@@ -76,13 +77,23 @@ def train_tokenizer(
     return wrapped
 
 
-def _llama_family(arch: str) -> tuple[Any, Any]:
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+TEXT_ARCHS = ("qwen2", "llama", "qwen3_moe")
+# the mixture-of-experts shape of a tiny Qwen3-MoE: every layer sparse, 4 experts of which 2 run per token
+MOE_DEFAULTS = {"num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1, "norm_topk_prob": True}
 
-    families = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}
+
+def _llama_family(arch: str) -> tuple[Any, Any]:
+    import transformers
+
+    families = {
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+        "llama": ("LlamaConfig", "LlamaForCausalLM"),
+        "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    }
     if arch not in families:
         raise ValueError(f"arch must be one of {sorted(families)}, got {arch!r}")
-    return families[arch]
+    config_name, model_name = families[arch]
+    return getattr(transformers, config_name), getattr(transformers, model_name)
 
 
 def tiny_causal_lm(
@@ -97,10 +108,12 @@ def tiny_causal_lm(
     seed: int = 0,
     **config: Any,
 ) -> Any:
-    """A randomly initialized causal LM (`arch` in {"qwen2", "llama"}) in float32 eval mode.
+    """A randomly initialized causal LM (`arch` in `TEXT_ARCHS`) in float32 eval mode.
 
-    `config` overrides any field of the HF config (e.g. `max_position_embeddings`, `tie_word_embeddings`).
-    The same `seed` gives the same weights.
+    "qwen3_moe" is a Qwen3-MoE whose every layer is a sparse MoE block (`MOE_DEFAULTS`: 4 experts, top-k 2,
+    each expert's width `moe_intermediate_size` = hidden_size). `config` overrides any field of the HF config
+    (e.g. `max_position_embeddings`, `tie_word_embeddings`, `num_experts`). The same `seed` gives the same
+    weights.
     """
     import torch
 
@@ -116,6 +129,8 @@ def tiny_causal_lm(
         "max_position_embeddings": 512,
         "tie_word_embeddings": False,
     }
+    if arch == "qwen3_moe":
+        fields |= {**MOE_DEFAULTS, "moe_intermediate_size": hidden_size}
     fields.update(config)
     torch.manual_seed(seed)
     model = model_cls(config_cls(**fields))

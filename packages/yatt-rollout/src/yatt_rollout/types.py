@@ -114,6 +114,29 @@ class GenerateRequest(_Wire, kw_only=True):
     sampling: SamplingParams = SamplingParams()
 
 
+class RoutedExperts(_Wire, kw_only=True):
+    """The experts a mixture-of-experts router chose, for rollout routing replay (R3, arXiv 2510.23027).
+
+    `data` holds ids [num_positions, num_layers, top_k] in C order, one byte each (`dtype` "uint8", fewer than
+    256 experts) or two ("int16"). Positions are the sequence's prompt tokens then its generated tokens but the
+    last (the engine never runs that one through the model): num_positions = len(prompt) + len(token_ids) - 1,
+    position i being the forward of token i. `yatt_rollout.routing` converts to and from tensors.
+
+    Producer: a `Generator` over an MoE model. Consumer: the learner's routing replay
+    (`yatt_algos.learner.routing`).
+    """
+
+    num_layers: int
+    top_k: int
+    dtype: Literal["uint8", "int16"] = "uint8"
+    data: bytes = b""
+
+    @property
+    def num_positions(self) -> int:
+        itemsize = 1 if self.dtype == "uint8" else 2
+        return len(self.data) // (itemsize * self.num_layers * self.top_k)
+
+
 class Completion(_Wire, kw_only=True):
     """One sampled completion. `logprobs[i]` is the sampling-time logprob of `token_ids[i]`.
 
@@ -134,6 +157,9 @@ class Completion(_Wire, kw_only=True):
     policy_version: int
     error: str = ""
     version_runs: list[tuple[int, int]] = []  # appended: omitted while empty, so old bytes are unchanged
+    # appended: the MoE router's choices per position and layer (`RoutedExperts`); None for a dense model or
+    # an engine that does not record them
+    routed_experts: RoutedExperts | None = None
 
     def runs(self) -> list[tuple[int, int]]:
         """`version_runs`, or one run of `policy_version` over every token when the producer sent none."""

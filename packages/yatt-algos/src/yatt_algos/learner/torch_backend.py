@@ -9,6 +9,10 @@ head) and trains it with the clipped value loss.
 Alignment: outputs are [B, T] like `input_ids`; position t holds the logprob of input_ids[t] given the tokens
 before it (from the logits at t - 1), or the value of that state. Position 0 has no predecessor and holds 0.
 Data parallel runs over the process group the caller gives (DDP or FSDP2); the learner creates none.
+
+Mixture-of-experts policies: a batch may carry the rollout's expert ids under "routed_experts"
+[B, T, layers, k] (`learner.routing`); every forward then measures the routing agreement, replays them when
+`algo.routing_replay` is on, and a training forward adds `algo.router_aux_coef` x the load-balancing loss.
 """
 
 from __future__ import annotations
@@ -22,6 +26,14 @@ import torch.distributed as dist
 from yatt_algos.learner.export import NamedTensors
 from yatt_algos.learner.lm_head import chunked_head, head_token_outputs, hidden_states_only
 from yatt_algos.learner.packing import Batch, as_batch, split_mini_batches
+from yatt_algos.learner.routing import (
+    BatchRouting,
+    moe_routers,
+    routed_forward,
+    router_shape,
+    routing_objective,
+    split_routes,
+)
 from yatt_algos.learner.sharded import FileEntries, PendingSave
 from yatt_algos.learner.torch_engine import TorchEngine
 from yatt_algos.learner.update_loop import Normalizer, critic_objective, policy_objective
@@ -161,31 +173,64 @@ class TorchPolicyLearner:
         learner = learner or LearnerConfig()
         self.engine = TorchEngine(model, algo=algo, optim_config=optim_config, learner=learner, group=group)
         self.micro_batch_size = micro_batch_size or (optim_config.micro_batch_size if optim_config else 4)
+        self.moe = bool(
+            moe_routers(model)
+        )  # a mixture-of-experts policy: its forwards run under router hooks
 
     @property
     def model(self) -> torch.nn.Module:
         return self.engine.model
 
-    def _forward(self, entropy: str):
+    def _forward(self, entropy: str, routing: BatchRouting | None = None):
         cfg = self.engine.learner
 
         def forward(model: torch.nn.Module, mb: Batch, grad: bool) -> dict[str, torch.Tensor]:
-            return causal_lm_forward(
-                model, mb, chunk_size=cfg.logits_chunk_size, temperature=cfg.temperature, entropy=entropy
-            )
+            def plain() -> dict[str, torch.Tensor]:
+                return causal_lm_forward(
+                    model, mb, chunk_size=cfg.logits_chunk_size, temperature=cfg.temperature, entropy=entropy
+                )
+
+            return plain() if routing is None else routed_forward(model, mb, routing, grad, plain)
 
         return forward
 
+    def _routing(self, batch: Experience | dict[str, Any]) -> tuple[Any, BatchRouting | None]:
+        """(the batch without its expert ids, what the forwards do with routing; None for a dense policy or
+        an `Experience`, which carries no expert ids)."""
+        if not self.moe or isinstance(batch, Experience):
+            return batch, None
+        batch, given = split_routes(batch)
+        algo = self.engine.algo
+        replay = algo.routing_replay != "off" and given is not None
+        return batch, BatchRouting(given=given, replay=replay, aux_coef=algo.router_aux_coef)
+
     def compute_logprobs(self, batch: Experience | dict[str, Any]) -> torch.Tensor:
         """Logprobs [B, T] of `batch["input_ids"]` (0 at position 0 and at padding), without grad."""
-        return self.engine.infer(batch, self._forward("none"), self.micro_batch_size)["logprobs"]
+        batch, routing = self._routing(batch)
+        return self.engine.infer(batch, self._forward("none", routing), self.micro_batch_size)["logprobs"]
 
     def compute_logprobs_and_entropy(
         self, batch: Experience | dict[str, Any]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(logprobs [B, T], entropy [B, T]) without grad."""
-        out = self.engine.infer(batch, self._forward("detached"), self.micro_batch_size)
+        batch, routing = self._routing(batch)
+        out = self.engine.infer(batch, self._forward("detached", routing), self.micro_batch_size)
         return out["logprobs"], out["entropy"]
+
+    def compute_old_logprobs(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """The old-logprob pass of an MoE policy: "old_logprobs" and "entropy" [B, T], the learner's own expert
+        ids "routed_experts" [B, T, layers, k] (int16, -1 at padding: what R2 replays in the update), and
+        where the batch gives ids, "routing_agreement" and "routing_valid" [B, T] (`learner.routing`)."""
+        batch, routing = self._routing(batch)
+        if routing is None:
+            raise ValueError(
+                "compute_old_logprobs records expert ids: the policy is not a mixture of experts"
+            )
+        b, t = batch["input_ids"].shape
+        routing.record = torch.full((b, t, *router_shape(self.model)), -1, dtype=torch.int16)
+        out = self.engine.infer(batch, self._forward("detached", routing), self.micro_batch_size)
+        out["old_logprobs"] = out.pop("logprobs")
+        return {**out, "routed_experts": routing.record}
 
     def compute_logprobs_and_sum_pi_squared(
         self, batch: Experience | dict[str, Any]
@@ -193,11 +238,19 @@ class TorchPolicyLearner:
         """(logprobs [B, T], sum_pi_squared [B, T]) without grad: the optimal token baselines' inputs
         (`advantages.optimal_token_baseline`'s old_logprobs and sum_pi_squared), from one forward."""
         cfg = self.engine.learner
+        batch, routing = self._routing(batch)
 
         def forward(model: torch.nn.Module, mb: Batch, grad: bool) -> dict[str, torch.Tensor]:
-            return causal_lm_forward(
-                model, mb, chunk_size=cfg.logits_chunk_size, temperature=cfg.temperature, sum_pi_squared=True
-            )
+            def plain() -> dict[str, torch.Tensor]:
+                return causal_lm_forward(
+                    model,
+                    mb,
+                    chunk_size=cfg.logits_chunk_size,
+                    temperature=cfg.temperature,
+                    sum_pi_squared=True,
+                )
+
+            return plain() if routing is None else routed_forward(model, mb, routing, grad, plain)
 
         out = self.engine.infer(batch, forward, self.micro_batch_size)
         return out["logprobs"], out["sum_pi_squared"]
@@ -205,10 +258,12 @@ class TorchPolicyLearner:
     def update(self, experience: Experience | dict[str, Any]) -> TrainStats:
         """One PPO-style update on this rank's shard (see `update_loop.run_update`)."""
         algo = self.engine.algo
-        forward = self._forward("grad" if algo.entropy_coef else "detached")
+        experience, routing = self._routing(experience)
+        forward = self._forward("grad" if algo.entropy_coef else "detached", routing)
 
         def objective(out: dict[str, torch.Tensor], mb: Batch, norm: Normalizer):
-            return policy_objective(out["logprobs"], out.get("entropy"), mb, algo, norm)
+            loss, metrics = policy_objective(out["logprobs"], out.get("entropy"), mb, algo, norm)
+            return routing_objective(loss, metrics, out, mb, algo.router_aux_coef, norm.num_tokens)
 
         required = ("response_mask", "old_logprobs", "advantages")
         return self.engine.update(experience, forward, objective, required)
@@ -222,6 +277,7 @@ class TorchPolicyLearner:
         Returns the stats and that forward's old logprobs and entropy [B, T] (0 at position 0 and padding),
         as `compute_logprobs_and_entropy` returns them."""
         algo, optim_config = self.engine.algo, self.engine.optim_config
+        experience, routing = self._routing(experience)
         batch = as_batch(experience)
         if "old_logprobs" in batch:
             raise ValueError("update_from_current computes old_logprobs itself: the batch must not hold them")
@@ -234,7 +290,7 @@ class TorchPolicyLearner:
                 "mini-batches"
             )
         seen = {"old_logprobs": torch.zeros(b, t), "entropy": torch.zeros(b, t)}
-        forward = self._forward("grad" if algo.entropy_coef else "detached")
+        forward = self._forward("grad" if algo.entropy_coef else "detached", routing)
 
         def objective(out: dict[str, torch.Tensor], mb: Batch, norm: Normalizer):
             old, entropy = out["logprobs"].detach(), out["entropy"].detach()
@@ -242,7 +298,8 @@ class TorchPolicyLearner:
             seen["old_logprobs"][rows, :width] = old.float().cpu()
             seen["entropy"][rows, :width] = entropy.float().cpu()
             mb = {**mb, "old_logprobs": old}
-            return policy_objective(out["logprobs"], out.get("entropy"), mb, algo, norm)
+            loss, metrics = policy_objective(out["logprobs"], out.get("entropy"), mb, algo, norm)
+            return routing_objective(loss, metrics, out, mb, algo.router_aux_coef, norm.num_tokens)
 
         batch["row_index"] = torch.arange(b)
         stats = self.engine.update(batch, forward, objective, ("response_mask", "advantages"))

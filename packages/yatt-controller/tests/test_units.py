@@ -237,6 +237,18 @@ def test_checkpoint_atomic_under_a_real_crash(tmp_path):
     assert checkpoint.latest(root)[1].step == 2
 
 
+def test_stale_staging_directories_of_other_steps_are_removed(tmp_path):
+    checkpoint.write_checkpoint(tmp_path, 2, {"x.bin": b"2"})
+    # left by crashed attempts: steps 3 and 9 (9 is ahead of where the resumed run is: it died there)
+    for step in (3, 9):
+        (checkpoint.staging_dir(tmp_path, step) / "learner").mkdir(parents=True)
+    staged = checkpoint.begin(tmp_path, 5)  # begin removes the later step's (9); 3 may still be in flight
+    assert checkpoint.staging_steps(tmp_path) == [3, 5]
+    checkpoint.commit(tmp_path, 5, {"x.bin": checkpoint.write_file(staged, "x.bin", b"5")})
+    # the commit of 5 supersedes 3: only complete checkpoints are left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000002", "step-00000005"]
+
+
 def test_checkpoint_keep_last_k_and_skip_corrupt(tmp_path):
     for step in range(5):
         checkpoint.write_checkpoint(tmp_path, step, {"x.bin": bytes([step])}, keep=3)

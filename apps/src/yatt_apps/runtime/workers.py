@@ -310,7 +310,8 @@ class PolicyWorker:
 
     def save_checkpoint_shards(self, folder: str, background: bool) -> None:
         """Torch learners: this rank's DCP shards (FSDP2: its own shards; DDP: one copy over the ranks),
-        staged in host memory and written on a thread when `background`; Megatron: its rank's state file."""
+        staged in host memory and written on a thread when `background`; Megatron: its TP/PP slices through
+        Megatron's distributed checkpointing (synchronous)."""
         self._files().save(self.learner, folder, background)
 
     def finish_checkpoint_shards(self) -> dict[str, tuple[str, int]]:
@@ -318,7 +319,8 @@ class PolicyWorker:
         return self._files().finish(self.learner)
 
     def load_checkpoint_shards(self, folder: str) -> None:
-        """Load a folder `save_checkpoint_shards` wrote, at any torch learner world size (DCP reshards)."""
+        """Load a folder `save_checkpoint_shards` wrote, at any torch learner world size or Megatron TP/PP
+        layout (both reshard)."""
         self.weights.release()
         self._files().load(self.learner, folder)
         self.gather_weights()  # every rank restores together; the push after a resume reads this

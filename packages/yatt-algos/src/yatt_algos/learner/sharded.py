@@ -258,10 +258,12 @@ def _nbytes(spec: tuple[str, torch.Size, torch.dtype]) -> int:
 
 class LearnerFiles:
     """The sharded checkpoint protocol of a worker that hosts a learner (what
-    `yatt_controller.controller_checkpoint` calls `save/finish/load_checkpoint_shards`): a torch learner writes
-    its DCP shards (`save_shards`, in the background when asked); another learner (Megatron) writes its own
-    rank's whole `state_dict()` as `state-R.pt`, R its rank in the default process group, synchronously, and
-    loads it back at the same layout."""
+    `yatt_controller.controller_checkpoint` calls `save/finish/load_checkpoint_shards`): a learner with
+    `save_shards` writes its own part (torch: DCP shards, in the background when asked; Megatron: its TP/PP
+    slices through Megatron's distributed checkpointing, `megatron_sharded`), and either loads at another
+    world size or layout. A learner without it writes its own rank's whole `state_dict()` as `state-R.pt`,
+    R its rank in the default process group, and loads it back at the same layout (what Megatron learners
+    wrote before, still read)."""
 
     def __init__(self) -> None:
         self._written: FileEntries = {}

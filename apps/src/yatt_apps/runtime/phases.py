@@ -408,7 +408,8 @@ def sync_weights(ctx: StepContext, *, stream: bool = True) -> None:
         ctx.get(learner.broadcast("gather_weights"))
         ctx.sync_weights()
         return
-    assert ctx.weight_sync is not None, "the job's services define no weight_sync"
+    if ctx.weight_sync is None:
+        raise ValueError("sync_weights: the job's services define no weight_sync")
     bucket_bytes, version, pushed = ctx.weight_sync.bucket_bytes, ctx.policy_version + 1, 0
     while max(ctx.get(learner.broadcast("next_weight_bucket", bucket_bytes))) > 0:
         ctx.barrier()  # every rank holds bucket i (its gather is done)

@@ -278,9 +278,6 @@ class PolicyWorker:
     def next_weight_bucket(self, bucket_bytes: int) -> int:
         return self.weights.next_bucket(bucket_bytes)
 
-    def gathered_peak_bytes(self) -> int:
-        return self.weights.peak_bytes
-
     def named_weights(self) -> Any:
         return self.weights.named_weights()
 

@@ -10,11 +10,12 @@ Each rank (its own process, one thread) trains one step, then:
 3. `peak_extra_mib_over_model_mib`: peak RSS (VmHWM, reset through /proc/self/clear_refs, after malloc_trim)
    over the RSS before, in MiB, over the full model's MiB, the worse rank (ranks run with
    MALLOC_MMAP_THRESHOLD_=1 MiB, so a freed tensor leaves the RSS instead of staying in glibc's heap): `.save` during the synchronous save,
-   `.weight_sync` while the learner's export streams 64 MiB buckets of unsharded weights (each taken by the
-   consumer and dropped, as a weight sync does), and the top-level key the larger of the two. Reported beside
-   them, not targets: `.save_async_staging` (a background save holds a host copy of the rank's shard until
-   written: the price of not blocking) and `.gather_all` (every bucket kept at once, what
-   `PolicyWorker.gather_weights` holds for the runtime's push today);
+   `.weight_sync` during the runtime's streamed weight sync (`yatt_apps.runtime.learner_weights.LearnerWeights`
+   gathering 64 MiB buckets on every rank, each loaded by `yatt_controller.weight_sync.copy_local` into the
+   rank's own HF rollout engine, the colocated push, before the next is gathered, as `phases.sync_weights`
+   drives it), and the top-level key the larger of the two. Reported beside them, not targets:
+   `.save_async_staging` (a background save holds a host copy of the rank's shard until written: the price
+   of not blocking) and `.gather_all` (the whole model gathered, then one push: an async step's path);
 4. `reshard_resume_ok`: rank 0 alone (world size 1, no process group) loads the background-saved checkpoint and
    trains the next batch: 1 when its loss equals the 2-rank run's loss on that batch (to 1e-4 relative).
 
@@ -111,8 +112,18 @@ class Peak:
         self.extra_mib = self._status("VmHWM") - self._before
 
 
+def _sync_parts(learner, size: str):
+    """What a learner rank's host holds for a colocated weight sync: the runtime's `LearnerWeights` over the
+    learner and an HF rollout engine (another initialization) that the push loads into."""
+    from yatt_apps.runtime.learner_weights import LearnerWeights
+    from yatt_rollout.hf_engine import HFEngine
+
+    return LearnerWeights(learner, "fsdp2"), HFEngine(_model(size, 3), seed=0)
+
+
 def _rank(rank: int, world: int, port: int, size: str, out: Path) -> None:
     import torch.distributed as dist
+    from yatt_controller.weight_sync import copy_local
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -145,17 +156,21 @@ def _rank(rank: int, world: int, port: int, size: str, out: Path) -> None:
     result["loss_b"] = learner.update(shard(batch_b)).loss  # trains while the files are written
     learner.wait_shards()
     dist.barrier()
-    with Peak() as peak:
-        checksum = 0.0
-        for bucket in learner.export_weights(64 << 20):  # each bucket taken and dropped, as a sync does
-            checksum += sum(float(t.float().sum()) for _, t in bucket)
-            del bucket  # a streaming consumer lets go before it asks for the next
+    weights, engine = _sync_parts(learner, size)
+    dist.barrier()
+    with Peak() as peak:  # the runtime's streamed sync: each bucket gathered, loaded, freed
+        while weights.next_bucket(64 << 20) > 0:  # every rank together, as phases.sync_weights drives it
+            copy_local(weights, engine, version=1)  # the colocated push into this rank's engine
+            dist.barrier()
     result["sync_stream_extra_mib"] = peak.extra_mib
-    with Peak() as peak:
-        kept = [pair for bucket in learner.export_weights(64 << 20) for pair in bucket]
+    dist.barrier()
+    with Peak() as peak:  # the whole model gathered first, then one push (an async step's path)
+        weights.gather_all()
+        copy_local(weights, engine, version=2)
     result["gather_all_extra_mib"] = peak.extra_mib
-    result["model_mib"] = sum(t.numel() * t.element_size() for _, t in kept) / 2**20
-    del kept
+    result["model_mib"] = sum(t.numel() * t.element_size() for _, t in weights.named_weights()) / 2**20
+    weights.release()
+    del engine
     dist.barrier()
     if rank == 0:
         alone = _learner(size, 7, None)  # another initialization, world size 1

@@ -548,9 +548,10 @@ def test_megatron_pipeline_parallel_under_the_cpu_shim(ray_session, tmp_path):
     2 steps with a checkpoint after each. Step 0's update moves the weights (KL to the reference at step 1);
     step 1's samples come from HF engines on both devices, each loaded in process from its own learner
     stage's export (so each stage must export the whole model), and match the learner's logprobs to 1e-4.
-    The checkpoint's two learner files (learner/state-R.pt) are the two stages' shards: the embeddings and layer 0 on stage 0,
-    layer 1, the final norm and the output layer on stage 1."""
-    import torch
+    The checkpoint's learner folder is Megatron's distributed checkpoint: each stage wrote its own slices of
+    the global layout (layers stacked in one tensor per parameter, layer l at offset l): the embeddings and
+    layer 0 by stage 0, layer 1 and the output layer by stage 1."""
+    import torch.distributed.checkpoint as dcp
 
     base = small(learner=LearnerConfig(backend="megatron"))
     cfg = replace(
@@ -565,13 +566,16 @@ def test_megatron_pipeline_parallel_under_the_cpu_shim(ray_session, tmp_path):
     assert rows[0]["train/grad_norm"] > 0 and rows[1]["train/kl"] > 0.0
     assert all(0.0 < row["train/rollout_mismatch"] < 1e-4 for row in rows.values())
     last = max(p for p in (tmp_path / "pp" / "checkpoints").iterdir() if p.is_dir())
-    stages = [torch.load(last / "learner" / f"state-{i}.pt", weights_only=True)["model"] for i in (0, 1)]
-    assert [sorted(k for k in s if not k.startswith("decoder.layers.")) for s in stages] == [
-        ["embedding.word_embeddings.weight"],
-        ["decoder.final_layernorm.weight", "output_layer.weight"],
-    ]
-    assert all("decoder.layers.0.mlp.linear_fc1.weight" in s for s in stages)  # one local layer per stage
-    assert not any(k.startswith("decoder.layers.1.") for s in stages for k in s)
+    meta = dcp.FileSystemReader(last / "learner").read_metadata()
+    writer = {  # (tensor, first offset) -> the rank whose file holds that chunk
+        (index.fqn, index.offset[0]): int(info.relative_path.split("_")[2])
+        for index, info in meta.storage_data.items()
+        if index.offset is not None and not index.fqn.startswith("optimizer.")  # tensors (not extra state)
+    }
+    assert writer[("embedding.word_embeddings.weight", 0)] == 0 and writer[("output_layer.weight", 0)] == 1
+    fc1 = "decoder.layers.mlp.linear_fc1.weight"
+    assert meta.state_dict_metadata[fc1].size[0] == 2  # two layers in the global layout
+    assert (writer[(fc1, 0)], writer[(fc1, 1)]) == (0, 1)
 
 
 # ---- CUDA paths (gpu: skipped without CUDA; run them wherever a device is lent) ------------------------------

@@ -231,6 +231,26 @@ def test_sharded_background_checkpoints_commit_after_the_write_and_resume(cluste
     )
 
 
+@pytest.mark.slow
+def test_resume_with_another_number_of_controllers_draws_the_same_rows(cluster, tmp_path):
+    """Saved by 2 parallel controllers, resumed by 1 (driving both learner ranks): the global data cursor gives
+    the same rows at steps 3 and 4 as the straight 2-controller run, so the learners' totals agree. A worker
+    with one bytes file per controller's rank cannot re-split: refused, naming the count to use."""
+    two = ControllerSpec(num_controllers=2, heartbeat_interval_s=0.5, checkpoint_every=1)
+    one = msgspec.structs.replace(two, num_controllers=1)
+    sharded = {"learner_cls": doubles.ShardedCountingLearner}
+    whole = run(two, _job(tmp_path / "a", num_steps=5), cluster)
+    run(two, _job(tmp_path / "b", num_steps=3, **sharded), cluster)
+    rest = run(one, _job(tmp_path / "b", num_steps=5, **sharded), cluster)
+    assert sorted(rest.reports) == [3, 4] and rest.restarts == 0
+    for step in (3, 4):
+        (got,), want = rest.reports[step], whole.reports[step][0]
+        for key in ("num_samples", "learner_total"):
+            assert got.metrics[key] == want.metrics[key], (step, key)
+    with pytest.raises(ControllerFailure, match=re.escape("resume with controller.num_controllers=2")):
+        run(msgspec.structs.replace(one, on_failure="fail"), _job(tmp_path / "a", num_steps=6), cluster)
+
+
 def test_killed_worker_fails_fast_naming_actor_and_node(cluster, tmp_path):
     node = ray.get_runtime_context().get_node_id()
     spec = ControllerSpec(num_controllers=2, heartbeat_interval_s=0.5, hang_timeout_s=60.0, on_failure="fail")

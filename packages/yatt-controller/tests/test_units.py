@@ -237,6 +237,18 @@ def test_checkpoint_atomic_under_a_real_crash(tmp_path):
     assert checkpoint.latest(root)[1].step == 2
 
 
+def test_stale_staging_directories_of_other_steps_are_removed(tmp_path):
+    checkpoint.write_checkpoint(tmp_path, 2, {"x.bin": b"2"})
+    # left by crashed attempts: steps 3 and 9 (9 is ahead of where the resumed run is: it died there)
+    for step in (3, 9):
+        (checkpoint.staging_dir(tmp_path, step) / "learner").mkdir(parents=True)
+    staged = checkpoint.begin(tmp_path, 5)  # begin removes the later step's (9); 3 may still be in flight
+    assert checkpoint.staging_steps(tmp_path) == [3, 5]
+    checkpoint.commit(tmp_path, 5, {"x.bin": checkpoint.write_file(staged, "x.bin", b"5")})
+    # the commit of 5 supersedes 3: only complete checkpoints are left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000002", "step-00000005"]
+
+
 def test_checkpoint_keep_last_k_and_skip_corrupt(tmp_path):
     for step in range(5):
         checkpoint.write_checkpoint(tmp_path, step, {"x.bin": bytes([step])}, keep=3)
@@ -328,3 +340,48 @@ def test_the_runtime_imports_no_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+def _saved(rank: int, step_in_epoch: int, **state) -> dict:
+    return {
+        "policy_version": 6,
+        "sampler": {"epoch": 1, "step_in_epoch": step_in_epoch},
+        "rng": [3, [rank] * 3, None],
+        "state": state,
+        "reports": [f"r{rank}"],
+    }
+
+
+def test_controller_state_resplits_over_another_number_of_controllers():
+    from yatt_controller.controller_checkpoint import resplit
+    from yatt_controller.data import ShardSampler
+
+    two = [_saved(0, 3, kl_coef=0.2), _saved(1, 3, kl_coef=0.2)]
+    assert resplit(two, 1, 2) is two[1]  # the same number: its own
+    one = resplit(two, 0, 1)
+    assert one == {**two[0], "reports": ["r0"]}
+    three = [resplit(two, r, 3) for r in range(3)]
+    assert [s["rng"] for s in three] == [two[0]["rng"], two[1]["rng"], None]  # None: its own seeded RNG
+    assert [s["state"] for s in three] == [{"kl_coef": 0.2}] * 3 and three[2]["reports"] == []
+    # the cursor is global: 2 controllers resumed as 3 draw the same prompts as the run that went on with 2
+    went_on = [ShardSampler(60, 12, seed=5, num_shards=2, shards=(r,)) for r in range(2)]
+    resumed = [ShardSampler(60, 12, seed=5, num_shards=3, shards=(r,)) for r in range(3)]
+    for sampler in went_on:
+        sampler.load_state(two[0]["sampler"])
+    for sampler, state in zip(resumed, three, strict=True):
+        sampler.load_state(state["sampler"])
+    for _ in range(4):  # across the epoch's end (5 batches of 12 in 60 rows)
+        assert sorted(i for s in resumed for i in s.next()) == sorted(i for s in went_on for i in s.next())
+
+
+def test_controller_resplit_takes_the_furthest_cursor_and_refuses_what_cannot_split():
+    from yatt_controller.controller_checkpoint import resplit
+
+    refilled = [_saved(0, 2), _saved(1, 4)]  # DAPO: controller 1 drew two refill parts more
+    assert resplit(refilled, 0, 1)["sampler"] == {"epoch": 1, "step_in_epoch": 4}
+    versions = [_saved(0, 2), {**_saved(1, 2), "policy_version": 5}]
+    with pytest.raises(ValueError, match=r"ck: its controllers saved different policy versions \[5, 6\]"):
+        resplit(versions, 0, 1, "ck")
+    queued = [_saved(0, 2, async_queue=[{"rows": []}]), _saved(1, 2)]
+    with pytest.raises(ValueError, match=r"resume with controller\.num_controllers=2"):
+        resplit(queued, 0, 1, "ck")

@@ -385,19 +385,44 @@ def train_policy(
 
 def push_weights(ctx: StepContext, cfg: RunConfig, plan: PlacementPlan) -> None:
     """The steps' last phase: the engines wake (where they slept) and version v+1 reaches every rollout
-    replica; all controllers wait."""
+    replica; all controllers wait. Streamed bucket by bucket unless generation may overlap the push
+    (`algo.max_staleness > 0`: an engine must not run between two buckets of one version)."""
     with ctx.phase("weight_sync"):
         wake_engines(ctx, cfg, plan)
-        sync_weights(ctx)
+        sync_weights(ctx, stream=not cfg.algo.max_staleness)
 
 
-def sync_weights(ctx: StepContext) -> None:
+def sync_weights(ctx: StepContext, *, stream: bool = True) -> None:
     """Version v+1 to every rollout replica: the in-process copy where a replica shares a learner rank's
-    process, the broadcast group elsewhere. An FSDP2 (or Megatron tensor-parallel) export is a collective,
-    so first every controller has each of its own learner ranks gather the full weights (together they cover
-    every rank); the push, made from whichever ranks' hosts the sync uses, then reads those copies."""
-    ctx.get(learner_of(ctx).broadcast("gather_weights"))
-    ctx.sync_weights()
+    process, the broadcast group elsewhere.
+
+    An FSDP2 (or Megatron tensor-parallel) export is a collective over every learner rank. `stream`: the
+    controllers step through it together, one bucket at a time: each has its own learner ranks gather bucket
+    i (`next_weight_bucket`: the rank frees bucket i - 1 first; together the controllers cover every rank),
+    then rank 0 pushes what the ranks hold, the same version for every bucket, and a barrier keeps any rank
+    from freeing a bucket still being pushed. A rank so holds one bucket of unsharded weights beyond its
+    shards. Else every rank gathers the whole model first and one push reads it. DDP gathers nothing: one
+    push reads the live weights."""
+    learner = learner_of(ctx)
+    if not stream:
+        ctx.get(learner.broadcast("gather_weights"))
+        ctx.sync_weights()
+        return
+    if ctx.weight_sync is None:
+        raise ValueError("sync_weights: the job's services define no weight_sync")
+    bucket_bytes, version, pushed = ctx.weight_sync.bucket_bytes, ctx.policy_version + 1, 0
+    while max(ctx.get(learner.broadcast("next_weight_bucket", bucket_bytes))) > 0:
+        ctx.barrier()  # every rank holds bucket i (its gather is done)
+        if ctx.rank == 0:
+            if not pushed:
+                ctx.before_push()
+            ctx.weight_sync.push(version)
+        ctx.barrier()  # bucket i is in every engine: the ranks may free it
+        pushed += 1
+    if not pushed:  # DDP: nothing gathered, the push reads the live weights
+        ctx.sync_weights()
+        return
+    ctx.policy_version = version
 
 
 def sleep_engines(ctx: Any, cfg: RunConfig, plan: PlacementPlan) -> None:

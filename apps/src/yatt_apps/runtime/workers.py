@@ -212,10 +212,13 @@ class PolicyWorker:
     reference model when the objective has a KL term. Ranks meet in a gloo (CPU) or NCCL (GPU) group
     published under `key`.
 
-    Weight export under FSDP2 (and Megatron TP) is a collective: `gather_weights` runs it on every rank (the
-    step calls it on all its own learner ranks before the push; construction and a checkpoint restore, which
-    every rank runs together, call it for the runtime's push that follows them) and `named_weights` then
-    serves that copy to whichever rank's host the weight sync asks, until the next update."""
+    Weight export under FSDP2 (and Megatron TP) is a collective, and `named_weights` serves what this rank
+    holds gathered to whichever rank's host the weight sync asks:
+    - the step streams (`phases.sync_weights`): every rank gathers one bucket at a time (`next_weight_bucket`,
+      each call freeing the bucket before), and the push of that bucket runs before the next is gathered, so
+      a rank holds at most one bucket of unsharded parameters beside its shards;
+    - construction and a checkpoint restore, which every rank runs together, and an async step (generation
+      may overlap the push) gather the whole model (`gather_weights`) for the one push that follows them."""
 
     def __init__(self, cfg: RunConfig, model_dir: str, key: str, *, worker_info: Any) -> None:
         import torch
@@ -229,7 +232,9 @@ class PolicyWorker:
         else:
             group = join_learner_group(worker_info, key)
             self.learner, self.reference = _torch_learners(cfg, model_dir, group, reference)
-        self._gathered: list | None = None
+        from yatt_apps.runtime.learner_weights import LearnerWeights
+
+        self.weights = LearnerWeights(self.learner, self.backend)
         self.gather_weights()  # every rank builds together: the runtime's first push (version 0) reads this
 
     def logprobs(
@@ -239,7 +244,7 @@ class PolicyWorker:
         `sum_pi_squared`, the sum of squared token probabilities [B, T] instead of the entropy (the optimal
         token baselines' input; torch learners); `policy=False`: the reference's only (bypass mode, where the
         rollout's logprobs are the old ones)."""
-        self._gathered = None
+        self.weights.release()
         out = {}
         if sum_pi_squared:
             out["old_logprobs"], out["sum_pi_squared"] = self.learner.compute_logprobs_and_sum_pi_squared(
@@ -252,7 +257,7 @@ class PolicyWorker:
         return _to_cpu(out)
 
     def train(self, experience: dict[str, Any]) -> dict[str, float]:
-        self._gathered = None
+        self.weights.release()
         return _stats(self.learner.update(experience))
 
     def logprobs_and_train(self, experience: dict[str, Any]) -> dict[str, Any]:
@@ -260,7 +265,7 @@ class PolicyWorker:
         forward, then the update whose own forward gives the old logprobs (`update_from_current`), so the
         policy's separate no-grad forward and a round trip are skipped. `experience` has no old logprobs;
         returns `logprobs`'s tensors [B, T] and, under "stats", `train`'s."""
-        self._gathered = None
+        self.weights.release()
         out = {}
         if self.reference is not None:
             out["ref_logprobs"] = self.reference.compute_logprobs(experience)
@@ -268,30 +273,18 @@ class PolicyWorker:
         return {**_to_cpu({**current, **out}), "stats": _stats(stats)}
 
     def gather_weights(self) -> int:
-        """Run the collective export on this rank (FSDP2 all-gathers its shards, Megatron its TP shards) and
-        keep the full HF-named tensors for the next push; the torch DDP export reads the live weights and needs
-        no gather. Returns the bytes gathered."""
-        if self.backend == "ddp":
-            return 0
-        self._gathered = [pair for bucket in self.learner.export_weights(64 << 20) for pair in bucket]
-        return sum(t.numel() * t.element_size() for _, t in self._gathered)
+        return self.weights.gather_all()
+
+    def next_weight_bucket(self, bucket_bytes: int) -> int:
+        return self.weights.next_bucket(bucket_bytes)
 
     def named_weights(self) -> Any:
-        if self._gathered is not None:
-            yield from self._gathered
-            return
-        if self.backend != "ddp":
-            raise RuntimeError(
-                f"learner.backend={self.backend!r}: call gather_weights on every learner rank "
-                "before a weight push (its export is a collective)"
-            )
-        for bucket in self.learner.export_weights(64 << 20):
-            yield from bucket
+        return self.weights.named_weights()
 
     def checkpoint_state(self) -> bytes:
         import torch
 
-        self._gathered = None
+        self.weights.release()
         buf = io.BytesIO()
         torch.save(self.learner.state_dict(), buf)
         return buf.getvalue()
@@ -299,7 +292,7 @@ class PolicyWorker:
     def load_checkpoint_state(self, data: bytes) -> None:
         import torch
 
-        self._gathered = None
+        self.weights.release()
         self.learner.load_state_dict(torch.load(io.BytesIO(data), weights_only=True))
         self.gather_weights()  # every rank restores together; the push after a resume reads this
 
@@ -314,7 +307,8 @@ class PolicyWorker:
 
     def save_checkpoint_shards(self, folder: str, background: bool) -> None:
         """Torch learners: this rank's DCP shards (FSDP2: its own shards; DDP: one copy over the ranks),
-        staged in host memory and written on a thread when `background`; Megatron: its rank's state file."""
+        staged in host memory and written on a thread when `background`; Megatron: its TP/PP slices through
+        Megatron's distributed checkpointing (synchronous)."""
         self._files().save(self.learner, folder, background)
 
     def finish_checkpoint_shards(self) -> dict[str, tuple[str, int]]:
@@ -322,8 +316,9 @@ class PolicyWorker:
         return self._files().finish(self.learner)
 
     def load_checkpoint_shards(self, folder: str) -> None:
-        """Load a folder `save_checkpoint_shards` wrote, at any torch learner world size (DCP reshards)."""
-        self._gathered = None
+        """Load a folder `save_checkpoint_shards` wrote, at any torch learner world size or Megatron TP/PP
+        layout (both reshard)."""
+        self.weights.release()
         self._files().load(self.learner, folder)
         self.gather_weights()  # every rank restores together; the push after a resume reads this
 

@@ -72,3 +72,20 @@ def test_each_rank_writes_its_own_shards(run):
     assert all(_data_bytes(files) <= 0.6 * full for files in fsdp)
     # DDP: replicated tensors are written once in all (DCP's planner spreads them over the ranks)
     assert sum(_data_bytes(files) for files in ddp) == pytest.approx(full, rel=0.02)
+
+
+def test_a_single_process_background_save_is_quiet(tiny, tmp_path):
+    """DCP warns that it assumes one process on each save without a process group, from the background
+    writer's thread too; that is the intent here, so no such warning reaches the user."""
+    import warnings
+
+    from yatt_algos.learner.torch_backend import TorchPolicyLearner
+
+    learner = TorchPolicyLearner(tiny.lm(0), algo=tiny.dp_algo, optim_config=tiny.dp_optim)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        learner.save_shards(str(tmp_path), background=True)
+        files = learner.wait_shards()
+        learner.load_shards(str(tmp_path))
+    assert sorted(files) == [".metadata", "__0_0.distcp", "extra-0.pt"]
+    assert [str(w.message) for w in seen if "single process" in str(w.message)] == []

@@ -37,11 +37,29 @@ def staging_dir(root: str | os.PathLike, step: int) -> Path:
 
 
 def begin(root: str | os.PathLike, step: int) -> Path:
-    """A fresh, empty staging directory for `step` (a crashed attempt's leftovers are removed)."""
+    """A fresh, empty staging directory for `step`. A crashed attempt's leftovers are removed: this step's,
+    and every later step's (a run goes forward, so a staging directory of a later step than the one
+    beginning was left by an attempt that died; `commit` removes the earlier ones)."""
+    remove_staging(root, lambda other: other >= step)
     staging = staging_dir(root, step)
-    shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     return staging
+
+
+def staging_steps(root: str | os.PathLike) -> list[int]:
+    """The steps of the staging directories under `root`, ascending (being written, or left by a crash)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    names = [p.name[len(_STAGING) :] for p in root.iterdir() if p.is_dir() and p.name.startswith(_STAGING)]
+    return sorted(int(n) for n in names if n.isdigit())
+
+
+def remove_staging(root: str | os.PathLike, which: Callable[[int], bool]) -> None:
+    """Remove the staging directories of the steps `which` selects."""
+    for step in staging_steps(root):
+        if which(step):
+            shutil.rmtree(staging_dir(root, step), ignore_errors=True)
 
 
 def write_file(staging: Path, relpath: str, data: bytes) -> tuple[str, int]:
@@ -67,7 +85,9 @@ def commit(
     policy_version: int = 0,
     keep: int = 2,
 ) -> Path:
-    """Write the manifest last, rename the staging directory to its final name, prune to the newest `keep`."""
+    """Write the manifest last, rename the staging directory to its final name, prune to the newest `keep`
+    and remove the staging directories of earlier steps (a newer checkpoint supersedes them: a crash left
+    them, or the writer abandoned them)."""
     staging, final = staging_dir(root, step), Path(root) / _name(step)
     manifest = CheckpointManifest(
         step=step,
@@ -85,6 +105,7 @@ def commit(
     os.rename(staging, final)
     _fsync_dir(Path(root))
     prune(root, keep)
+    remove_staging(root, lambda other: other < step)
     return final
 
 

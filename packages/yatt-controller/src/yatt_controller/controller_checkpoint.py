@@ -18,6 +18,7 @@ manifest lands, and a crash before that leaves the previous checkpoint the newes
 
 from __future__ import annotations
 
+import re
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -125,16 +126,19 @@ class ControllerCheckpoint:
         col.barrier()
 
     def restore(self, path: Path) -> int:
-        """Load this controller's state and its groups' from a verified checkpoint; the next step."""
+        """Load this controller's state and its groups' from a verified checkpoint; the next step. A
+        checkpoint written by another number of controllers is re-split (`resplit`)."""
         manifest = checkpoint.verify(path)
-        name = f"controller-{self.plan.rank}.msgpack"
-        if name not in manifest.files:
-            raise ValueError(f"{path} holds no {name}: it was written by a different number of controllers")
-        state = msgspec.msgpack.decode((path / name).read_bytes())
+        ranks = sorted(int(m[1]) for n in manifest.files if (m := CONTROLLER_FILE.fullmatch(n)))
+        if ranks != list(range(len(ranks))):
+            raise ValueError(f"{path}: its controller files are not controller-0 .. controller-N-1: {ranks}")
+        states = [msgspec.msgpack.decode((path / f"controller-{r}.msgpack").read_bytes()) for r in ranks]
+        state = resplit(states, self.plan.rank, self.plan.world_size, path)
         self.ctx.policy_version = state["policy_version"]
         self.sampler.load_state(state["sampler"])
-        version, internal, gauss = state["rng"]
-        self.ctx.rng.setstate((version, tuple(internal), gauss))
+        if state["rng"] is not None:
+            version, internal, gauss = state["rng"]
+            self.ctx.rng.setstate((version, tuple(internal), gauss))
         self.ctx.state = state["state"]
         loads: list[Any] = []
         for prefix, group in self.plan.stateful():
@@ -146,12 +150,64 @@ class ControllerCheckpoint:
                     )
                 loads += group.broadcast("load_checkpoint_shards", str(path / prefix))
                 continue
+            if len(states) != self.plan.world_size and any(
+                n.startswith(f"{prefix}-") for n in manifest.files
+            ):
+                raise ValueError(
+                    f"{path} holds {prefix!r} as one file per worker, written by {len(states)} controllers; "
+                    f"that state does not re-split over {self.plan.world_size}: resume with "
+                    f"controller.num_controllers={len(states)}"
+                )
             for worker in group.workers:
                 part = f"{prefix}-{worker.group_dp_rank}.{worker.tp_rank}.bin"
                 data = (path / part).read_bytes() if part in manifest.files else b""
                 loads.append(worker.submit("load_checkpoint_state", (data,), {}))
         ray.get(loads)
         return manifest.step + 1
+
+
+CONTROLLER_FILE = re.compile(r"controller-(\d+)\.msgpack")
+
+
+def resplit(states: list[dict[str, Any]], rank: int, world: int, path: Any = "") -> dict[str, Any]:
+    """The state controller `rank` of `world` resumes with, from the states the checkpoint's controllers
+    saved (one each, in rank order). The same number: its own. Another number (the job's
+    `controller.num_controllers` changed):
+    - the data cursor is global: every controller's counts the global batches drawn in the epoch, and each
+      controller takes its 1/world part of every global batch. Where the saved cursors agree (a step draws one
+      global batch everywhere) the next global batches hold the same prompts as the uninterrupted run's,
+      split over the new controllers; where they differ (DAPO's refills draw per controller) the furthest
+      is taken: no prompt is drawn twice in an epoch, and the parts the lagging controllers had not drawn are
+      skipped;
+    - the policy version, the same everywhere, carries over;
+    - the RNG and the step function's `ctx.state`: saved controller `rank`'s where it existed; a controller
+      beyond the saved count starts from its own seeded RNG (None here) and saved controller 0's state,
+      which carries what is the same on every controller (PPO's adaptive KL coefficient, DAPO's expansion
+      ratio) and copies controller 0's own prompt queue (DAPO's buffer: its prompts may be drawn twice).
+      The states of saved controllers beyond the new count are dropped (their buffered prompts skipped).
+      An async run's batches in flight (`async_queue`) do not re-split: refused, naming the counts."""
+    if len(states) == world:
+        return states[rank]
+    if not states:
+        raise ValueError(f"{path} holds no controller state")
+    versions = {s["policy_version"] for s in states}
+    if len(versions) != 1:
+        raise ValueError(f"{path}: its controllers saved different policy versions {sorted(versions)}")
+    if any(s["state"].get("async_queue") for s in states):
+        raise ValueError(
+            f"{path} was written by {len(states)} controllers with async batches in flight "
+            f"(algo.max_staleness > 0), which do not re-split over {world}: resume with "
+            f"controller.num_controllers={len(states)}"
+        )
+    cursor = max((s["sampler"] for s in states), key=lambda c: (c["epoch"], c["step_in_epoch"]))
+    own = states[rank] if rank < len(states) else None
+    return {
+        "policy_version": versions.pop(),
+        "sampler": dict(cursor),
+        "rng": own["rng"] if own is not None else None,
+        "state": (own or states[0])["state"],
+        "reports": own.get("reports", []) if own is not None else [],
+    }
 
 
 def writes_shards(group: Any) -> bool:

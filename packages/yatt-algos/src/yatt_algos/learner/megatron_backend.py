@@ -399,6 +399,25 @@ class MegatronPolicyLearner:
         of a replica must iterate it to the end)."""
         return export.iter_buckets(self._hf_named(), bucket_bytes)
 
+    def save_shards(self, path: str, *, background: bool = False) -> None:
+        """This rank's part of a sharded checkpoint into folder `path`, every rank together, through
+        Megatron's distributed checkpointing (`megatron_sharded`: loads at another TP/PP size). Synchronous:
+        `background` is accepted for the learner protocol and the files are on disk when this returns."""
+        from yatt_algos.learner import megatron_sharded
+
+        self._written = megatron_sharded.save(self, path)
+
+    def wait_shards(self) -> dict[str, tuple[str, int]]:
+        """The files of the last `save_shards`: {name: (sha256, size)}."""
+        written, self._written = getattr(self, "_written", {}), {}
+        return written
+
+    def load_shards(self, path: str) -> None:
+        """Load a sharded checkpoint saved at any TP/PP size (every rank together)."""
+        from yatt_algos.learner import megatron_sharded
+
+        megatron_sharded.load(self, path)
+
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard: model, optimizer, scheduler, counters and RNG (each rank saves its own)."""
         model = {k: v for k, v in self.model.state_dict().items() if not k.endswith("_extra_state")}

@@ -22,7 +22,6 @@ and without a process group: what export reads, never holding the whole model tw
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import warnings
@@ -41,13 +40,20 @@ METADATA = ".metadata"
 FileEntries = dict[str, tuple[str, int]]
 
 
-@contextlib.contextmanager
-def _single_process(no_dist: bool):
-    """DCP warns on every single-process save or load that it assumes one process; that is the intent here."""
-    with warnings.catch_warnings():
-        if no_dist:
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
+# DCP's warning on every save or load without a process group; here that is the intent (one learner process),
+# and a background save emits it on its writer thread, after any `catch_warnings` around the call has exited
+SINGLE_PROCESS_WARNING = (
+    r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is to (save|load) in a "
+    r"single process"
+)
+
+
+def _single_process(no_dist: bool) -> None:
+    """Before a save or load without a process group: silence DCP's single-process warning in this process,
+    by a filter for that one message (`filterwarnings` replaces an identical filter, so repeated saves add
+    nothing), which also covers the background writer's thread."""
+    if no_dist:
+        warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING)
 
 
 def file_entry(path: Path) -> tuple[str, int]:
@@ -162,13 +168,13 @@ class ShardedState:
         writer = dcp.FileSystemWriter(path, thread_count=1, sync_files=True)
         state, no_dist = self.tensors(), group is None
         future: Future | None = None
-        with _single_process(no_dist):
-            if background:
-                started = dcp.async_save(state, storage_writer=writer, process_group=group, no_dist=no_dist)
-                assert isinstance(started, Future), "a thread async save returns a Future"
-                future = started
-            else:
-                dcp.save(state, storage_writer=writer, process_group=group, no_dist=no_dist)
+        _single_process(no_dist)
+        if background:
+            started = dcp.async_save(state, storage_writer=writer, process_group=group, no_dist=no_dist)
+            assert isinstance(started, Future), "a thread async save returns a Future"
+            future = started
+        else:
+            dcp.save(state, storage_writer=writer, process_group=group, no_dist=no_dist)
         self.pending = PendingSave(path, rank, future, extra)
         return self.pending
 
@@ -188,9 +194,9 @@ class ShardedState:
         self.wait()
         engine, group = self.engine, self._process_group()
         state = self.tensors()  # the template: this rank's shards at the current world size
-        with _single_process(group is None):
-            reader = dcp.FileSystemReader(path)
-            dcp.load(state, storage_reader=reader, process_group=group, no_dist=group is None)
+        _single_process(group is None)
+        reader = dcp.FileSystemReader(path)
+        dcp.load(state, storage_reader=reader, process_group=group, no_dist=group is None)
         optims = [engine.optimizer] if engine.optimizer else []
         set_state_dict(
             engine.model,
@@ -239,8 +245,8 @@ def iter_checkpoint_tensors(
             size += _nbytes(specs[end])
             end += 1
         bucket = {name: torch.empty(shape, dtype=dtype) for name, shape, dtype in specs[start:end]}
-        with _single_process(True):
-            dcp.load({"model": bucket}, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+        _single_process(True)
+        dcp.load({"model": bucket}, storage_reader=dcp.FileSystemReader(path), no_dist=True)
         yield list(bucket.items())
         start = end
 
@@ -252,10 +258,12 @@ def _nbytes(spec: tuple[str, torch.Size, torch.dtype]) -> int:
 
 class LearnerFiles:
     """The sharded checkpoint protocol of a worker that hosts a learner (what
-    `yatt_controller.controller_checkpoint` calls `save/finish/load_checkpoint_shards`): a torch learner writes
-    its DCP shards (`save_shards`, in the background when asked); another learner (Megatron) writes its own
-    rank's whole `state_dict()` as `state-R.pt`, R its rank in the default process group, synchronously, and
-    loads it back at the same layout."""
+    `yatt_controller.controller_checkpoint` calls `save/finish/load_checkpoint_shards`): a learner with
+    `save_shards` writes its own part (torch: DCP shards, in the background when asked; Megatron: its TP/PP
+    slices through Megatron's distributed checkpointing, `megatron_sharded`), and either loads at another
+    world size or layout. A learner without it writes its own rank's whole `state_dict()` as `state-R.pt`,
+    R its rank in the default process group, and loads it back at the same layout (what Megatron learners
+    wrote before, still read)."""
 
     def __init__(self) -> None:
         self._written: FileEntries = {}

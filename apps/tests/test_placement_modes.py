@@ -66,11 +66,30 @@ MATRIX = [
 ]
 
 
+# this case's policy is the tiny mixture of experts (Qwen3-MoE, 4 experts, top-2) with rollout routing replay:
+# the MoE path runs in a job without a start of its own
+MOE_CASE = ("colocated", "parallel")
+
+
+def with_moe(cfg: RunConfig) -> RunConfig:
+    replace = msgspec.structs.replace
+    return replace(
+        cfg,
+        model=replace(cfg.model, arch="qwen3_moe", warm_start="none"),
+        algo=replace(cfg.algo, routing_replay="r3"),
+    )
+
+
 @pytest.mark.parametrize(("mode", "controller", "devices"), MATRIX)
 def test_grpo_with_judge_runs_in_every_layout(ray_session, tmp_path, mode, controller, devices):
     cfg = small("tiny_cpu", mode, controller, devices=devices)
+    if (mode, controller) == MOE_CASE:
+        cfg = with_moe(cfg)
     summary = run(cfg, tmp_path, f"{mode}-{controller}")
     check(summary, cfg)
+    if (mode, controller) == MOE_CASE:  # R3: the learner routes as the rollout did, so its log-probs agree
+        assert 0.0 < summary["train/moe/routing_agreement"] <= 1.0
+        assert summary["train/rollout_mismatch"] < 1e-5, summary["train/rollout_mismatch"]
     assert summary["judge/parse_rate"] >= 0.0 and "time/rollout_reward_overlap_s" in summary
     if controller == "parallel":  # only step reports reach the driver: report-sized bytes
         assert summary["driver_bytes"] < 100_000, summary["driver_bytes"]

@@ -71,6 +71,9 @@ def grpo_step(
 
     with ctx.phase("advantages"):  # a prompt's group never leaves this controller
         kept, samples, batch = kept_batch(scored, prompt_ids, tok)
+        routes = policy_inputs.routed_experts(cfg, batch, samples)  # an MoE policy: the rollout's experts
+        if routes is not None:  # replayed with algo.routing_replay=r3; moe/routing_agreement in every mode
+            batch["routed_experts"] = routes
         if cfg.rollout.env:  # multi-turn: the environment's tokens are not the policy's (mask 0)
             from yatt_apps.runtime.agent import mask_env_tokens
 
@@ -102,6 +105,10 @@ def grpo_step(
     elif not lp:  # old (this policy) and reference logprobs, on this controller's learner ranks
         with ctx.phase("logprobs"):  # bypass mode: the rollout's logprobs are the old ones (reference only)
             lp, rollout_lp = old_logprobs(ctx, batch, samples, policy=not policy_inputs.bypass(cfg))
+    if (
+        "routed_experts" in lp
+    ):  # R2: the learner's own routing of the old-logprob pass, replayed in the update
+        batch["routed_experts"] = lp.pop("routed_experts")
     lp, policy_lp = policy_inputs.old_policy(cfg, lp, rollout_lp)  # bypass mode: the rollout's
 
     version, train_started = ctx.policy_version, time.perf_counter()  # the policy being updated

@@ -235,6 +235,9 @@ class PolicyWorker:
         from yatt_apps.runtime.learner_weights import LearnerWeights
 
         self.weights = LearnerWeights(self.learner, self.backend)
+        self.replay_own_routing = cfg.algo.routing_replay == "r2" and bool(
+            getattr(self.learner, "moe", False)
+        )
         self.gather_weights()  # every rank builds together: the runtime's first push (version 0) reads this
 
     def logprobs(
@@ -250,6 +253,9 @@ class PolicyWorker:
             out["old_logprobs"], out["sum_pi_squared"] = self.learner.compute_logprobs_and_sum_pi_squared(
                 batch
             )
+        elif policy and self.replay_own_routing:  # R2: the expert ids of this pass are replayed in the update
+            own = self.learner.compute_old_logprobs(batch)
+            out |= {key: own[key] for key in ("old_logprobs", "entropy", "routed_experts")}
         elif policy:
             out["old_logprobs"], out["entropy"] = self.learner.compute_logprobs_and_entropy(batch)
         if self.reference is not None:

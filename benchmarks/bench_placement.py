@@ -1,6 +1,7 @@
 """Placement modes side by side in the step simulator (yatt-placement).
 
-1. Each shipped scenario (paper: 64 devices, 1.5B policy, 72B judge, 8 judgements per response; single-judge;
+1. Each shipped scenario (paper: 64 devices, 1.5B policy, 72B judge, 8 judgements per response; paper-8: the
+   paper's workload with a 7B judge on one 8-device node; single-judge;
    no-judge) under full colocated, partial colocated, disaggregated and dynamic placement: mean step time,
    rollout time (generation + judging) and idle fraction over the same seeded steps. Partial and disaggregated
    plans come from the planner fed with a simulated profile (`profiled_plan`); dynamic starts from the partial
@@ -12,14 +13,18 @@
    static split, chosen in hindsight.
 The figures of 1-3 come from the simulator's hardware and workload model (see yatt_placement.simulator), not
 from a cluster.
-4. Live: the real tiny GRPO job with its real tiny judge (`yatt_apps.runtime.launch.run_job`, one shared local Ray, 4
-   logical devices, one controller) under colocated, partial and dynamic placement (dynamic started at a poor
-   split: 3 rollout devices, 1 judge), measured seconds per step (median after the first) beside the
-   simulator's prediction for the same config. The simulator's two speed constants (per-iteration overhead
-   and effective FLOP/s) are fitted to the live colocated run, then it predicts the other modes; its error
-   is reported (`live.sim_vs_live_rel_error`). On 2 CPU cores the "devices" share the same cores, so
-   partial colocation cannot show the paper's gain here; the figures are what was measured.
-`--quick` runs in about two minutes on 2 cores. The last printed line is one JSON object.
+4. Live: the real tiny GRPO job with its real tiny judge (`yatt_apps.runtime.launch.run_job`, one shared local
+   Ray, 4 logical devices, one controller) under colocated placement, partial at the planner's split and at
+   1 rollout / 3 judge devices, and dynamic started at a poor split (3 rollout devices, 1 judge) with the
+   re-planner's default settings: measured seconds per step (median after the first), the dynamic run's moves
+   and its steady step time after the last move beside the best static split's, chosen in hindsight
+   (`live.dynamic_vs_best_static`; the static splits are the two partial runs and the dynamic run's own steps
+   before its first move). Beside them, the prediction of `yatt_placement.machine` (logical devices sharing the
+   machine's cores, chunked engine calls streaming into the judge, the other load on the machine, sampled
+   from /proc during each run), fitted to the live colocated run only; its error on partial and dynamic is
+   `live.sim_vs_live_rel_error`. `--keep DIR` keeps the run folders (`yatt plan --calibrate DIR/colocated`).
+`--quick` takes about 5 minutes on an idle 2-core machine (the four live runs' start-up dominates), more when
+the machine is loaded. The last printed line is one JSON object.
 
     python benchmarks/bench_placement.py --quick
 """
@@ -262,8 +267,8 @@ def live_runs(num_steps: int, keep: str = "") -> dict:
                 keep or scratch
             )  # --keep DIR: the run folders stay (for `yatt plan --calibrate DIR/colocated`)
             for name, mode, rollout in runs:
-                # dynamic runs longer: two moves land a few steps each after their decisions
-                cfg = live_config(mode, num_steps + (6 if mode == "dynamic" else 0), rollout)
+                # dynamic runs longer: two moves, each landing a few steps after its decision, then steady steps
+                cfg = live_config(mode, num_steps + (10 if mode == "dynamic" else 0), rollout)
                 with LoadSampler() as load:
                     summary = run_job(cfg, Path(root) / name, JOB)
                 lines = (Path(root) / name / "metrics.jsonl").read_text().splitlines()
@@ -440,13 +445,13 @@ def main() -> None:
     args = parser.parse_args()
     began = time.perf_counter()
     if args.quick:
-        prompts = {"paper": 256, "single-judge": 64, "no-judge": 64}
+        prompts = {"paper": 256, "paper-8": 64, "single-judge": 64, "no-judge": 64}
         modes = modes_section(list(prompts), prompts, num_steps=2)
         sensitivity = sensitivity_section([60.0, 250.0], num_prompts=256)
         drift = drift_section(num_prompts=64, num_steps=32)
         live = live_section(num_steps=8, keep=args.keep)
     else:
-        prompts = {"paper": 256, "single-judge": 128, "no-judge": 128}
+        prompts = {"paper": 256, "paper-8": 64, "single-judge": 128, "no-judge": 128}
         modes = modes_section(list(prompts), prompts, num_steps=4)
         sensitivity = sensitivity_section([60.0, 120.0, 250.0, 500.0], num_prompts=256)
         drift = drift_section(num_prompts=64, num_steps=48)

@@ -17,7 +17,7 @@ from a cluster.
    Ray, 4 logical devices, one controller) under colocated placement, partial at the planner's split and at
    1 rollout / 3 judge devices, and dynamic started at a poor split (3 rollout devices, 1 judge) with the
    re-planner's default settings: measured seconds per step (median after the first), the dynamic run's moves
-   and its steady step time after the last move beside the best static split's, chosen in hindsight
+   and its steady step time after its first move beside the best static split's, chosen in hindsight
    (`live.dynamic_vs_best_static`; the static splits are the two partial runs and the dynamic run's own steps
    before its first move). Beside them, the prediction of `yatt_placement.machine` (logical devices sharing the
    machine's cores, chunked engine calls streaming into the judge, the other load on the machine, sampled
@@ -373,16 +373,16 @@ def predict_live(model, run: dict) -> tuple[float, list[float]]:
 
 
 def dynamic_after_moves(run: dict) -> tuple[int, float | None, int]:
-    """(moves, the dynamic run's median step time after its last move landed (the landing step excluded;
-    None when no step is left), its first steady split's median before any move (None without one))."""
+    """(moves, the dynamic run's median step time after its first move landed, the steps at which a move
+    landed excluded (they build new replicas); None when no step is left, the step the first move landed at)."""
     steps = run["steps"]
     devices = [s.get("placement/rollout_devices") for s in steps]
     moves = int(steps[-1].get("placement/moves", 0))
-    landed = max((i for i in range(1, len(steps)) if devices[i] != devices[i - 1]), default=None)
-    if landed is None:
+    landed = [i for i in range(1, len(steps)) if devices[i] != devices[i - 1]]
+    if not landed:
         return moves, steady(steps), 0
-    after = [s["time/step"] for s in steps[landed + 1 :]]
-    return moves, statistics.median(after) if after else None, landed
+    after = [s["time/step"] for i, s in enumerate(steps) if i > landed[0] and i not in landed]
+    return moves, statistics.median(after) if after else None, landed[0]
 
 
 PHYSICAL_UNITS = len(os.sched_getaffinity(0))  # the cores this process (and Ray) may use
@@ -417,7 +417,7 @@ def live_section(num_steps: int, keep: str = "") -> dict:
             f"   other load {runs[name]['load']:.1f} runnable"
         )
     print(f"  static splits (rollout devices): {static}; best {best}")
-    print(f"  dynamic: {moves} moves, last landed at step {landed}, then {after_move} s/step")
+    print(f"  dynamic: {moves} moves, the first landed at step {landed}, then {after_move} s/step")
     for line in runs["dynamic"]["decisions"]:
         print("   ", line[:200])
     return {

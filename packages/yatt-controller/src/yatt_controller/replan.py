@@ -50,6 +50,7 @@ class BusyReadings:
         self._last: dict[str, float] = {}  # totals at the end of the last used (or dropped) window
         self._since = started  # when that window ended
         self._window = 0.0  # length of the last used window (0: none yet)
+        self._read = False  # whether a window was used yet
 
     def read(self, totals: dict[str, float], now: float, *, usable: bool = True) -> dict[str, float]:
         if not usable:
@@ -59,7 +60,9 @@ class BusyReadings:
         if window < CARRY_FRACTION * self._window:
             return {}
         deltas = {key: totals[key] - self._last.get(key, 0.0) for key in sorted(totals)}
-        self._last, self._since, self._window = dict(totals), now, window
+        # the first window also spans the start-up (building the services): no measure of a step's length
+        self._window = window if self._read else 0.0
+        self._last, self._since, self._read = dict(totals), now, True
         return deltas
 
 

@@ -1,6 +1,7 @@
 """Placement modes side by side in the step simulator (yatt-placement).
 
-1. Each shipped scenario (paper: 64 devices, 1.5B policy, 72B judge, 8 judgements per response; single-judge;
+1. Each shipped scenario (paper: 64 devices, 1.5B policy, 72B judge, 8 judgements per response; paper-8: the
+   paper's workload with a 7B judge on one 8-device node; single-judge;
    no-judge) under full colocated, partial colocated, disaggregated and dynamic placement: mean step time,
    rollout time (generation + judging) and idle fraction over the same seeded steps. Partial and disaggregated
    plans come from the planner fed with a simulated profile (`profiled_plan`); dynamic starts from the partial
@@ -12,14 +13,18 @@
    static split, chosen in hindsight.
 The figures of 1-3 come from the simulator's hardware and workload model (see yatt_placement.simulator), not
 from a cluster.
-4. Live: the real tiny GRPO job with its real tiny judge (`yatt_apps.runtime.launch.run_job`, one shared local Ray, 4
-   logical devices, one controller) under colocated, partial and dynamic placement (dynamic started at a poor
-   split: 3 rollout devices, 1 judge), measured seconds per step (median after the first) beside the
-   simulator's prediction for the same config. The simulator's two speed constants (per-iteration overhead
-   and effective FLOP/s) are fitted to the live colocated run, then it predicts the other modes; its error
-   is reported (`live.sim_vs_live_rel_error`). On 2 CPU cores the "devices" share the same cores, so
-   partial colocation cannot show the paper's gain here; the figures are what was measured.
-`--quick` runs in about two minutes on 2 cores. The last printed line is one JSON object.
+4. Live: the real tiny GRPO job with its real tiny judge (`yatt_apps.runtime.launch.run_job`, one shared local
+   Ray, 4 logical devices, one controller) under colocated placement, partial at the planner's split and at
+   1 rollout / 3 judge devices, and dynamic started at a poor split (3 rollout devices, 1 judge) with the
+   re-planner's default settings: measured seconds per step (median after the first), the dynamic run's moves
+   and its steady step time after its first move beside the best static split's, chosen in hindsight
+   (`live.dynamic_vs_best_static`; the static splits are the two partial runs and the dynamic run's own steps
+   before its first move). Beside them, the prediction of `yatt_placement.machine` (logical devices sharing the
+   machine's cores, chunked engine calls streaming into the judge, the other load on the machine, sampled
+   from /proc during each run), fitted to the live colocated run only; its error on partial and dynamic is
+   `live.sim_vs_live_rel_error`. `--keep DIR` keeps the run folders (`yatt plan --calibrate DIR/colocated`).
+`--quick` takes about 5 minutes on an idle 2-core machine (the four live runs' start-up dominates), more when
+the machine is loaded. The last printed line is one JSON object.
 
     python benchmarks/bench_placement.py --quick
 """
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -146,10 +152,14 @@ def drift_section(num_prompts: int, num_steps: int) -> dict:
     }
 
 
-def live_config(mode: str, num_steps: int):
-    """The tiny GRPO job with its judge on 4 logical devices, one controller (all learner ranks), `mode`."""
+LIVE_SPLITS = {"partial": 0, "split-1": 1, "dynamic": 3}  # rollout devices at the start (0: the planner's)
+
+
+def live_config(mode: str, num_steps: int, rollout_replicas: int = 0):
+    """The tiny GRPO job with its judge on 4 logical devices, one controller (all learner ranks), `mode`, with
+    the re-planner's default settings (dynamic)."""
     from yatt_apps.config import PRESETS, ControllerSpec, PlacementConfig
-    from yatt_placement.types import ClusterSpec, ReplanConfig
+    from yatt_placement.types import ClusterSpec
 
     cfg = PRESETS["tiny_cpu"]()
     replace = msgspec.structs.replace
@@ -158,21 +168,77 @@ def live_config(mode: str, num_steps: int):
         cfg,
         rewards=[*cfg.rewards[:-1], replace(cfg.rewards[-1], judge=judge)],
         run=replace(cfg.run, num_steps=num_steps, prompts_per_step=8, eval_every=0, progress=False),
+        # the driver reads step reports (and the re-planner its busy counters) every heartbeat: 0.25 s lets
+        # a move decided after a 0.6 s step land a step or two later
         controller=ControllerSpec(
-            mode="single", num_controllers=1, heartbeat_interval_s=1.0, hang_timeout_s=300.0
+            mode="single", num_controllers=1, heartbeat_interval_s=0.25, hang_timeout_s=300.0
         ),
         placement=PlacementConfig(
             mode=mode,
             cluster=ClusterSpec(num_nodes=1, devices_per_node=4, device_memory_gb=16.0),
-            rollout_replicas=3 if mode == "dynamic" else 0,
-            replan=ReplanConfig(patience=1, gap_threshold=0.1, min_gain=0.01, cooldown=0),
+            rollout_replicas=rollout_replicas,
         ),
     )
 
 
-def live_runs(num_steps: int) -> dict:
-    """Each mode's measured metrics, per step, from real runs in one Ray session."""
-    import os
+class LoadSampler:
+    """The other work on the machine while a run goes, sampled every 0.5 s from /proc: how many process groups
+    (sched_autogroup sessions; the kernel shares the cores between them first) outside this process tree had a
+    runnable thread. The simulator's `background_load`. Our own Ray workers descend from this process."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.samples: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self) -> LoadSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def mean(self) -> float:
+        return statistics.mean(self.samples) if self.samples else 0.0
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.5):
+            self.samples.append(self.busy_groups())
+
+    @staticmethod
+    def busy_groups() -> int:
+        from pathlib import Path
+
+        parents: dict[int, int] = {}
+        runnable: dict[int, str] = {}  # pid -> its autogroup, for processes with a runnable thread
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit():
+                continue
+            try:
+                fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+                parents[int(proc.name)] = int(fields[1])
+                tasks = (proc / "task").iterdir()
+                if any((t / "stat").read_text().rsplit(")", 1)[1].split()[0] == "R" for t in tasks):
+                    runnable[int(proc.name)] = (proc / "autogroup").read_text().split()[0]
+            except (OSError, IndexError, ValueError):
+                continue
+        me, groups = os.getpid(), set()
+        for pid, group in runnable.items():
+            node = pid
+            while node > 1 and node != me:
+                node = parents.get(node, 1)
+            if node != me and group != "/autogroup-0":
+                groups.add(group)
+        return len(groups)
+
+
+def live_runs(num_steps: int, keep: str = "") -> dict:
+    """Each mode's measured metrics, per step, from real runs in one Ray session, with the machine's other
+    load during each run (`LoadSampler`)."""
     import tempfile
     from pathlib import Path
 
@@ -191,114 +257,182 @@ def live_runs(num_steps: int) -> dict:
         object_store_memory=512 * 2**20,
     )
     out = {}
+    runs = [
+        ("colocated", "colocated", 0),
+        *[(n, "dynamic" if n == "dynamic" else "partial", r) for n, r in LIVE_SPLITS.items()],
+    ]
     try:
-        with tempfile.TemporaryDirectory() as root:
-            for mode in ("colocated", "partial", "dynamic"):
-                cfg = live_config(mode, num_steps)
-                summary = run_job(cfg, Path(root) / mode, JOB)
-                lines = (Path(root) / mode / "metrics.jsonl").read_text().splitlines()
-                out[mode] = {"cfg": cfg, "summary": summary, "steps": [json.loads(line) for line in lines]}
+        with tempfile.TemporaryDirectory() as scratch:
+            root = (
+                keep or scratch
+            )  # --keep DIR: the run folders stay (for `yatt plan --calibrate DIR/colocated`)
+            for name, mode, rollout in runs:
+                # dynamic runs longer: two moves, each landing a few steps after its decision, then steady steps
+                cfg = live_config(mode, num_steps + (10 if mode == "dynamic" else 0), rollout)
+                with LoadSampler() as load:
+                    summary = run_job(cfg, Path(root) / name, JOB)
+                lines = (Path(root) / name / "metrics.jsonl").read_text().splitlines()
+                placement = Path(root) / name / "placement.jsonl"
+                out[name] = {
+                    "cfg": cfg,
+                    "summary": summary,
+                    "steps": [json.loads(line) for line in lines],
+                    "load": load.mean,
+                    "decisions": placement.read_text().splitlines() if placement.exists() else [],
+                }
     finally:
         ray.shutdown()
     return out
 
 
-def live_scenario(cfg, steps: list[dict], overhead_s: float, flops: float) -> Scenario:
-    """The simulator's view of the live job: its roles and cluster, the measured lengths, fitted speeds."""
-    from yatt_apps.jobs.grpo import JOB
-    from yatt_placement.simulator import Hardware, Workload
+def steady(steps: list[dict], key: str = "time/step") -> float:
+    """Median over the steps after the first (its calls pay one-time costs)."""
+    return statistics.median(s[key] for s in steps[1:])
 
-    judge = cfg.rewards[-1].judge
-    response = statistics.mean(s["rollout/response_len_mean"] for s in steps)
-    workload = Workload(
+
+def live_shape(cfg, steps: list[dict]):
+    """The live job's batch shape for the machine model: counts from the config, lengths from the run."""
+    from yatt_placement.machine import CallShape
+
+    response = statistics.median(s["rollout/response_len_mean"] for s in steps)
+    return CallShape(
         num_prompts=cfg.run.prompts_per_step,
         samples_per_prompt=cfg.sampling.n,
-        prompt_tokens=12,
-        gen_median_tokens=max(response, 1.0),
-        gen_sigma=0.3,
-        gen_max_tokens=cfg.sampling.max_new_tokens,
-        judgements=judge.num_samples,
-        judge_prompt_tokens=60,
-        judge_median_tokens=judge.max_new_tokens,
-        judge_sigma=0.01,
-        judge_max_tokens=judge.max_new_tokens,
-        max_refill=0,
-        num_updates=cfg.algo.num_updates_per_batch,
-    )
-    hardware = Hardware(
-        iteration_overhead_s=overhead_s,
-        flops=flops,
-        mfu=1.0,
-        wake_overhead_s=0.0,
-        host_bandwidth_gbs=10.0,
-        memory_bandwidth_gbs=20.0,
-    )
-    return Scenario(
-        name="live", cluster=cfg.placement.cluster, roles=JOB.roles(cfg), workload=workload, hardware=hardware
+        judgements=cfg.rewards[-1].judge.num_samples,
+        prompt_tokens=25.0,  # the arithmetic task's chat-templated prompts (tiny tokenizer)
+        response_tokens=response,
+        max_response_tokens=2 * response,
+        judge_prompt_tokens=120.0,  # verify_yes_no v2 around question, reference and response
+        verdict_tokens=3.0,  # a constrained verdict phrase and eos
     )
 
 
-def simulate(cfg, steps: list[dict], overhead_s: float, flops: float, mode: str) -> tuple[float, float]:
-    """The simulator's median step time and median training time (logprobs, updates, sync) for `mode`."""
-    scenario = live_scenario(cfg, steps, overhead_s, flops)
-    placement = plan(scenario.cluster, scenario.roles, "colocated" if mode == "colocated" else "partial")
-    if mode == "dynamic":  # the live run's start: rollout_replicas=3
-        roles = [
-            msgspec.structs.replace(r, num_replicas=3) if r.role == "rollout" else r for r in scenario.roles
-        ]
-        placement = plan(scenario.cluster, roles, "partial")
-    replanner = DynamicReplanner(scenario.cluster, scenario.roles, placement, cfg.placement.replan)
-    simulator, results = Simulator(scenario, seed=0), []
-    for step in range(len(steps)):
-        result = simulator.step(replanner.plan if mode == "dynamic" else placement, step)
-        results.append(result)
-        if mode == "dynamic":
-            replanner.observe(result.phase_stats())
-    results = results[1:] or results
-    return statistics.median(r.step_time_s for r in results), statistics.median(
-        r.train_time_s for r in results
-    )
+def live_plan(cfg):
+    """The plan a live run starts at (placement.rollout_replicas, else the planner's split)."""
+    from yatt_apps.jobs.grpo import JOB
+    from yatt_apps.runtime.launch import placement_plan
+
+    return placement_plan(cfg, JOB)
 
 
-def fit(target: float, predict, lo: float, hi: float) -> float:
-    """The parameter in [lo, hi] (log scale) whose prediction is closest to `target` (monotone predict)."""
-    for _ in range(40):
-        mid = (lo * hi) ** 0.5
-        lo, hi = (mid, hi) if predict(mid) < target else (lo, mid)
-    return (lo * hi) ** 0.5
+def fit_live(run: dict):
+    """The machine model fitted to one run (the colocated one): its median phase times and its load."""
+    from yatt_placement.machine import fit_machine
 
-
-def live_section(num_steps: int) -> dict:
-    runs = live_runs(num_steps)
-    step_s = {mode: statistics.median([s["time/step"] for s in r["steps"]][1:]) for mode, r in runs.items()}
-    colocated = runs["colocated"]
-    cfg, steps = colocated["cfg"], colocated["steps"]
-    train_s = statistics.median(s.get("time/train", 0) + s.get("time/logprobs", 0) for s in steps[1:])
-    # fit the effective FLOP/s to the live training time (it falls as FLOP/s rise), then the per-iteration
-    # overhead to the live step time; both on the colocated run only
-    flops = fit(-train_s, lambda f: -simulate(cfg, steps, 1e-3, f, "colocated")[1], 1e6, 1e16)
-    overhead = fit(step_s["colocated"], lambda o: simulate(cfg, steps, o, flops, "colocated")[0], 1e-7, 1.0)
-    predicted = {
-        mode: simulate(runs[mode]["cfg"], runs[mode]["steps"], overhead, flops, mode)[0] for mode in runs
+    steps, cfg = run["steps"], run["cfg"]
+    measured = {
+        "rollout_s": steady(steps, "time/rollout_s"),
+        "reward_s": steady(steps, "time/reward_s"),
+        "trainer_s": statistics.median(
+            s["time/step"] - s["time/rollout_reward"] - s["time/weight_sync"] - s.get("time/sleep", 0.0)
+            for s in steps[1:]
+        ),
+        "sync_s": steady(steps, "time/weight_sync"),
+        "swap_s": statistics.median(s.get("time/sleep", 0.0) for s in steps[1:]),
     }
+    return fit_machine(measured, live_shape(cfg, steps), live_plan(cfg), PHYSICAL_UNITS, run["load"])
+
+
+def live_roles(cfg):
+    from yatt_apps.jobs.grpo import JOB
+
+    return JOB.roles(cfg)
+
+
+def predict_live(model, run: dict) -> tuple[float, list[float]]:
+    """The machine model's median step time of a live run (at its own load) and its per-step predictions.
+    Dynamic: the re-planner with the run's settings observes the predicted busy time each step; a move lands
+    two steps after its decision (as live, at 0.25 s heartbeats) and its landing step is not modelled."""
+    from yatt_placement.machine import step_time
+    from yatt_placement.types import PhaseStats
+
+    cfg, steps = run["cfg"], run["steps"]
+    model = msgspec.structs.replace(model, background_load=run["load"])
+    shape, current = live_shape(cfg, steps), live_plan(cfg)
+    replanner = None
+    if cfg.placement.mode == "dynamic":
+        replanner = DynamicReplanner(cfg.placement.cluster, live_roles(cfg), current, cfg.placement.replan)
+    landing: list[tuple[int, object]] = []
+    times = []
+    for step in range(len(steps)):
+        while landing and landing[0][0] <= step:
+            current = landing.pop(0)[1]
+        predicted = step_time(model, shape, current)
+        times.append(predicted.step_s)
+        if replanner is not None:
+            devices = {"rollout": current.num_replicas("rollout"), "genrm": current.num_replicas("genrm")}
+            busy = {"rollout": predicted.busy_device_s["rollout"], "genrm": predicted.busy_device_s["judge"]}
+            per_device = {key: busy[key] / devices[key] for key in devices}
+            stats = PhaseStats(
+                step=step, step_time_s=predicted.step_s, busy_s=per_device, num_devices=devices
+            )
+            new = replanner.observe(stats)
+            if new is not None:
+                landing.append((step + 2, new))
+    return statistics.median(times[1:]), times
+
+
+def dynamic_after_moves(run: dict) -> tuple[int, float | None, int]:
+    """(moves, the dynamic run's median step time after its first move landed, the steps at which a move
+    landed excluded (they build new replicas); None when no step is left, the step the first move landed at)."""
+    steps = run["steps"]
+    devices = [s.get("placement/rollout_devices") for s in steps]
+    moves = int(steps[-1].get("placement/moves", 0))
+    landed = [i for i in range(1, len(steps)) if devices[i] != devices[i - 1]]
+    if not landed:
+        return moves, steady(steps), 0
+    after = [s["time/step"] for i, s in enumerate(steps) if i > landed[0] and i not in landed]
+    return moves, statistics.median(after) if after else None, landed[0]
+
+
+PHYSICAL_UNITS = len(os.sched_getaffinity(0))  # the cores this process (and Ray) may use
+
+
+def live_section(num_steps: int, keep: str = "") -> dict:
+    runs = live_runs(num_steps, keep)
+    step_s = {name: steady(r["steps"]) for name, r in runs.items()}
+    model = fit_live(runs["colocated"])
+    predicted = {name: predict_live(model, runs[name])[0] for name in runs}
     errors = {m: abs(predicted[m] - step_s[m]) / step_s[m] for m in ("partial", "dynamic")}
-    last = {mode: r["summary"] for mode, r in runs.items()}
-    print(f"\nlive: tiny GRPO + tiny judge on 4 logical devices (2 CPU cores), {num_steps} steps per mode")
-    for mode in runs:
-        print(f"  {mode:<10} measured {step_s[mode]:6.2f} s/step   simulator {predicted[mode]:6.2f} s/step")
+    moves, after_move, landed = dynamic_after_moves(runs["dynamic"])
+    # static splits, in hindsight: the planner's (partial), one rollout device (split-1), and the dynamic
+    # run's start (3 rollout devices) over its steps before the first move landed (the warm-up step excluded)
+    dyn = runs["dynamic"]["steps"]
+    first_move = next((i for i in range(1, len(dyn)) if dyn[i].get("placement/moves", 0) > 0), len(dyn))
+    split = live_plan(runs["partial"]["cfg"]).num_replicas("rollout")
+    static = {
+        f"rollout {split} / judge {4 - split}": step_s["partial"],
+        "rollout 1 / judge 3": step_s["split-1"],
+    }
+    if first_move > 1:
+        static["rollout 3 / judge 1"] = statistics.median(s["time/step"] for s in dyn[1:first_move])
+    best = min(static, key=static.get)
+    ratio = after_move / static[best] if after_move else None
     print(
-        f"  partial rollout/judge overlap {last['partial'].get('time/rollout_reward_overlap_s', 0):.2f} s per step;"
-        f" dynamic moves {last['dynamic'].get('placement/moves', 0):.0f}"
+        f"\nlive: tiny GRPO + tiny judge on 4 logical devices ({PHYSICAL_UNITS} CPU cores), {num_steps} steps"
     )
+    for name in runs:
+        print(
+            f"  {name:<10} measured {step_s[name]:6.3f} s/step   simulator {predicted[name]:6.3f} s/step"
+            f"   other load {runs[name]['load']:.1f} runnable"
+        )
+    print(f"  static splits (rollout devices): {static}; best {best}")
+    print(f"  dynamic: {moves} moves, the first landed at step {landed}, then {after_move} s/step")
+    for line in runs["dynamic"]["decisions"]:
+        print("   ", line[:200])
     return {
         "colocated_step_s": round(step_s["colocated"], 3),
         "partial_step_s": round(step_s["partial"], 3),
         "dynamic_step_s": round(step_s["dynamic"], 3),
-        "dynamic_moves": int(last["dynamic"].get("placement/moves", 0)),
-        "partial_overlap_s": round(last["partial"].get("time/rollout_reward_overlap_s", 0.0), 3),
+        "static_step_s": {k: round(v, 3) for k, v in static.items()},
+        "dynamic_steady_step_s": round(after_move, 3) if after_move else None,
+        "dynamic_moves": moves,
+        "dynamic_vs_best_static": round(ratio, 3) if ratio else None,
+        "partial_overlap_s": round(steady(runs["partial"]["steps"], "time/rollout_reward_overlap_s"), 3),
         "sim_step_s": {m: round(v, 3) for m, v in predicted.items()},
-        "sim_fitted": {"iteration_overhead_s": overhead, "flops": flops},
+        "sim_fitted": msgspec.to_builtins(model),
         "sim_vs_live_rel_error": round(statistics.mean(errors.values()), 3),
+        "other_load": {name: round(r["load"], 2) for name, r in runs.items()},
     }
 
 
@@ -307,20 +441,21 @@ def main() -> None:
     parser.add_argument(
         "--quick", action="store_true", help="smaller batches and fewer steps (under a minute)"
     )
+    parser.add_argument("--keep", default="", help="keep the live runs' folders under this directory")
     args = parser.parse_args()
     began = time.perf_counter()
     if args.quick:
-        prompts = {"paper": 256, "single-judge": 64, "no-judge": 64}
+        prompts = {"paper": 256, "paper-8": 64, "single-judge": 64, "no-judge": 64}
         modes = modes_section(list(prompts), prompts, num_steps=2)
         sensitivity = sensitivity_section([60.0, 250.0], num_prompts=256)
         drift = drift_section(num_prompts=64, num_steps=32)
-        live = live_section(num_steps=4)
+        live = live_section(num_steps=8, keep=args.keep)
     else:
-        prompts = {"paper": 256, "single-judge": 128, "no-judge": 128}
+        prompts = {"paper": 256, "paper-8": 64, "single-judge": 128, "no-judge": 128}
         modes = modes_section(list(prompts), prompts, num_steps=4)
         sensitivity = sensitivity_section([60.0, 120.0, 250.0, 500.0], num_prompts=256)
         drift = drift_section(num_prompts=64, num_steps=48)
-        live = live_section(num_steps=8)
+        live = live_section(num_steps=12, keep=args.keep)
     summary = {
         "quick": args.quick,
         "scenarios": modes,

@@ -150,3 +150,45 @@ def test_dynamic_moves_devices_toward_a_slow_judge(ray_session, tmp_path, contro
 def test_dapo_and_ppo_outside_the_default_layout(ray_session, tmp_path, preset, mode, controller, devices):
     cfg = small(preset, mode, controller, devices=devices)
     check(run(cfg, tmp_path, f"{preset}-{mode}-{controller}"), cfg)
+
+
+def test_plan_calibrate_fits_a_runs_phase_times_and_predicts_every_split(tmp_path, capsys):
+    """`yatt plan --calibrate RUN_DIR` on a run folder whose phase times were made by a known machine model
+    (no job runs): the fit reproduces the run and predicts each split as that model does."""
+    import os
+
+    from yatt_apps.cli.main import calibration_shape, main
+    from yatt_apps.overlay import to_yaml
+    from yatt_placement.machine import MachineModel, step_time
+    from yatt_placement.planner import lay_out, plan
+
+    cfg = small("tiny_cpu", "colocated", "single", devices=4)
+    cfg = msgspec.structs.replace(cfg, run=msgspec.structs.replace(cfg.run, prompts_per_step=8))
+    (tmp_path / "config.yaml").write_text(to_yaml(cfg))
+    rows = [{"rollout/response_len_mean": 3.0}]
+    shape = calibration_shape(cfg, rows)
+    units = len(os.sched_getaffinity(0))
+    truth = MachineModel(physical_units=units, iteration_s=0.004, token_s=1e-5, trainer_s=0.1, sync_s=0.01)
+    roles, cluster = find("grpo").roles(cfg), cfg.placement.cluster
+    ran = step_time(truth, shape, plan(cluster, roles, "colocated"))
+    full = 1 / truth.rate(4)  # wall seconds of a phase on every device
+    row = {
+        "rollout/response_len_mean": 3.0,
+        "time/rollout_s": ran.rollout_s,
+        "time/reward_s": ran.reward_s,
+        "time/rollout_reward": ran.rollout_reward_s,
+        "time/weight_sync": 0.01 * full,
+        "time/step": ran.rollout_reward_s + 0.11 * full,
+    }
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(row) for _ in range(3)) + "\n")
+    assert main(["plan", "--calibrate", str(tmp_path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["step_s"]["colocated"] == pytest.approx(ran.step_s, rel=1e-4)
+    for rollout in (1, 2, 3):
+        split = lay_out(cluster, roles, "partial", {"actor": 4, "rollout": rollout, "genrm": 4 - rollout})
+        key = f"partial rollout {rollout} / judge {4 - rollout}"
+        assert out["step_s"][key] == pytest.approx(step_time(truth, shape, split).step_s, rel=1e-3)
+    assert out["best"] == min(out["step_s"], key=out["step_s"].get)
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(row) + "\n")
+    assert main(["plan", "--calibrate", str(tmp_path)]) == 2
+    assert "has 1 logged steps; it needs 2 or more" in capsys.readouterr().err

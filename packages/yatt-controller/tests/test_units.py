@@ -119,6 +119,29 @@ def test_stream_busy_and_overlap_are_unions_of_intervals():
     assert out.overlap_s("a", "b") == out.overlap_s("b", "a") == 1.0  # [2.5, 3] and [5, 5.5]
 
 
+def test_busy_readings_carry_a_poll_burst_and_drop_held_windows():
+    from yatt_controller.replan import BusyReadings
+
+    readings = BusyReadings(started=0.0)
+    # step 0, read at t=30: all busy seconds since the start (a window that spans the services' start-up)
+    assert readings.read({"judge": 3.0, "rollout": 1.0}, 30.0) == {"judge": 3.0, "rollout": 1.0}
+    # step 1 at t=31: a 1 s window, used (the start-up window is no measure of a step)
+    assert readings.read({"judge": 3.5, "rollout": 1.25}, 31.0) == {"judge": 0.5, "rollout": 0.25}
+    # step 2's report came in the same poll, read 0.01 s later: under a quarter of 1 s, carried
+    assert readings.read({"judge": 3.6, "rollout": 1.25}, 31.01) == {}
+    # step 3 at t=32: the carried seconds are in this window (0.6 s of judge since t=31)
+    assert readings.read({"judge": 4.1, "rollout": 1.5}, 32.0) == pytest.approx(
+        {"judge": 0.6, "rollout": 0.25}
+    )
+    # a move landing: the window is dropped, the next one starts where it ended
+    assert readings.read({"judge": 9.0, "rollout": 2.0}, 33.0, usable=False) == {}
+    assert readings.read({"judge": 9.5, "rollout": 2.5, "new": 0.1}, 34.0) == {
+        "judge": 0.5,
+        "new": 0.1,
+        "rollout": 0.5,
+    }
+
+
 def test_payload_nbytes_counts_payload_not_structure():
     np = pytest.importorskip("numpy")
     # 1000 bytes + 3 ("abc") + 8 * 4 (float32 [2, 4]) + one scalar

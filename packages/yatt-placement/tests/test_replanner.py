@@ -49,7 +49,7 @@ def test_converges_to_the_balanced_split():
     # Move 1 (after patience = 2 steps): rollout 4 / judge 4 -> predicted max(15, 45) = 45 < 90 x 0.97.
     # Move 2 (2 steps after the 1-step cooldown): rollout 2 / judge 6 -> 30 each. Then rollout 0 is refused.
     work = {"rollout": 60.0, "judge": 180.0}
-    replanner = DynamicReplanner(CLUSTER, ROLES, _partial(6), ReplanConfig(ema_decay=0.0))
+    replanner = DynamicReplanner(CLUSTER, ROLES, _partial(6), ReplanConfig(ema_decay=0.0, warmup_steps=0))
     moves = []
     for step in range(12):
         new = replanner.observe(_stats(step, replanner.plan, work))
@@ -90,7 +90,9 @@ def test_does_not_flip_flop_between_two_equally_good_splits():
 
 def test_patience_needs_consecutive_steps_of_the_same_imbalance():
     work = {"rollout": 60.0, "judge": 180.0}
-    replanner = DynamicReplanner(CLUSTER, ROLES, _partial(6), ReplanConfig(patience=3, ema_decay=0.0))
+    replanner = DynamicReplanner(
+        CLUSTER, ROLES, _partial(6), ReplanConfig(patience=3, ema_decay=0.0, warmup_steps=0)
+    )
     balanced = PhaseStats(step=1, step_time_s=40.0, busy_s={"rollout": 20.0, "judge": 20.0})
     assert replanner.observe(_stats(0, replanner.plan, work)) is None
     assert replanner.observe(_stats(1, replanner.plan, work)) is None
@@ -103,12 +105,16 @@ def test_patience_needs_consecutive_steps_of_the_same_imbalance():
 def test_refuses_moves_that_do_not_pay_or_leave_no_replica():
     # Rollout 2 / judge 6 with work 20 / 180: the judge is busier, but the rollout cannot give 2 devices and
     # keep one of its own.
-    replanner = DynamicReplanner(CLUSTER, ROLES, _partial(2), ReplanConfig(patience=1, ema_decay=0.0))
+    replanner = DynamicReplanner(
+        CLUSTER, ROLES, _partial(2), ReplanConfig(patience=1, ema_decay=0.0, warmup_steps=0)
+    )
     assert replanner.observe(_stats(0, replanner.plan, {"rollout": 20.0, "judge": 180.0})) is None
     assert replanner.last_reason == "rollout has 2 devices: cannot give 2 and keep a replica"
     # Rollout 4 / judge 4 with work 50 / 60: judge 15 vs rollout 12.5 (gap 0.17), but moving 2 devices gives
     # rollout 25 > 15: no gain.
-    replanner = DynamicReplanner(CLUSTER, ROLES, _partial(4), ReplanConfig(patience=1, ema_decay=0.0))
+    replanner = DynamicReplanner(
+        CLUSTER, ROLES, _partial(4), ReplanConfig(patience=1, ema_decay=0.0, warmup_steps=0)
+    )
     assert replanner.observe(_stats(0, replanner.plan, {"rollout": 50.0, "judge": 60.0})) is None
     assert replanner.last_reason == "moving 2 devices rollout -> judge predicts 25 s vs 15 s"
 
@@ -130,3 +136,51 @@ def test_replan_config_rejects_bad_values():
         ReplanConfig(gap_threshold=0)
     with pytest.raises(ValueError, match=r"ReplanConfig.patience must be >= 1, got 0"):
         ReplanConfig(patience=0)
+
+
+# Busy seconds per device that the live tiny GRPO job's hosts reported (bench_placement.py --quick, 2 loaded
+# CPU cores, 4 logical devices, dynamic from rollout 3 / judge 1), in the order the re-plan hook saw them;
+# None: a step without a reading of its own (its seconds were in a neighbour's, or a move was landing).
+LIVE_READINGS = [
+    {"rollout": 0.205, "genrm": 4.610},  # step 0: the judge's first calls (one-time costs)
+    None,
+    {"rollout": 0.120, "genrm": 1.213},
+    {"rollout": 0.137, "genrm": 0.682},
+    None,
+    None,
+    {"rollout": 0.161, "genrm": 0.498},  # rollout 2 / judge 2 from here
+    {"rollout": 0.127, "genrm": 0.315},
+    {"rollout": 0.343, "genrm": 0.886},
+    None,
+    None,
+    {"rollout": 0.208, "genrm": 0.359},  # rollout 1 / judge 3 from here
+    {"rollout": 0.228, "genrm": 0.168},
+    {"rollout": 0.050, "genrm": 0.261},
+]
+
+
+def test_live_busy_figures_move_toward_the_judge_with_the_default_settings():
+    # Default settings: the warm-up step is ignored, 2 steps of the same imbalance move one device, the step
+    # after a move is ignored. The judge (1 device) is 4-9x busier than a rollout device: two moves, then the
+    # rollout keeps its last device.
+    cluster = ClusterSpec(num_nodes=1, devices_per_node=4, device_memory_gb=16.0)
+    roles = [
+        RoleSpec(role="actor", num_params=2e5, trainable=True),
+        RoleSpec(role="rollout", num_params=2e5),
+        RoleSpec(role="genrm", num_params=2e5),
+    ]
+    start = lay_out(cluster, roles, "partial", {"actor": 4, "rollout": 3, "genrm": 1})
+    replanner = DynamicReplanner(cluster, roles, start)
+    moves, reasons = [], []
+    for step, busy in enumerate(LIVE_READINGS):
+        if busy is None:
+            continue
+        devices = {key: replanner.devices(key) for key in ("rollout", "genrm")}
+        stats = PhaseStats(step=step, step_time_s=max(busy.values()), busy_s=busy, num_devices=devices)
+        if replanner.observe(stats) is not None:
+            moves.append((step, replanner.devices("rollout"), replanner.devices("genrm")))
+        reasons.append(replanner.last_reason)
+    assert moves == [(3, 2, 2), (8, 1, 3)]
+    assert reasons[0] == "warm-up step: its calls pay one-time costs (compile, allocation)"
+    assert reasons[1] == "genrm over rollout by 0.901 for 1/2 steps"
+    assert reasons[-1] == "rollout has 1 devices: cannot give 1 and keep a replica"

@@ -124,7 +124,7 @@ def test_no_judge_scenario_runs_colocated_and_refuses_partial():
 
 
 def test_scenario_registry():
-    assert sorted(SCENARIOS) == ["drift", "no-judge", "paper", "single-judge"]
+    assert sorted(SCENARIOS) == ["drift", "no-judge", "paper", "paper-8", "single-judge"]
     with pytest.raises(ValueError, match=r"unknown scenario 'huge'; known: \['drift', 'no-judge'"):
         get_scenario("huge")
 

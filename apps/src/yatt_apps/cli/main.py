@@ -14,12 +14,13 @@ import argparse
 import errno
 import json
 import os
+import statistics
 import sys
 import threading
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from yatt_apps.config import RunConfig
@@ -167,6 +168,13 @@ def build_parser() -> argparse.ArgumentParser:
         cmd.add_argument("--json", action="store_true", help="print only the JSON summary")
         if kind == "job":
             add_job_options(cmd, job_option=name in ("config", "plan"))
+        if name == "plan":
+            cmd.add_argument(
+                "--calibrate",
+                metavar="RUN_DIR",
+                help="fit the placement simulator to a finished run's measured phase times and print its "
+                "predicted step time for every rollout/judge split of that run's job and cluster",
+            )
         elif kind == "file":
             cmd.add_argument("job_file", help="a Python file that defines JOB = JobDef(...)")
             add_job_options(cmd, job_option=False)
@@ -344,6 +352,8 @@ def plan_main(args: argparse.Namespace) -> int:
 
     from yatt_apps.runtime.launch import placement_plan
 
+    if args.calibrate:
+        return calibrate_main(Path(args.calibrate), as_json=args.json)
     cfg, job = load_config(args)
     plan = placement_plan(cfg, job)
     if args.json:  # the PlacementPlan itself, for scripts
@@ -374,6 +384,97 @@ def os_error_message(err: OSError) -> str:
     elif err.errno == errno.EROFS:
         message += " (the disk is read-only: give --run-dir on a writable disk)"
     return message
+
+
+def calibration_shape(cfg: Any, rows: list[dict[str, float]]) -> Any:
+    """The batch shape of a run with a GenRM judge, for `yatt_placement.machine`: counts from its config,
+    response length from its metrics. Prompt and grading-template lengths are those of the embedded
+    arithmetic task's chat template and the verify_yes_no template (the metrics do not record them)."""
+    from yatt_placement.machine import CallShape
+
+    judge = next((spec.judge for spec in cfg.rewards if spec.kind == "genrm"), None)
+    if judge is None:
+        raise ValueError("yatt plan --calibrate: the run has no genrm reward: nothing to split")
+    response = statistics.median(row.get("rollout/response_len_mean", 1.0) for row in rows)
+    return CallShape(
+        num_prompts=cfg.run.prompts_per_step,
+        samples_per_prompt=cfg.sampling.n,
+        judgements=judge.num_samples,
+        prompt_tokens=25.0,
+        response_tokens=response,
+        max_response_tokens=2 * response,
+        judge_prompt_tokens=120.0,
+        verdict_tokens=3.0,
+    )
+
+
+def calibration_measured(rows: list[dict[str, float]]) -> dict[str, float]:
+    """A run's median phase times per step (after its first), as `fit_machine` reads them."""
+    steady = rows[1:] or rows
+    if not steady or "time/rollout_s" not in steady[0]:
+        raise ValueError("yatt plan --calibrate: the run's metrics.jsonl has no step with time/rollout_s")
+
+    def median(key: str) -> float:
+        return statistics.median(row.get(key, 0.0) for row in steady)
+
+    outside = [
+        r["time/step"] - r["time/rollout_reward"] - r["time/weight_sync"] - r.get("time/sleep", 0.0)
+        for r in steady
+    ]
+    return {
+        "rollout_s": median("time/rollout_s"),
+        "reward_s": median("time/reward_s"),
+        "trainer_s": statistics.median(outside),
+        "sync_s": median("time/weight_sync"),
+        "swap_s": median("time/sleep"),
+    }
+
+
+def calibrate_main(run_dir: Path, *, as_json: bool) -> int:
+    """`yatt plan --calibrate RUN_DIR`: the machine model fitted to the run (on this machine's cores, the
+    other load taken as none), then its step time under full colocation and every partial split."""
+    import msgspec
+    from yatt_placement.machine import fit_machine, step_time
+    from yatt_placement.planner import lay_out
+
+    from yatt_apps.io.export import run_config
+    from yatt_apps.io.rundir import read_metrics
+    from yatt_apps.jobs import find
+    from yatt_apps.runtime.launch import placement_plan
+
+    cfg, rows = run_config(run_dir), read_metrics(run_dir)
+    if len(rows) < 2:
+        raise ValueError(f"yatt plan --calibrate: {run_dir} has {len(rows)} logged steps; it needs 2 or more")
+    job = find(cfg.app)
+    shape, ran = calibration_shape(cfg, rows), placement_plan(cfg, job)
+    model = fit_machine(calibration_measured(rows), shape, ran, len(os.sched_getaffinity(0)))
+    cluster, roles = cfg.placement.cluster, job.roles(cfg)
+    judges = [r.name or r.role for r in roles if r.role == "genrm"]
+    predicted = {"colocated": step_time(model, shape, placement_plan(_mode(cfg, "colocated"), job)).step_s}
+    for rollout in range(1, cluster.num_devices):
+        counts = {r.name or r.role: cluster.num_devices for r in roles if r.role == "actor"}
+        counts |= {"rollout": rollout, **dict.fromkeys(judges, cluster.num_devices - rollout)}
+        try:
+            split = lay_out(cluster, roles, "partial", counts)
+        except ValueError:
+            continue  # e.g. a judge's model-parallel size does not divide its share
+        predicted[f"partial rollout {rollout} / judge {cluster.num_devices - rollout}"] = step_time(
+            model, shape, split
+        ).step_s
+    best = min(predicted, key=lambda key: predicted[key])
+    if as_json:
+        print(json.dumps({"fitted": msgspec.to_builtins(model), "step_s": predicted, "best": best}))
+        return 0
+    print(f"fitted to {run_dir} ({ran.mode}, {len(rows)} steps), {model.physical_units} cores: {model}")
+    for key, value in predicted.items():
+        print(f"  {key:<32} {value:8.3f} s/step (predicted)" + ("  <- best" if key == best else ""))
+    return 0
+
+
+def _mode(cfg: Any, mode: str) -> Any:
+    import msgspec
+
+    return msgspec.structs.replace(cfg, placement=msgspec.structs.replace(cfg.placement, mode=mode))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -73,12 +73,13 @@ def placement_plan(cfg: RunConfig, job: JobDef) -> PlacementPlan:
 def replan_hook(
     cfg: RunConfig, job: JobDef, plan: PlacementPlan, log_path: Path | None = None
 ) -> Callable[[int, dict[str, float]], PlacementPlan | None] | None:
-    """Dynamic placement: the driver's per-step hook. It turns the hosts' measured busy seconds of the step
-    (device-seconds per role) into `PhaseStats` (mean busy seconds per device of each movable role) for
-    `DynamicReplanner`, and returns the new plan it decides (applied by the runtime at the next weight-sync
-    boundary), else None. With `log_path` (RUN_DIR/placement.jsonl), every decision is appended as one JSON
-    line: the step, each movable role's busy seconds per device and devices, whether it moved, and why (or why
-    not): what a user reads to see why the devices did or did not move."""
+    """Dynamic placement: the driver's per-step hook. It turns the hosts' measured busy seconds (device-seconds
+    per role over the reading's window, yatt_controller.replan) into `PhaseStats` (mean busy seconds per device
+    of each movable role) for `DynamicReplanner`, and returns the new plan it decides (applied by the runtime
+    at the next weight-sync boundary), else None. A step without a usable reading of its own (`{}`) is not
+    observed. With `log_path` (RUN_DIR/placement.jsonl), every step is appended as one JSON line: the step,
+    each movable role's busy seconds per device and devices, whether it moved, and why (or why not): what a
+    user reads to see why the devices did or did not move."""
     if not plan.movable:
         return None
     from yatt_placement.replanner import DynamicReplanner
@@ -89,23 +90,33 @@ def replan_hook(
     def replan(step: int, busy: dict[str, float]) -> PlacementPlan | None:
         devices = {key: planner.devices(key) for key in planner.movable()}
         per_device = {key: busy.get(key, 0.0) / n for key, n in devices.items()}
-        step_time = max(max(per_device.values(), default=0.0), 1e-6)
-        new = planner.observe(
-            PhaseStats(step=step, step_time_s=step_time, busy_s=per_device, num_devices=devices)
-        )
+        new = None
+        if busy:
+            step_time = max(max(per_device.values(), default=0.0), 1e-6)
+            stats = PhaseStats(step=step, step_time_s=step_time, busy_s=per_device, num_devices=devices)
+            new = planner.observe(stats)
+            reason = planner.last_reason
+        else:
+            reason = NO_READING
         if log_path is not None:
             record = {
                 "step": step,
-                "busy_s_per_device": per_device,
+                "busy_s_per_device": per_device if busy else {},
                 "devices": devices,
                 "moved": new is not None,
-                "reason": planner.last_reason,
+                "reason": reason,
             }
             with open(log_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
         return new
 
     return replan
+
+
+NO_READING = (
+    "no reading of its own: its busy seconds are in a neighbouring step's (reports reach the driver several at "
+    "a time), or a posted move was landing (readings through the step that applied it are dropped)"
+)
 
 
 def check_async_placement(cfg: RunConfig, plan: PlacementPlan) -> None:

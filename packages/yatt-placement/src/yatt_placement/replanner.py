@@ -52,6 +52,7 @@ class DynamicReplanner:
         self._pair: tuple[str, str] | None = None
         self._streak = 0
         self._cooldown = 0
+        self._warmup = self.config.warmup_steps
         self._last_move: tuple[str, str] | None = None  # (donor, receiver) of the latest move
         self._last_gap = 0.0  # the gap that triggered it
 
@@ -73,6 +74,11 @@ class DynamicReplanner:
         keys = self.movable()
         if len(keys) < 2:
             self.last_reason = f"nothing to move: {self.plan.mode} plan has {len(keys)} movable roles"
+            return None
+        self._check(stats, keys)
+        if self._warmup:  # not smoothed either: one warm-up step would dominate the averages for long
+            self._warmup -= 1
+            self.last_reason = "warm-up step: its calls pay one-time costs (compile, allocation)"
             return None
         self._smooth(stats, keys)
         if self._cooldown:
@@ -100,7 +106,7 @@ class DynamicReplanner:
             return None
         return self._apply(lo, hi, gap, *proposal)
 
-    def _smooth(self, stats: PhaseStats, keys: list[str]) -> None:
+    def _check(self, stats: PhaseStats, keys: list[str]) -> None:
         if stats.step_time_s <= 0:
             raise ValueError(
                 f"PhaseStats.step_time_s must be > 0, got {stats.step_time_s} (step {stats.step})"
@@ -108,6 +114,8 @@ class DynamicReplanner:
         missing = [key for key in keys if key not in stats.busy_s]
         if missing:
             raise ValueError(f"PhaseStats.busy_s has no entry for {missing} (step {stats.step})")
+
+    def _smooth(self, stats: PhaseStats, keys: list[str]) -> None:
         d = self.config.ema_decay
         for key in keys:
             old = self._busy.get(key, stats.busy_s[key])

@@ -4,6 +4,8 @@
   (8 nodes x 8, 96 GB), a 1.5B policy, a 72B judge on tensor-parallel-8 engines, 4 samples per prompt and 8
   judgements per response of up to 512 tokens (median 120: a short verification and the verdict);
   responses long-tailed (median 600, up to 4096 tokens); 256 prompts per step.
+- `paper-8`: the paper's model shapes on one 8-device node (the README's prediction for a GPU cluster): a
+  1.5B policy, a 7B judge (one device per engine), the `paper` workload at 64 prompts per step.
 - `drift`: 32 devices, a 7B policy whose responses lengthen 21x over the run (as in long-CoT RL) and a 7B
   answer-verifier judge (tensor parallel 4, 8 verdicts per response, reads the final answer only, so its work
   stays flat): the best rollout/judge split moves during the run, the case the dynamic re-planner is for.
@@ -41,6 +43,15 @@ def paper(num_prompts: int = 256) -> Scenario:
             judgements=8,
             judge_median_tokens=120.0,
         ),
+    )
+
+
+def paper_8(num_prompts: int = 64) -> Scenario:
+    return Scenario(
+        name="paper-8",
+        cluster=ClusterSpec(num_nodes=1, devices_per_node=8, device_memory_gb=96.0),
+        roles=[*_policy(1.5e9), RoleSpec(role="genrm", num_params=7e9, name="judge")],
+        workload=paper(num_prompts).workload,
     )
 
 
@@ -82,6 +93,7 @@ def no_judge(num_prompts: int = 128) -> Scenario:
 
 SCENARIOS: dict[str, Callable[..., Scenario]] = {
     "paper": paper,
+    "paper-8": paper_8,
     "drift": drift,
     "single-judge": single_judge,
     "no-judge": no_judge,

@@ -208,6 +208,9 @@ class ReplanConfig(_Config, frozen=True, kw_only=True):
     min_gain: float = 0.05  # a move must cut the predicted slowest role's time by at least this fraction
     ema_decay: float = 0.3  # smoothing of the measured busy times (0: no smoothing)
     cooldown: int = 1  # steps ignored after a move (they may still run under the previous plan)
+    # steps ignored at the start: their calls pay one-time costs (engine compile, allocator warm-up, the
+    # first batch's padding caches), many times a steady step's busy time on small models
+    warmup_steps: int = 1
 
     def __post_init__(self) -> None:
         if not 0 < self.gap_threshold < 1:
@@ -220,3 +223,5 @@ class ReplanConfig(_Config, frozen=True, kw_only=True):
             raise ValueError(f"ReplanConfig.ema_decay must be in [0, 1), got {self.ema_decay}")
         if self.cooldown < 0:
             raise ValueError(f"ReplanConfig.cooldown must be >= 0, got {self.cooldown}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"ReplanConfig.warmup_steps must be >= 0, got {self.warmup_steps}")

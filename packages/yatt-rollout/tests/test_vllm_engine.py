@@ -99,6 +99,21 @@ def test_seed_stop_ids_and_max_tokens(engines, tok):
     assert short.token_ids == greedy[:3] and short.finish_reason == "length"
 
 
+def test_seeded_requests_beyond_one_steps_token_budget_all_complete(engines, tok):
+    """80 seeded sequences of 60-99 prompt tokens: more than one step's 4096-token budget, so vLLM's chunked
+    prefill would split a prompt and rewind its seeded CPU generator, which fails the whole step ("CPU
+    Generator does not use offset": every GenRM verdict of a job's step was an error). Each completes, and a
+    seeded request gives the same tokens in the full batch as alone."""
+    vllm_engine, _ = engines
+    ids = tok.encode(" ".join(f"{a} + {a} = {2 * a}," for a in range(20)))[:100]
+    assert len(ids) == 100
+    requests = [_req(f"r{i}", ids[: 60 + i], n=2, seed=i, max_new_tokens=8) for i in range(40)]
+    out = vllm_engine.generate(requests)
+    assert [c.finish_reason for c in out] == ["length"] * 80, {c.error for c in out}
+    alone = vllm_engine.generate([requests[7]])
+    assert [c.token_ids for c in out if c.request_id == "r7"] == [c.token_ids for c in alone]
+
+
 def test_bad_requests_fail_alone(engines, tok):
     vllm_engine, hf_engine = engines
     good = _req("ok", tok.encode("4 + 4 ="), temperature=0, max_new_tokens=5)

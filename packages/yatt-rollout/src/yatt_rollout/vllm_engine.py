@@ -126,6 +126,12 @@ class VLLMEngine:
         from vllm import LLM
         from vllm.platforms import current_platform
 
+        if current_platform.is_cpu():
+            # vLLM rewinds a seeded request's torch Generator when it discards the token sampled after one
+            # chunk of a prefill (`gen.set_offset`), which a CPU generator cannot do: "CPU Generator does not
+            # use offset" fails every request of that step (a GenRM judge's long prompts in a full batch).
+            # Without chunked prefill a prompt is scheduled whole, or waits for the next step.
+            llm_kwargs.setdefault("enable_chunked_prefill", False)
         self.llm = LLM(
             model=str(model_dir),
             dtype=dtype,  # type: ignore[arg-type]  # vLLM checks the name; its stub lists only Literal names

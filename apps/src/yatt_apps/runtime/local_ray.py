@@ -39,6 +39,7 @@ def start(num_cpus: int, num_gpus: int) -> LocalRay:
     import ray
     import ray._private.ray_constants as ray_constants
 
+    before_env, before_flag = os.environ.get(LOOPBACK_ENV), ray_constants.ENABLE_RAY_CLUSTER
     os.environ[LOOPBACK_ENV] = "0"  # Ray's processes and workers read it at import
     ray_constants.ENABLE_RAY_CLUSTER = False  # the driver's copy, read when ray.init picks the node address
     before = set(descendants([os.getpid()], depth=1))
@@ -52,22 +53,30 @@ def start(num_cpus: int, num_gpus: int) -> LocalRay:
         logging_level=logging.WARNING,  # no "Started a local Ray instance" line in a normal run
     )
     ray_roots = sorted(set(descendants([os.getpid()], depth=1)) - before)  # GCS, raylet, monitors
-    return LocalRay(Reaper.spawn(ray_roots))
+    return LocalRay(Reaper.spawn(ray_roots), restore=(before_env, before_flag))
 
 
 class LocalRay:
     """A started local Ray; `shutdown()` stops it and then its reaper (which kills what Ray left)."""
 
-    def __init__(self, reaper: Reaper) -> None:
-        self.reaper = reaper
+    def __init__(self, reaper: Reaper, restore: tuple[str | None, bool]) -> None:
+        self.reaper, self.restore = reaper, restore
 
     def shutdown(self) -> None:
+        """Stop Ray, then the reaper; the process's loopback switch goes back to what it was (an embedding
+        program may join a cluster next)."""
         import ray
+        import ray._private.ray_constants as ray_constants
 
         try:
             ray.shutdown()
         finally:
             self.reaper.close()
+            env, ray_constants.ENABLE_RAY_CLUSTER = self.restore
+            if env is None:
+                os.environ.pop(LOOPBACK_ENV, None)
+            else:
+                os.environ[LOOPBACK_ENV] = env
 
 
 class Reaper:

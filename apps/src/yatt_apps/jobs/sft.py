@@ -26,7 +26,7 @@ from yatt_apps.config import SftConfig, tiny_cpu_sft
 from yatt_apps.io.data import PromptRow, arithmetic_task
 from yatt_apps.io.sft_data import chat_messages, encode_pair, load_sft_rows, pad_examples
 from yatt_apps.runtime.job import JobDef, StepFn, ValRows
-from yatt_apps.runtime.phases import learner_of
+from yatt_apps.runtime.phases import learner_of, sync_weights
 
 if TYPE_CHECKING:
     from yatt_controller.controller import StepContext
@@ -66,8 +66,8 @@ def sft_step(
     # every `run.eval_every` steps and the last one (step_metrics.evaluates)
     needs_rollout = val_rows is not None and evaluates(ctx.step, cfg.run.num_steps, cfg.run.eval_every)
     if needs_rollout and "rollout" in ctx.services:
-        with ctx.phase("weight_sync"):
-            ctx.sync_weights()
+        with ctx.phase("weight_sync"):  # FSDP2: streamed one bucket at a time, as in the RL jobs
+            sync_weights(ctx)
         with ctx.phase("eval"):
             sums = evaluate(ctx, val_rows, cfg, tok)
     else:

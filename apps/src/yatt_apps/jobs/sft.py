@@ -179,7 +179,8 @@ class SFTWorker:
         from yatt_algos.learner.torch_backend import TorchPolicyLearner
 
         from yatt_apps.io.models import load_causal_lm
-        from yatt_apps.runtime.workers import join_learner_group, set_threads
+        from yatt_apps.runtime.learner_weights import LearnerWeights
+        from yatt_apps.runtime.workers import join_learner_group, learner_backend, set_threads
 
         set_threads(cfg)
         torch.manual_seed(cfg.run.seed)
@@ -194,6 +195,7 @@ class SFTWorker:
             group=group,
         )
         self.trust = cfg.model.trust_remote_code
+        self.weights = LearnerWeights(self.learner, learner_backend(cfg))  # what a weight push reads
 
     def sft(self, batch: dict[str, Any]) -> dict[str, float]:
         """One optimizer step on this rank's batch: loss = mean NLL over all ranks' response tokens."""
@@ -204,6 +206,7 @@ class SFTWorker:
         def forward(model, mb, grad):  # temperature 1: the data's likelihood, not a sampling distribution
             return causal_lm_forward(model, mb, chunk_size=chunk, temperature=1.0)
 
+        self.weights.release()  # the weights change
         stats = self.learner.engine.update(batch, forward, _sft_objective, ("response_mask",))
         return {
             "loss": stats.loss,
@@ -212,9 +215,15 @@ class SFTWorker:
             "num_tokens": float(stats.num_tokens),
         }
 
+    # a validation push (`phases.sync_weights`): under FSDP2 every rank gathers one bucket at a time
+    def gather_weights(self) -> int:
+        return self.weights.gather_all()
+
+    def next_weight_bucket(self, bucket_bytes: int) -> int:
+        return self.weights.next_bucket(bucket_bytes)
+
     def named_weights(self) -> Any:
-        for bucket in self.learner.export_weights(64 << 20):
-            yield from bucket
+        return self.weights.named_weights()
 
     def save_hf(self, out_dir: str) -> str:
         """Write the trained weights as an HF folder (model config and tokenizer from the starting model),
@@ -223,7 +232,7 @@ class SFTWorker:
 
         from yatt_apps.io.models import load_causal_lm, load_tokenizer
 
-        named = dict(self.named_weights())
+        named = {name: t for bucket in self.learner.export_weights(64 << 20) for name, t in bucket}
         if self.dp_rank != 0:
             return ""
         out = Path(out_dir)
@@ -247,6 +256,7 @@ class SFTWorker:
     def load_checkpoint_state(self, data: bytes) -> None:
         import torch
 
+        self.weights.release()
         self.learner.load_state_dict(torch.load(io.BytesIO(data), weights_only=True))
 
     # the sharded checkpoint protocol (as PolicyWorker's): each rank writes its own DCP shards
@@ -257,6 +267,7 @@ class SFTWorker:
         return self.learner.wait_shards()
 
     def load_checkpoint_shards(self, folder: str) -> None:
+        self.weights.release()
         self.learner.load_shards(folder)
 
 

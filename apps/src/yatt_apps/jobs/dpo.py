@@ -18,9 +18,8 @@ and every reward is 0; TRL counts ties wrong, which would read 0 there), `dpo/nl
 Every `run.eval_every` steps and at the last, before the step's update (as `yatt grpo` evaluates: the policy
 the step starts from, so step 0 shows the reference itself, accuracy 0.5 and margin 0, and the starting
 policy's generation accuracy): the same on the validation pairs under `val/dpo/...` (no grad), and
-`val/accuracy`, the
-greedy generation accuracy (math_verify) on the validation prompts with reference answers, through a rollout
-engine fed the weights.
+`val/accuracy`, the greedy generation accuracy (math_verify) on the validation prompts with reference answers,
+through a rollout engine fed the weights.
 
 Data: `dpo.train` (jsonl or parquet, `yatt_apps.io.pref_data`), or, when empty, the embedded arithmetic task's
 pairs (chosen the correct answer, rejected a wrong or badly formatted one). Validation pairs: `dpo.val`, or the

@@ -3,13 +3,15 @@
 One function per job, each returning its `JOB.key` figures; `main` joins the ones asked for.
 
 - `dpo`: `tiny_cpu_dpo` (the warm-started tiny policy, DPO + RPO on the arithmetic task's pairs, two parallel
-  controllers). `dpo.accuracy_rise`: validation preference accuracy (chosen reward strictly above rejected,
-  on the validation pairs) at the last evaluated step minus the first; the target of issue 28 is >= 0.2. The job
-  evaluates before each step's update (as `yatt grpo`), so step 0 is the reference itself, whose accuracy is
-  0 by definition (every reward 0): `dpo.accuracy_rise_from_step5` measures from the first trained policy
-  instead (5 updates). `dpo.gen_accuracy_first` / `_last`: greedy generation accuracy (math_verify) on the
-  same prompts, the first being the warm-started policy's. `--quick` runs 20 steps (evaluated at 0, 5, 10, 15,
-  19), the full run the preset's 30.
+  controllers). Validation preference accuracy: the share of validation pairs whose chosen reward is above the
+  rejected one, a tie counting half (the job evaluates before each step's update, as `yatt grpo`, so step 0 is
+  the reference itself: every reward 0, accuracy 0.5, chance). `dpo.accuracy_rise`: its value at the last
+  evaluated step minus step 0's; the target of issue 28 is >= 0.2. `dpo.accuracy_rise_from_step1`: the same
+  from step 1, the first evaluation after an update (what the training adds beyond its first step).
+  `dpo.gen_accuracy_first` / `_last`: greedy generation accuracy (math_verify) on the same prompts, the first
+  the warm-started policy's. `--quick` runs 20 steps, the full run the preset's 30; both evaluate every step
+  (`run.eval_every` 1 instead of the preset's 5: evaluation runs before the update and does not change the
+  training).
 - `distill`: `tiny_cpu_distill` (the tiny student distils the wider warm-started teacher);
   `distill.reverse_kl_drop` = (first - last) / first of `distill/reverse_kl` (first and last: the means over the
   run's first and last three steps, since one step's batch estimate is noisy), target >= 0.3;
@@ -45,7 +47,8 @@ def dpo(quick: bool) -> dict:
 
     cfg = tiny_cpu_dpo()
     steps = 20 if quick else cfg.run.num_steps
-    cfg = msgspec.structs.replace(cfg, run=msgspec.structs.replace(cfg.run, num_steps=steps, progress=False))
+    run = msgspec.structs.replace(cfg.run, num_steps=steps, eval_every=1, progress=False)
+    cfg = msgspec.structs.replace(cfg, run=run)
     with tempfile.TemporaryDirectory(prefix="bench-dpo-") as tmp:
         started = time.perf_counter()
         run_job(cfg, Path(tmp) / "run", JOB)
@@ -54,17 +57,15 @@ def dpo(quick: bool) -> dict:
     evaluated = [rows[s] for s in sorted(rows) if "val/dpo/accuracy" in rows[s]]
     first, last = evaluated[0], evaluated[-1]
     return {
-        "dpo.accuracy_rise": last["val/dpo/accuracy"] - first["val/dpo/accuracy"],
-        "dpo.accuracy_rise_from_step5": last["val/dpo/accuracy"] - rows[5]["val/dpo/accuracy"],
-        "dpo.val_pref_accuracy": [row["val/dpo/accuracy"] for row in evaluated],
-        "dpo.gen_accuracy": [row["val/accuracy"] for row in evaluated],
-        "dpo.val_pref_accuracy_first": first["val/dpo/accuracy"],
-        "dpo.val_pref_accuracy_last": last["val/dpo/accuracy"],
-        "dpo.val_margin_last": last["val/dpo/margin"],
+        "dpo.accuracy_rise": round(last["val/dpo/accuracy"] - first["val/dpo/accuracy"], 4),
+        "dpo.accuracy_rise_from_step1": round(last["val/dpo/accuracy"] - rows[1]["val/dpo/accuracy"], 4),
+        "dpo.val_pref_accuracy": [round(row["val/dpo/accuracy"], 4) for row in evaluated],
+        "dpo.gen_accuracy": [round(row["val/accuracy"], 4) for row in evaluated],
+        "dpo.val_margin_last": round(last["val/dpo/margin"], 4),
         "dpo.gen_accuracy_first": first["val/accuracy"],
         "dpo.gen_accuracy_last": last["val/accuracy"],
         "dpo.steps": float(steps),
-        "dpo.seconds": seconds,
+        "dpo.seconds": round(seconds, 1),
     }
 
 

@@ -160,9 +160,10 @@ def _finite(metrics: dict, keys: tuple[str, ...]) -> None:
 
 @pytest.mark.slow
 def test_distill_runs_and_resumes_exactly(tmp_path, ray_session):
-    """Three steps of the tiny preset (two controllers, colocated): the distillation metrics are present and
-    finite, RUN_DIR/final is written; then the last checkpoint is removed and the run resumed from step 1:
-    step 2 is redone with the same loss, reverse KL and rewards, bit for bit."""
+    """Two steps of the tiny preset (two controllers, colocated; 8 prompts x 4 samples, both steps evaluated):
+    the distillation metrics are present and finite, RUN_DIR/final is written; then the last checkpoint is
+    removed and the run resumed from step 0: step 1 is redone with the same loss, reverse KL, rewards and
+    validation accuracy, bit for bit."""
     from yatt_apps.runtime.launch import run_job
     from yatt_controller.types import ControllerSpec
 
@@ -170,9 +171,11 @@ def test_distill_runs_and_resumes_exactly(tmp_path, ray_session):
     cfg = msgspec.structs.replace(
         base,
         run=msgspec.structs.replace(
-            base.run, num_steps=3, prompts_per_step=8, eval_every=2, schedule_steps=3, progress=False
+            base.run, num_steps=2, prompts_per_step=8, eval_every=1, schedule_steps=2, progress=False
         ),
-        controller=msgspec.structs.replace(base.controller, checkpoint_every=1, keep_checkpoints=3),
+        data=msgspec.structs.replace(base.data, num_val_rows=16),
+        sampling=msgspec.structs.replace(base.sampling, n=4),
+        controller=msgspec.structs.replace(base.controller, checkpoint_every=1, keep_checkpoints=2),
     )
     assert isinstance(base.controller, ControllerSpec)
     run_dir = tmp_path / "run"
@@ -189,7 +192,7 @@ def test_distill_runs_and_resumes_exactly(tmp_path, ray_session):
     assert (run_dir / "final" / "config.json").is_file()
 
     newest = sorted((run_dir / "checkpoints").glob("step-*"))[-1]
-    assert newest.name.endswith("2")  # step 2's checkpoint: removed, so the resume redoes step 2
+    assert newest.name.endswith("1")  # step 1's checkpoint: removed, so the resume redoes step 1
     shutil.rmtree(newest)
     again = run_job(cfg, run_dir, JOB, existing="resume")
     for key in (
@@ -198,5 +201,7 @@ def test_distill_runs_and_resumes_exactly(tmp_path, ray_session):
         "distill/teacher_logprob",
         "reward/mean",
         "train/grad_norm",
+        "val/accuracy",
+        "val/teacher_accuracy",
     ):
         assert again[key] == first[key], key

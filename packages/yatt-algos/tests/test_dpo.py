@@ -68,8 +68,9 @@ def test_sigmoid_matches_the_dpo_paper_formula_on_a_batch():
     assert not chosen.requires_grad and not rejected.requires_grad
 
 
-def test_equal_policy_and_reference_give_log2_zero_rewards_and_no_accuracy():
-    """At the first step the policy is the reference: h = 0, loss log 2, rewards 0, accuracy 0 (strict >)."""
+def test_equal_policy_and_reference_give_log2_zero_rewards_and_chance_accuracy():
+    """At the first step the policy is the reference: h = 0, loss log 2, rewards 0, every pair a tie counted
+    half (accuracy 0.5, chance; TRL's strict > would say 0)."""
     logps = torch.tensor([-3.0, -7.0])
     losses, chosen, rejected = dpo_loss(logps, logps - 1, logps, logps - 1, beta=0.1)
     torch.testing.assert_close(losses, torch.full((2,), math.log(2.0)))
@@ -81,17 +82,18 @@ def test_equal_policy_and_reference_give_log2_zero_rewards_and_no_accuracy():
             "rewards_chosen": 0.0,
             "rewards_rejected": 0.0,
             "margin": 0.0,
-            "correct": 0.0,
+            "correct": 1.0,
         }
     )
 
 
-def test_preference_sums_count_pairs_where_chosen_wins():
+def test_preference_sums_count_pairs_where_chosen_wins_and_ties_as_half():
+    """One win, one loss, one tie: correct = 1 + 0.5."""
     losses = torch.tensor([0.1, 0.2, 0.3])
     chosen, rejected = torch.tensor([1.0, -1.0, 0.5]), torch.tensor([0.0, 0.0, 0.5])
     sums = preference_sums(losses, chosen, rejected)
     assert (
-        sums["correct"] == 1.0 and sums["margin"] == pytest.approx(0.0) and sums["loss"] == pytest.approx(0.6)
+        sums["correct"] == 1.5 and sums["margin"] == pytest.approx(0.0) and sums["loss"] == pytest.approx(0.6)
     )
 
 

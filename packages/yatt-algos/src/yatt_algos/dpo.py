@@ -64,7 +64,7 @@ def dpo_loss(
       sigmoid: -log sigma(beta h) (DPO), hinge: relu(1 - beta h), ipo: (h - 1/(2 beta))^2,
     each mixed with its flipped-label twin: (1 - eps) L(h) + eps L(-h), eps = `label_smoothing` in [0, 0.5).
     Rewards: beta (pc - rc) and beta (pr - rr), detached (metrics: their difference is the margin, and
-    `chosen > rejected` the preference accuracy)."""
+    `chosen > rejected` the preference accuracy, a tie counting half)."""
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type {loss_type!r} is not one of {sorted(LOSS_TYPES)}")
     if beta <= 0:
@@ -93,12 +93,15 @@ def preference_sums(
     losses: torch.Tensor, chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor
 ) -> dict[str, float]:
     """Sums over the pairs (for means after an all-reduce over ranks and controllers): `pairs`, `loss`,
-    `rewards_chosen`, `rewards_rejected`, `margin` and `correct` (chosen reward strictly above rejected)."""
+    `rewards_chosen`, `rewards_rejected`, `margin` and `correct`: the pairs whose chosen reward is above the
+    rejected one, a tie counting 0.5 (chance: TRL counts a tie wrong, which puts the reference itself at 0)."""
     return {
         "pairs": float(losses.numel()),
         "loss": float(losses.detach().sum()),
         "rewards_chosen": float(chosen_rewards.sum()),
         "rewards_rejected": float(rejected_rewards.sum()),
         "margin": float((chosen_rewards - rejected_rewards).sum()),
-        "correct": float((chosen_rewards > rejected_rewards).sum()),
+        "correct": float(
+            (chosen_rewards > rejected_rewards).sum() + 0.5 * (chosen_rewards == rejected_rewards).sum()
+        ),
     }

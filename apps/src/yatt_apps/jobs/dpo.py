@@ -43,7 +43,7 @@ from yatt_apps.io.pref_data import PrefRow, arithmetic_pairs, load_pref_rows, pa
 from yatt_apps.jobs import sft
 from yatt_apps.jobs.sft import SFTWorker
 from yatt_apps.runtime.job import JobDef, StepFn, ValRows
-from yatt_apps.runtime.phases import learner_of
+from yatt_apps.runtime.phases import learner_of, sync_weights
 
 if TYPE_CHECKING:
     from yatt_controller.controller import StepContext
@@ -198,8 +198,10 @@ def dpo_step(
         elif pairs():  # fewer validation pairs than controllers: this one adds zeros (same keys everywhere)
             sums |= _summed([dict.fromkeys(("pairs", "correct", *METRICS), 0.0)], "val_pairs")
         if gen_rows is not None and "rollout" in ctx.services:
-            with ctx.phase("weight_sync"):
-                ctx.sync_weights()
+            with ctx.phase(
+                "weight_sync"
+            ):  # FSDP2: streamed one bucket at a time (SFTWorker's LearnerWeights)
+                sync_weights(ctx)
             with ctx.phase("eval"):
                 sums |= evaluate(ctx, gen_rows, cfg, tok)
     with ctx.phase("tokenize"):

@@ -360,7 +360,12 @@ def run_job(
         result = run_controllers(cfg.controller, runtime, realized)
         failed = False
     finally:
-        closers = [logger.close, functools.partial(release, realized), stop_ray or (lambda: None), run.close]
+        closers: list[Callable[[], Any]] = [
+            logger.close,
+            functools.partial(release, realized),
+            stop_ray or (lambda: None),  # None: Ray was up already and stays
+            run.close,
+        ]
         plot = close_all(closers, run, quiet=failed)
     final = export_final(run, cfg)
     return {

@@ -78,11 +78,6 @@ class Ctx:
     def before_push(self) -> None:
         self.log.append(("before_push",))
 
-    def sync_weights(self) -> int:
-        self.log.append(("sync_weights",))
-        self.policy_version += 1
-        return self.policy_version
-
 
 def test_the_driver_streams_bucket_by_bucket_at_one_version():
     from yatt_apps.runtime.phases import sync_weights
@@ -102,9 +97,22 @@ def test_the_driver_streams_bucket_by_bucket_at_one_version():
 def test_ddp_and_async_steps_take_one_push():
     from yatt_apps.runtime.phases import sync_weights
 
+    once = [("barrier",), ("before_push",), ("push", 4), ("barrier",)]
     ddp = Ctx(0, [0])
     sync_weights(ddp)  # type: ignore[arg-type]
-    assert ddp.log == [("next_weight_bucket", 4096), ("sync_weights",)] and ddp.policy_version == 4
+    assert ddp.log == [("next_weight_bucket", 4096), *once] and ddp.policy_version == 4
     whole = Ctx(0, [])
     sync_weights(whole, stream=False)  # type: ignore[arg-type]
-    assert whole.log == [("gather_weights",), ("sync_weights",)] and whole.policy_version == 4
+    assert whole.log == [("gather_weights",), *once] and whole.policy_version == 4
+
+
+def test_the_push_when_an_attempt_starts_streams_at_the_current_version():
+    """A fresh or resumed attempt's engines get the learner's version as it is (no +1), bucket by bucket like
+    a step's push (before, every rank gathered the whole model for it), and no sync is re-formed."""
+    from yatt_apps.runtime.phases import initial_push
+
+    ctx = Ctx(0, [100, 50, 0])
+    initial_push(ctx, 3)  # type: ignore[arg-type]
+    gather, barrier = ("next_weight_bucket", 4096), ("barrier",)
+    assert ctx.log == [gather, barrier, ("push", 3), barrier, gather, barrier, ("push", 3), barrier, gather]
+    assert ctx.policy_version == 3

@@ -23,6 +23,7 @@ from yatt_apps.io.models import load_tokenizer, prepare_model, tokenizer_corpus
 from yatt_apps.io.row_sources import open_rows, stream_check
 from yatt_apps.io.rundir import RunDir
 from yatt_apps.runtime.job import JobDef
+from yatt_apps.runtime.phases import initial_push
 from yatt_apps.runtime.progress import StepLogger, quiet_transformers
 from yatt_apps.runtime.step_metrics import ValidationSet
 
@@ -353,6 +354,7 @@ def run_job(
         num_steps=cfg.run.num_steps,
         checkpoint_dir=str(run.checkpoints),
         on_step=logger,
+        initial_push=initial_push,  # streamed like every step's push: no rank holds the whole model
         **({"replan": hook} if (hook := replan_hook(cfg, job, plan, path / "placement.jsonl")) else {}),
     )
     failed = True

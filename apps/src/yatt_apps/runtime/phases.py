@@ -394,7 +394,12 @@ def push_weights(ctx: StepContext, cfg: RunConfig, plan: PlacementPlan) -> None:
 
 def sync_weights(ctx: StepContext, *, stream: bool = True) -> None:
     """Version v+1 to every rollout replica: the in-process copy where a replica shares a learner rank's
-    process, the broadcast group elsewhere.
+    process, the broadcast group elsewhere (`push_version`)."""
+    push_version(ctx, ctx.policy_version + 1, stream=stream)
+
+
+def push_version(ctx: StepContext, version: int, *, stream: bool = True, first: bool = False) -> None:
+    """The learner's weights to every rollout replica as `version`; every controller calls it together.
 
     An FSDP2 (or Megatron tensor-parallel) export is a collective over every learner rank. `stream`: the
     controllers step through it together, one bucket at a time: each has its own learner ranks gather bucket
@@ -402,27 +407,39 @@ def sync_weights(ctx: StepContext, *, stream: bool = True) -> None:
     then rank 0 pushes what the ranks hold, the same version for every bucket, and a barrier keeps any rank
     from freeing a bucket still being pushed. A rank so holds one bucket of unsharded weights beyond its
     shards. Else every rank gathers the whole model first and one push reads it. DDP gathers nothing: one
-    push reads the live weights."""
-    learner = learner_of(ctx)
-    if not stream:
-        ctx.get(learner.broadcast("gather_weights"))
-        ctx.sync_weights()
-        return
+    push reads the live weights. `first`: the push when an attempt starts (`initial_push`: no replica was
+    replaced yet, so rank 0 re-forms no sync)."""
     if ctx.weight_sync is None:
         raise ValueError("sync_weights: the job's services define no weight_sync")
-    bucket_bytes, version, pushed = ctx.weight_sync.bucket_bytes, ctx.policy_version + 1, 0
-    while max(ctx.get(learner.broadcast("next_weight_bucket", bucket_bytes))) > 0:
-        ctx.barrier()  # every rank holds bucket i (its gather is done)
-        if ctx.rank == 0:
-            if not pushed:
-                ctx.before_push()
-            ctx.weight_sync.push(version)
-        ctx.barrier()  # bucket i is in every engine: the ranks may free it
-        pushed += 1
-    if not pushed:  # DDP: nothing gathered, the push reads the live weights
-        ctx.sync_weights()
-        return
+    learner, pushed = learner_of(ctx), 0
+    if not stream:
+        ctx.get(learner.broadcast("gather_weights"))
+    else:
+        bucket_bytes = ctx.weight_sync.bucket_bytes
+        while max(ctx.get(learner.broadcast("next_weight_bucket", bucket_bytes))) > 0:
+            ctx.barrier()  # every rank holds bucket i (its gather is done)
+            _push(ctx, version, before=not (pushed or first))
+            ctx.barrier()  # bucket i is in every engine: the ranks may free it
+            pushed += 1
+    if not pushed:  # one push: the whole model gathered, or DDP's live weights
+        ctx.barrier()  # every learner rank finished its update
+        _push(ctx, version, before=not first)
+        ctx.barrier()
     ctx.policy_version = version
+
+
+def initial_push(ctx: StepContext, version: int) -> None:
+    """`yatt_controller.Job.initial_push`: the engines get the (restored) learner's weights when an attempt
+    starts, streamed like every step's push, so no rank ever holds the whole unsharded model."""
+    push_version(ctx, version, first=True)
+
+
+def _push(ctx: StepContext, version: int, *, before: bool) -> None:
+    if ctx.rank == 0:
+        assert ctx.weight_sync is not None
+        if before:
+            ctx.before_push()
+        ctx.weight_sync.push(version)
 
 
 def sleep_engines(ctx: Any, cfg: RunConfig, plan: PlacementPlan) -> None:

@@ -217,8 +217,9 @@ class PolicyWorker:
     - the step streams (`phases.sync_weights`): every rank gathers one bucket at a time (`next_weight_bucket`,
       each call freeing the bucket before), and the push of that bucket runs before the next is gathered, so
       a rank holds at most one bucket of unsharded parameters beside its shards;
-    - construction and a checkpoint restore, which every rank runs together, and an async step (generation
-      may overlap the push) gather the whole model (`gather_weights`) for the one push that follows them."""
+    - the push when an attempt starts (fresh or after a restore: `phases.initial_push`) streams the same way;
+    - an async step (generation may overlap the push) gathers the whole model (`gather_weights`) for the one
+      push that follows it."""
 
     def __init__(self, cfg: RunConfig, model_dir: str, key: str, *, worker_info: Any) -> None:
         import torch
@@ -238,7 +239,6 @@ class PolicyWorker:
         self.replay_own_routing = cfg.algo.routing_replay == "r2" and bool(
             getattr(self.learner, "moe", False)
         )
-        self.gather_weights()  # every rank builds together: the runtime's first push (version 0) reads this
 
     def logprobs(
         self, batch: dict[str, Any], *, sum_pi_squared: bool = False, policy: bool = True
@@ -300,7 +300,6 @@ class PolicyWorker:
 
         self.weights.release()
         self.learner.load_state_dict(torch.load(io.BytesIO(data), weights_only=True))
-        self.gather_weights()  # every rank restores together; the push after a resume reads this
 
     # The sharded checkpoint protocol (yatt_controller.controller_checkpoint prefers it to the bytes above):
     # every rank writes its own files into the checkpoint's folder, all ranks together.
@@ -326,7 +325,6 @@ class PolicyWorker:
         layout (both reshard)."""
         self.weights.release()
         self._files().load(self.learner, folder)
-        self.gather_weights()  # every rank restores together; the push after a resume reads this
 
 
 def build_engine(

@@ -65,6 +65,7 @@ class ControllerPlan:
     learner_name: str | None = None
     max_inflight: int = 8
     single: bool = False
+    initial_push: Callable[[Any, int], None] | None = None  # Job.initial_push
 
     def stateful(self) -> list[tuple[str, WorkerGroup]]:
         """(file prefix, view) of every group whose workers' state goes into a checkpoint."""
@@ -291,7 +292,9 @@ class ControllerCore:
         Returns the step to run next."""
         next_step = 0 if path is None else self.checkpoint.restore(path)
         self.ctx.collective.barrier()  # every learner rank holds its restored state
-        if self.plan.rank == 0 and self.plan.weight_sync is not None:
+        if self.plan.weight_sync is not None and self.plan.initial_push is not None:
+            self.plan.initial_push(self.ctx, self.ctx.policy_version)  # every controller takes part
+        elif self.plan.rank == 0 and self.plan.weight_sync is not None:
             self.plan.weight_sync.push(self.ctx.policy_version)
         self.ctx.collective.barrier()
         return next_step

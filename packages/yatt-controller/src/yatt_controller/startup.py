@@ -78,6 +78,7 @@ class Launcher:
             checkpoint_async=spec.checkpoint_async,
             collective_timeout_s=spec.hang_timeout_s,
             checkpointed={name: groups[name] for name in services.checkpointed},
+            initial_push=job.initial_push,
             book=self.book,
             roster=self.roster,
             movable=job.replan is not None,

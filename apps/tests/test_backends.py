@@ -505,7 +505,8 @@ def test_vllm_tensor_parallel_rollout(ray_session, tmp_path):
 def test_fsdp2_learner_and_resume_parity(ray_session, tmp_path):
     """FSDP2 over two learner ranks (gloo), rule rewards only: 2 steps, checkpoints after each. A copy of that
     run directory cut back to its step-0 checkpoint, resumed, logs the same step 1 as the straight run (the
-    export's gather runs on both ranks at the pushes after building, after restoring and after each update)."""
+    pushes after building, after restoring and after each update stream the export bucket by bucket, both
+    ranks gathering together)."""
     import shutil
 
     base = small(learner=LearnerConfig(backend="fsdp2"))

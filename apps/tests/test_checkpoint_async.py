@@ -41,12 +41,14 @@ WRITER = textwrap.dedent(
     torch.save(dict(learner.model.named_parameters()), f"{root}/../step1.pt")
     learner.update(batch)
     def stuck(self, plan, planner):
-        print("WRITING", flush=True)
+        sys.stdout.write("WRITING\\n")  # one write: print's text and newline could interleave with STAGED's
+        sys.stdout.flush()
         time.sleep(600)
     dcp.FileSystemWriter.write_data = stuck
     staging = checkpoint.begin(root, 2)
     learner.save_shards(str(staging / "learner"), background=True)
-    print("STAGED", flush=True)
+    sys.stdout.write("STAGED\\n")
+    sys.stdout.flush()
     learner.wait_shards()
     """
 )
@@ -64,9 +66,9 @@ def test_a_killed_background_save_leaves_the_previous_checkpoint_newest(tmp_path
     )
     lines = []
     assert proc.stdout is not None
-    for line in proc.stdout:
+    for line in proc.stdout:  # the two threads' lines may come in either order
         lines.append(line)
-        if {"WRITING", "STAGED"} <= {seen.strip() for seen in lines}:  # staged, and the write under way
+        if all(word in "".join(lines) for word in ("WRITING", "STAGED")):  # staged, and the write under way
             break
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=60)

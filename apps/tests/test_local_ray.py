@@ -8,24 +8,11 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from yatt_apps.runtime import local_ray
 
 # a parent that starts a grandchild which outlives it (as Ray's agents outlive the raylet) and then waits
 TREE = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"
-
-
-def _alive(pid: int) -> bool:
-    return local_ray.start_time(pid) is not None and "Z" not in _state(pid)
-
-
-def _state(pid: int) -> str:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return "gone"
-    return stat[stat.rindex(")") + 2 :].split()[0]
 
 
 def _wait(predicate, timeout_s: float = 20.0) -> bool:
@@ -78,7 +65,7 @@ def test_the_reaper_kills_the_orphans_of_its_roots_after_its_pipe_closes():
     time.sleep(2 * local_ray.POLL_S)  # one poll records the grandchild
     root.kill()  # the root dies first, as the raylet does: its child is now an orphan
     root.wait()
-    assert _alive(orphan)
+    assert local_ray.alive(orphan)
     reaper.close()
     assert reaper.proc.wait(timeout=local_ray.GRACE_S + 10) == 0
-    assert _wait(lambda: not _alive(orphan), timeout_s=5)
+    assert _wait(lambda: not local_ray.alive(orphan), timeout_s=5)

@@ -313,11 +313,7 @@ def test_ctrl_c_stops_cleanly_and_resume_logs_every_step_once(tmp_path):
 
 def _still_running(tree: dict[int, int]) -> list[str]:
     """The processes of `tree` ({pid: start time}) that are still the same live, non-zombie process."""
-    left = []
-    for pid, started in tree.items():
-        if local_ray.start_time(pid) == started and _state(pid) not in ("Z", "gone"):
-            left.append(f"{pid}: {_comm(pid)}")
-    return left
+    return [f"{pid}: {_comm(pid)}" for pid, started in tree.items() if local_ray.alive(pid, started)]
 
 
 def _comm(pid: int) -> str:
@@ -325,14 +321,6 @@ def _comm(pid: int) -> str:
         return Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:
         return "gone"
-
-
-def _state(pid: int) -> str:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return "gone"
-    return stat[stat.rindex(")") + 2 :].split()[0]
 
 
 def _listening(pids: set[int]) -> list[str]:

@@ -112,6 +112,16 @@ def start_time(pid: int) -> int | None:
     return int(stat[stat.rindex(")") + 2 :].split()[19])
 
 
+def alive(pid: int, started: int | None = None) -> bool:
+    """Whether `pid` is a live process (not a zombie) and, given `started`, still the one that started then."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return fields[0] != "Z" and (started is None or int(fields[19]) == started)
+
+
 def descendants(roots: list[int], depth: int | None = None) -> dict[int, int]:
     """{pid: start time} of every live descendant of `roots` (down to `depth` generations; all when None),
     from one scan of /proc."""

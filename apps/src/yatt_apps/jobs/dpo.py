@@ -279,7 +279,13 @@ class DPOWorker(SFTWorker):
     def __init__(self, cfg: DpoConfig, model_dir: str, key: str, *, worker_info: Any) -> None:
         import torch
 
-        from yatt_apps.runtime.workers import _torch_learners, join_learner_group, set_threads
+        from yatt_apps.runtime.learner_weights import LearnerWeights
+        from yatt_apps.runtime.workers import (
+            _torch_learners,
+            join_learner_group,
+            learner_backend,
+            set_threads,
+        )
 
         set_threads(cfg)
         torch.manual_seed(cfg.run.seed)
@@ -289,6 +295,9 @@ class DPOWorker(SFTWorker):
         self.learner, self.reference = _torch_learners(one_pass, model_dir, group, reference=True)
         self.model_dir, self.dp_rank, self.trust = model_dir, worker_info.dp_rank, cfg.model.trust_remote_code
         self.spec = cfg.dpo
+        self.weights = LearnerWeights(
+            self.learner, learner_backend(cfg)
+        )  # what a weight push reads (SFTWorker's)
 
     def _forward(self):
         chunk = self.learner.engine.learner.logits_chunk_size
@@ -344,6 +353,7 @@ class DPOWorker(SFTWorker):
             per_pair = values[0] + alpha * values[3] if alpha else values[0]
             return (per_pair * real).sum() / max(norm.num_seqs, 1.0), {}
 
+        self.weights.release()  # the weights change
         stats = self.learner.engine.update(batch, self._forward(), objective, ("response_mask",))
         return {**self._sums(*seen), "train_loss": stats.loss, "grad_norm": stats.grad_norm, "lr": stats.lr}
 

@@ -2,6 +2,7 @@
 where CUDA is absent."""
 
 import os
+import sys
 
 import pytest
 
@@ -15,6 +16,17 @@ for _key, _value in {
     "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
 }.items():
     os.environ.setdefault(_key, _value)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_ray_session_across_modules():
+    """Each test module starts without a Ray session in this process: one left by a module (a job's
+    `run_job` leaves a Ray it did not start; a bare `ray.put` starts one) is shut down after it. The suite
+    runs a file per pytest-xdist worker, so which module runs next in a process is not fixed."""
+    yield
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -133,7 +133,7 @@ def test_policy_worker_sizes_its_reference_and_threads_from_the_config(model_dir
         worker = PolicyWorker(cfg, model_dir, "unused", worker_info=ONE_RANK)
         assert torch.get_num_threads() == 2
     finally:
-        torch.set_num_threads(1)
+        torch._C.set_num_threads(1)
     rows = []
     worker.reference.model.register_forward_hook(lambda m, args, out: rows.append(1))
     worker.logprobs_and_train(_experience(worker.learner.model.config.vocab_size))

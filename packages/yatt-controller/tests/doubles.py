@@ -344,6 +344,8 @@ def start_ray(*by_value, num_gpus: int = 8) -> None:
 
     for module in (sys.modules[__name__], *by_value):
         ray.cloudpickle.register_pickle_by_value(module)
+    if ray.is_initialized():  # a session an earlier module left (e.g. one auto-started by a bare ray.put)
+        ray.shutdown()
     ray.init(
         address="local",
         num_cpus=8,

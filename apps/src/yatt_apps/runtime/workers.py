@@ -27,7 +27,9 @@ def set_threads(cfg: RunConfig) -> None:
     device that owns the machine's cores lets its roles use them all (colocated roles take turns)."""
     import torch
 
-    torch.set_num_threads(max(1, int(cfg.placement.cpus_per_device)))
+    # torch._C's setter: an in-process vLLM CPU engine replaces `torch.set_num_threads` with a no-op once it
+    # has bound its threads, which would leave this role at vLLM's count
+    torch._C.set_num_threads(max(1, int(cfg.placement.cpus_per_device)))
 
 
 def device() -> str:

@@ -305,7 +305,9 @@ class HFEngine:
     # ---- the worker ----------------------------------------------------------------------------------------
 
     def _serve(self) -> None:
-        torch.set_num_threads(self._num_threads)
+        # torch._C's setter: an in-process vLLM CPU engine (a judge beside this rollout) replaces
+        # `torch.set_num_threads` with a no-op once it has bound its threads
+        torch._C.set_num_threads(self._num_threads)
         while True:
             if not self._pending:
                 rows = self._rows.get()  # block until work arrives

@@ -79,10 +79,15 @@ def _kill_leftovers(ray_tmp: str) -> None:
             os.kill(int(line.split(":")[0]), signal.SIGKILL)
 
 
-def _start(run_dir: Path, env: dict[str, str], *sets: str) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "yatt_apps.cli", "grpo", "--run-dir", str(run_dir), *SHORT, *sets]
+def _start(argv: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """`yatt ARGV` in the background, in its own process group."""
     return subprocess.Popen(
-        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        [sys.executable, "-m", "yatt_apps.cli", *argv],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
 
 
@@ -280,37 +285,6 @@ def test_resume_names_a_corrupt_checkpoint_and_refuses_when_none_is_valid(two_st
 # ---- Ctrl-C, kill -9, resume -----------------------------------------------------------------------------
 
 
-def test_ctrl_c_stops_cleanly_and_resume_logs_every_step_once(tmp_path):
-    """SIGINT to the job's process group (what a terminal's Ctrl-C does) once step 2 is logged: exit 130, the
-    resume hint with the last logged step and the checkpoint it continues from, no traceback, no Ray process
-    left; the resumed run redoes the steps after that checkpoint and logs steps 0..23 once each."""
-    from yatt_controller import checkpoint
-
-    run_dir, ray_tmp = tmp_path / "run", _ray_tmp()
-    proc = _start(
-        run_dir, _env(ray_tmp), "--set", "run.num_steps=24", "--set", "controller.checkpoint_every=2"
-    )
-    _wait_for_step(proc, run_dir, 2)
-    os.killpg(proc.pid, signal.SIGINT)  # controllers run ahead of the driver's log: 24 steps leave room
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 130, err[-3000:]
-    logged = _steps(run_dir)
-    assert logged == list(range(len(logged))) and 3 <= len(logged) < 24  # stopped before the end
-    found = checkpoint.latest(run_dir / "checkpoints")
-    # controllers run ahead of the driver's log: the checkpoint may hold steps not logged yet (it carries
-    # their reports, and the resumed run logs them first)
-    assert found is not None and found[1].step < 24
-    assert err.endswith(
-        f"interrupted at step {logged[-1]}; resume with: {yatt_command()} resume {run_dir}\n"
-        f"(the run continues after the checkpoint of step {found[1].step})\n"
-    ), err[-3000:]
-    assert "yatt: stopping (Ctrl-C again to exit at once)" in err
-    assert "Traceback" not in err, err[-3000:]
-    assert _no_ray_left(ray_tmp) == []
-    _yatt("resume", str(run_dir), "--json", env=_env(_ray_tmp()))
-    assert _steps(run_dir) == list(range(24))
-
-
 def _still_running(tree: dict[int, int]) -> list[str]:
     """The processes of `tree` ({pid: start time}) that are still the same live, non-zombie process."""
     return [f"{pid}: {_comm(pid)}" for pid, started in tree.items() if local_ray.alive(pid, started)]
@@ -334,15 +308,23 @@ def _listening(pids: set[int]) -> list[str]:
     )
 
 
-def test_kill_9_then_resume_logs_every_step_once(tmp_path):
-    """The job's Ray listens on the loopback interface only; a kill -9 of the driver alone leaves no Ray
-    process behind (its reaper ends the agents Ray does not fate-share); resume then logs every step once."""
+def test_kill_9_then_ctrl_c_then_resume_log_every_step_once(tmp_path):
+    """One 24-step run, stopped twice and resumed twice (`yatt` in a fresh process each time, its own Ray):
+    1. kill -9 of the driver alone once step 2 is logged (what a crash or the OOM killer does): the job's Ray
+       listened on the loopback interface only, and no process of the driver's tree is left (its reaper ends
+       the agents Ray does not fate-share);
+    2. `yatt resume`, then SIGINT to its process group (what a terminal's Ctrl-C does) two steps later: exit
+       130, the resume hint with the last logged step and the checkpoint it continues from, no traceback, no
+       Ray process left;
+    3. `yatt resume` to the end: each resume redoes the steps after its checkpoint, and steps 0..23 are
+       logged once each."""
+    from yatt_controller import checkpoint
+
     run_dir, ray_tmp = tmp_path / "run", _ray_tmp()
-    proc = _start(
-        run_dir, _env(ray_tmp), "--set", "run.num_steps=8", "--set", "controller.checkpoint_every=2"
-    )
+    sets = ["--set", "run.num_steps=24", "--set", "controller.checkpoint_every=2"]
+    proc = _start(["grpo", "--run-dir", str(run_dir), *SHORT, *sets], _env(ray_tmp))
     try:
-        _wait_for_step(proc, run_dir, 2)  # 8 steps: the run is still going, Ray and its agents are up
+        _wait_for_step(proc, run_dir, 2)  # the run is still going, Ray and its agents are up
         # every process the driver started, by pid and start time (Ray's agents rename themselves, so their
         # command lines do not name the Ray temp dir)
         tree = local_ray.descendants([proc.pid])
@@ -350,7 +332,7 @@ def test_kill_9_then_resume_logs_every_step_once(tmp_path):
         sockets = _listening({proc.pid, *tree})
         loopback = ("127.0.0.1", "::ffff:127.0.0.1")
         assert sockets and all(s.rsplit(":", 1)[0] in loopback for s in sockets), sockets
-        os.kill(proc.pid, signal.SIGKILL)  # the driver only: what a crash or the OOM killer does
+        os.kill(proc.pid, signal.SIGKILL)  # the driver only
         proc.communicate(timeout=60)
         deadline = time.monotonic() + 20
         while (left := _still_running(tree)) and time.monotonic() < deadline:
@@ -359,6 +341,30 @@ def test_kill_9_then_resume_logs_every_step_once(tmp_path):
         assert _no_ray_left(ray_tmp, within_s=5) == []
     finally:
         _kill_leftovers(ray_tmp)
-    assert _steps(run_dir)[:3] == [0, 1, 2]
+    killed = _steps(run_dir)
+    assert killed == list(range(len(killed))) and len(killed) >= 3
+
+    ray_tmp = _ray_tmp()
+    proc = _start(["resume", str(run_dir)], _env(ray_tmp))
+    _wait_for_step(proc, run_dir, killed[-1] + 2)
+    os.killpg(proc.pid, signal.SIGINT)  # controllers run ahead of the driver's log: 24 steps leave room
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err[-3000:]
+    logged = _steps(run_dir)
+    assert (
+        logged == list(range(len(logged))) and len(killed) + 2 <= len(logged) < 24
+    )  # stopped before the end
+    found = checkpoint.latest(run_dir / "checkpoints")
+    # controllers run ahead of the driver's log: the checkpoint may hold steps not logged yet (it carries
+    # their reports, and the resumed run logs them first)
+    assert found is not None and found[1].step < 24
+    assert err.endswith(
+        f"interrupted at step {logged[-1]}; resume with: {yatt_command()} resume {run_dir}\n"
+        f"(the run continues after the checkpoint of step {found[1].step})\n"
+    ), err[-3000:]
+    assert "yatt: stopping (Ctrl-C again to exit at once)" in err
+    assert "Traceback" not in err, err[-3000:]
+    assert _no_ray_left(ray_tmp) == []
+
     _yatt("resume", str(run_dir), "--json", env=_env(_ray_tmp()))
-    assert _steps(run_dir) == list(range(8))
+    assert _steps(run_dir) == list(range(24))

@@ -153,3 +153,34 @@ def test_impossible_vllm_lora_runs_are_config_errors(rollout, rank, message):
         msgspec.structs.replace(RunConfig(), rollout=rollout, learner=LearnerConfig(lora_rank=rank))
     hf = msgspec.structs.replace(rollout, engine="hf")  # the HF engine applies any adapter, partial or not
     assert msgspec.structs.replace(RunConfig(), rollout=hf, learner=LearnerConfig(lora_rank=rank))
+
+
+class _Ctx:
+    """A rank-0 StepContext as `phases.push_version` uses it: each push lands `bytes_per_push` bytes."""
+
+    def __init__(self, buckets: list[int], bytes_per_push: int) -> None:
+        from types import SimpleNamespace
+
+        self.rank, self.policy_version, self.state = 0, 0, {}
+        self.weight_sync = SimpleNamespace(bucket_bytes=4096, push=lambda version: bytes_per_push)
+        self.learner = SimpleNamespace(broadcast=lambda method, *args: [next(sizes)])
+        sizes = iter(buckets)
+
+    def get(self, refs):
+        return refs
+
+    def barrier(self) -> None:
+        pass
+
+    def before_push(self) -> None:
+        pass
+
+
+def test_sync_bytes_is_what_the_steps_pushes_landed():
+    from yatt_apps.runtime.phases import SyncBytes, initial_push, sync_weights
+
+    ctx = _Ctx([300, 0, 300, 200, 0], bytes_per_push=1000)
+    initial_push(ctx, 0)  # type: ignore[arg-type]  # the attempt's first push: no step's bytes
+    step = SyncBytes(lambda ctx, batch: {"loss": 1.0} if sync_weights(ctx) is None else {})
+    assert step(ctx, []) == {"loss": 1.0, "sync/bytes": 2000.0}  # two streamed buckets, one push each
+    assert ctx.policy_version == 1 and ctx.state == {}  # nothing left for the checkpoint

@@ -426,7 +426,7 @@ def push_version(ctx: StepContext, version: int, *, stream: bool = True, first: 
         received += _push(ctx, version, before=not first)
         ctx.barrier()
     ctx.policy_version = version
-    if not first:  # the step's `sync/bytes` (`SyncBytes`); the attempt's first push is no step's
+    if received and not first:  # the step's `sync/bytes` (`SyncBytes`); an attempt's first push is no step's
         ctx.state[SYNC_BYTES] = ctx.state.get(SYNC_BYTES, 0) + received
 
 
@@ -444,7 +444,7 @@ def _push(ctx: StepContext, version: int, *, before: bool) -> int:
     assert ctx.weight_sync is not None
     if before:
         ctx.before_push()
-    return int(ctx.weight_sync.push(version))
+    return int(ctx.weight_sync.push(version) or 0)
 
 
 SYNC_BYTES = "sync_bytes"  # ctx.state key: the bytes of this step's pushes so far (rank 0)

@@ -9,6 +9,8 @@ from yatt_rollout.types import Completion, FinishReason, GenerateRequest, Routed
 
 
 def completions(req: GenerateRequest, output: Any, version: int) -> list[Completion]:
+    """The `Completion`s of `req` from vLLM's finished `RequestOutput`, in sample order; `version`: the
+    engine's weight version when the request was admitted (where vLLM labels no token spans)."""
     out = []
     for sample in sorted(output.outputs, key=lambda o: o.index):
         tokens = list(sample.token_ids)

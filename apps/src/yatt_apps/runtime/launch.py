@@ -23,7 +23,7 @@ from yatt_apps.io.models import load_tokenizer, prepare_model, tokenizer_corpus
 from yatt_apps.io.row_sources import open_rows, stream_check
 from yatt_apps.io.rundir import RunDir
 from yatt_apps.runtime.job import JobDef
-from yatt_apps.runtime.phases import initial_push
+from yatt_apps.runtime.phases import SyncBytes, initial_push
 from yatt_apps.runtime.progress import StepLogger, quiet_transformers
 from yatt_apps.runtime.step_metrics import ValidationSet
 
@@ -348,7 +348,7 @@ def run_job(
     logger = StepLogger(run, cfg.run.num_steps, start, cfg.run.progress, started_at=started_at)
     runtime = Job(
         build=functools.partial(job.build, cfg=cfg, policy_dir=policy_dir, judge_dir=judge_dir, plan=plan),
-        step_fn=job.step(cfg, policy_dir, ValidationSet(functools.partial(val_rows, cfg)), plan),
+        step_fn=SyncBytes(job.step(cfg, policy_dir, ValidationSet(functools.partial(val_rows, cfg)), plan)),
         dataset=functools.partial(rows, cfg),
         batch_size=cfg.run.prompts_per_step,
         num_steps=cfg.run.num_steps,

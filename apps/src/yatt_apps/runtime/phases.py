@@ -411,21 +411,23 @@ def push_version(ctx: StepContext, version: int, *, stream: bool = True, first: 
     replaced yet, so rank 0 re-forms no sync)."""
     if ctx.weight_sync is None:
         raise ValueError("sync_weights: the job's services define no weight_sync")
-    learner, pushed = learner_of(ctx), 0
+    learner, pushed, received = learner_of(ctx), 0, 0
     if not stream:
         ctx.get(learner.broadcast("gather_weights"))
     else:
         bucket_bytes = ctx.weight_sync.bucket_bytes
         while max(ctx.get(learner.broadcast("next_weight_bucket", bucket_bytes))) > 0:
             ctx.barrier()  # every rank holds bucket i (its gather is done)
-            _push(ctx, version, before=not (pushed or first))
+            received += _push(ctx, version, before=not (pushed or first))
             ctx.barrier()  # bucket i is in every engine: the ranks may free it
             pushed += 1
     if not pushed:  # one push: the whole model gathered, or DDP's live weights
         ctx.barrier()  # every learner rank finished its update
-        _push(ctx, version, before=not first)
+        received += _push(ctx, version, before=not first)
         ctx.barrier()
     ctx.policy_version = version
+    if received and not first:  # the step's `sync/bytes` (`SyncBytes`); an attempt's first push is no step's
+        ctx.state[SYNC_BYTES] = ctx.state.get(SYNC_BYTES, 0) + received
 
 
 def initial_push(ctx: StepContext, version: int) -> None:
@@ -434,19 +436,43 @@ def initial_push(ctx: StepContext, version: int) -> None:
     push_version(ctx, version, first=True)
 
 
-def _push(ctx: StepContext, version: int, *, before: bool) -> None:
-    if ctx.rank == 0:
-        assert ctx.weight_sync is not None
-        if before:
-            ctx.before_push()
-        ctx.weight_sync.push(version)
+def _push(ctx: StepContext, version: int, *, before: bool) -> int:
+    """Rank 0 pushes; returns the bytes the engines received (`WeightSync.push` counts them where they
+    land: each in-process copy's tensors, each broadcast receiver's buckets); 0 on the other ranks."""
+    if ctx.rank != 0:
+        return 0
+    assert ctx.weight_sync is not None
+    if before:
+        ctx.before_push()
+    return int(ctx.weight_sync.push(version) or 0)
+
+
+SYNC_BYTES = "sync_bytes"  # ctx.state key: the bytes of this step's pushes so far (rank 0)
+
+
+class SyncBytes:
+    """A job's step function with `sync/bytes` added to its metrics: the bytes the rollout engines received
+    in the step's weight pushes (rank 0 pushes, and rank 0's metrics are the step's; the other ranks
+    report 0). A LoRA run's pushes carry its adapters only (`learner_weights`)."""
+
+    def __init__(self, step_fn: Any) -> None:
+        self.step_fn = step_fn
+
+    def __call__(self, ctx: StepContext, batch: list) -> Any:
+        ctx.state.pop(SYNC_BYTES, None)
+        metrics = self.step_fn(ctx, batch)
+        received = ctx.state.pop(SYNC_BYTES, 0)
+        return {**metrics, "sync/bytes": float(received)} if isinstance(metrics, dict) else metrics
 
 
 def sleep_engines(ctx: Any, cfg: RunConfig, plan: PlacementPlan) -> None:
     """Full colocation time-shares devices: the engines release memory before the learner runs. The rollout
     engine sleeps at `placement.sleep_level` (1: caches, and weights offloaded off the accelerator; 2: weights
-    discarded, the next weight push restores them); a judge never discards its frozen weights (level <= 1)."""
+    discarded, the next weight push restores them); a judge never discards its frozen weights (level <= 1),
+    nor does a LoRA run's rollout engine (its pushes carry the adapters, not the base)."""
     level = cfg.placement.sleep_level
+    if cfg.learner.lora_rank:  # adapter-only pushes restore no discarded base: its weights stay (level 1)
+        level = min(level, 1)
     if plan.sleeps and level:
         with ctx.phase("sleep"):
             rollout, reward = ctx.services["rollout"], ctx.services["reward"]

@@ -339,13 +339,17 @@ def build_engine(
     processor: Any = None,
     partial: bool = False,
     shared_device: bool = True,
+    lora_rank: int = 0,
 ) -> Any:
     """The engine serving `spec` (`engine`: "hf" or "vllm") on this process's device in the spec's dtype. A
     vLLM engine spans the replica's `spec.tensor_parallel` devices (vLLM's own tensor parallelism);
-    `shared_device` (the plan's `shares_device(role, "actor")`): the learner holds memory on the same devices."""
+    `shared_device` (the plan's `shares_device(role, "actor")`): the learner holds memory on the same devices;
+    `lora_rank` > 0: vLLM serves the pushed LoRA adapters (the HF engine applies any)."""
     trust = spec.trust_remote_code
     if engine == "vllm":
-        return _vllm_engine(cfg, spec, model_dir, seed=seed, partial=partial, shared=shared_device)
+        return _vllm_engine(
+            cfg, spec, model_dir, seed=seed, partial=partial, shared=shared_device, lora=lora_rank
+        )
     from yatt_rollout.hf_engine import HFEngine
 
     model = load_causal_lm(model_dir, trust_remote_code=trust, dtype=dtype_name(spec))
@@ -356,7 +360,7 @@ def build_engine(
 
 
 def _vllm_engine(
-    cfg: RunConfig, spec: ModelSpec, model_dir: str, *, seed: int, partial: bool = False, shared: bool = True
+    cfg: RunConfig, spec: ModelSpec, model_dir: str, *, seed: int, partial: bool, shared: bool, lora: int
 ) -> Any:
     """vLLM on the model directory: context = the model's max_position_embeddings; on CUDA native sleep, and
     a third of the device's memory where the device is shared with other roles."""
@@ -380,6 +384,7 @@ def _vllm_engine(
         trust_remote_code=spec.trust_remote_code,
         max_model_len=int(hf_config.get("max_position_embeddings", 2048)),
         partial=partial,
+        lora_rank=lora,
         **kwargs,
     )
 
@@ -395,16 +400,6 @@ def _vllm_tp_executor() -> str:
         return "ray"
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     return "mp"
-
-
-def load_named(engine: Any, named: list, version: int) -> None:
-    """Named tensors already in this process into any engine (the vLLM one takes buckets)."""
-    if hasattr(engine, "load_weights"):
-        engine.load_weights(named, version)
-        return
-    from yatt_rollout.buckets import make_buckets
-
-    engine.update_weights(make_buckets(named, max_bytes=256 << 20), version)
 
 
 class RolloutWorker:
@@ -433,14 +428,18 @@ class RolloutWorker:
             processor=processor,
             partial=cfg.rollout.partial,
             shared_device=shared_device,
+            lora_rank=cfg.learner.lora_rank,  # the policy's pushes carry its LoRA adapters
         )
 
     def generate(self, requests: list) -> list:
         return self.engine.generate(requests) if self.engine is not None else []
 
     def load_weights(self, named: list, version: int) -> None:
+        """A push's tensors in this process; a LoRA learner's factors applied as an adapter (`load_push`)."""
+        from yatt_rollout.adapters import load_push
+
         if self.engine is not None:
-            load_named(self.engine, named, version)
+            load_push(self.engine, named, version)
 
     def sleep(self, level: int = 1) -> None:
         if self.engine is not None:

@@ -11,11 +11,17 @@ the loaded weight its new W0.
 Names are peft's (`get_peft_model_state_dict`), with or without its `base_model.model.` prefix:
 `model.layers.0.self_attn.q_proj.lora_A.weight`. A tensor that names no linear weight of the model is a
 ValueError naming it.
+
+A job's weight push may carry both kinds (a LoRA learner's first push: the base weights, then the factors):
+`load_push` loads the full tensors into any engine and applies the factors through its `load_adapter` (the HF
+engine here, vLLM's LoRA request API in `vllm_lora`). The learner sends B pre-multiplied by its scaling, so a
+pushed adapter is applied with scaling 1.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -44,6 +50,38 @@ def adapter_pairs(named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, tuple[
             )
         pairs[weight] = (got["lora_A"], got["lora_B"])
     return pairs
+
+
+def is_factor(name: str) -> bool:
+    """Whether `name` is a LoRA factor's (`... .lora_A. ...` / `... .lora_B. ...`)."""
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def split_push(
+    named: Sequence[tuple[str, torch.Tensor]],
+) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
+    """(full tensors, LoRA factors) of a weight push, each in the push's order."""
+    full = [(n, t) for n, t in named if not is_factor(n)]
+    return full, [(n, t) for n, t in named if is_factor(n)]
+
+
+def load_push(engine: Any, named: Sequence[tuple[str, torch.Tensor]], version: int) -> int:
+    """A weight push (named tensors in this process) into `engine` as `version`: full tensors loaded
+    (`load_weights`, or `update_weights` buckets for vLLM), then LoRA factors (B pre-scaled) applied through
+    `engine.load_adapter`. Returns the bytes the engine received."""
+    full, factors = split_push(named)
+    if full or not factors:
+        if hasattr(engine, "load_weights"):
+            engine.load_weights(full, version)
+        else:
+            from yatt_rollout.buckets import make_buckets
+
+            engine.update_weights(make_buckets(full, max_bytes=256 << 20), version)
+    if factors:
+        if not hasattr(engine, "load_adapter"):
+            raise ValueError(f"{type(engine).__name__} cannot apply LoRA adapters (a LoRA learner's push)")
+        engine.load_adapter(factors, scaling=1.0, version=version)
+    return nbytes(named)
 
 
 def nbytes(named: Iterable[tuple[str, torch.Tensor]]) -> int:

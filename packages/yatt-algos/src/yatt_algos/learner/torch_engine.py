@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from yatt_algos.learner import checkpoint, export, optim
+from yatt_algos.learner import checkpoint, export, lora_export, optim
 from yatt_algos.learner.packing import Batch, as_batch, micro_batches
 from yatt_algos.learner.sharded import FileEntries, PendingSave, ShardedState
 from yatt_algos.learner.update_loop import MetricSums, Normalizer, run_update
@@ -273,3 +273,14 @@ class TorchEngine:
         """Buckets of (HF name, tensor) of at most `bucket_bytes` each; under FSDP2 each bucket's shards are
         gathered when it is taken (every rank takes every bucket), so a rank holds one bucket at a time."""
         return export.export_buckets(self.model, bucket_bytes)
+
+    @property
+    def lora(self) -> bool:
+        """Whether this engine trains LoRA adapters (peft) instead of all weights."""
+        return lora_export.is_lora_model(self.model)
+
+    def export_lora(self, bucket_bytes: int, *, base: bool) -> Iterator[export.NamedTensors]:
+        """Adapter-only weight sync of a LoRA engine (`lora_export.lora_buckets`): the frozen base weights
+        unmerged (when `base`), then the adapter factors (B pre-scaled), in buckets of one kind and dtype;
+        under FSDP2 every rank takes every bucket."""
+        return lora_export.lora_buckets(self.model, bucket_bytes, base=base)

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 _FP32_MIN = torch.finfo(torch.float32).min
 
@@ -131,6 +132,7 @@ class _LinearTokenOutputs(torch.autograd.Function):
         return torch.stack([torch.cat(label), ent_all], dim=-1) if entropy else torch.cat(label)
 
     @staticmethod
+    @once_differentiable  # the gradient is computed by hand, not by autograd: no double backward
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, bias, labels, lse = ctx.saved_tensors
         transform, temperature, chunk_size, entropy = ctx.options

@@ -10,10 +10,12 @@ data parallel DP = 2 over gloo against DP = 1, side by side in one run.
    127.0.0.1, each with half of the batch), one thread per rank: tokens per second and speed-up.
 
 3. Memory of the logits: log-probs and entropy of 4,096 response tokens over a 151,936-token vocabulary
-   (Qwen2's), forward and backward (gradients to the hidden states and the output projection), once from the
-   full [T, V] logits (the path before yatt-algos 0.4.0) and once through the chunked head
-   (`learner/lm_head.py`), each in a fresh process: `peak_logprob_mib` (chunked) and `naive_logprob_mib` are
-   the peak RSS over the computation minus the RSS before it; the results are compared (max abs differences).
+   (Qwen2's), forward and backward (gradients to the hidden states and the output projection), from the
+   full [T, V] logits (the path before yatt-algos 0.4.0), through the chunked head the learner runs
+   (`learner/lm_head.py` with `learner/chunked_logprobs.py`'s hand-written backward) and through the same
+   chunks under activation checkpointing (0.4.0's head), each in a fresh process: `naive_logprob_mib`,
+   `peak_logprob_mib` and `checkpoint_logprob_mib` are the peak RSS over the computation minus the RSS
+   before it; the results are compared to the naive ones (max abs differences).
 
 Timings are medians over steps after a warm-up step. `--quick` runs in about two minutes on 2 cores and needs
 ~8 GiB (the naive figure).
@@ -31,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Any
 
 import torch
 
@@ -123,8 +126,10 @@ def _rss_mib() -> float:
 
 
 def _logprob_worker(path: str, tokens: int, vocab: int, hidden: int, chunk: int) -> None:
-    """One of the two logprob computations in this fresh process; writes its peak and results to `path`."""
+    """One of the logprob computations in this fresh process (the variant is the file's stem: naive,
+    checkpoint or chunked); writes its peak and results to `path`."""
     import resource
+    from pathlib import Path
 
     from yatt_algos.learner.lm_head import LogitTransform, head_token_outputs
     from yatt_algos.value import logprobs_and_entropy_from_logits
@@ -133,13 +138,16 @@ def _logprob_worker(path: str, tokens: int, vocab: int, hidden: int, chunk: int)
     head = torch.nn.Linear(hidden, vocab, bias=False)
     h = torch.randn(tokens, hidden, requires_grad=True)
     labels = torch.randint(0, vocab, (tokens,))
-    naive = path.endswith("naive.pt")
+    variant = Path(path).stem
     before = _rss_mib()
-    if naive:  # the old learner path: full logits, then the chunked log-softmax
+    if variant == "naive":  # the old learner path: full logits, then the chunked log-softmax
         lp, ent = logprobs_and_entropy_from_logits(head(h)[None], labels[None], chunk_size=chunk)
         lp, ent = lp[0], ent[0]
-    else:
-        both = head_token_outputs(h, head, labels, transform=LogitTransform(), chunk_size=chunk, entropy=True)
+    else:  # "chunked": what the learner runs (the hand-written backward); "checkpoint": each chunk checkpointed
+        recompute = "checkpoint" if variant == "checkpoint" else "auto"
+        both = head_token_outputs(
+            h, head, labels, transform=LogitTransform(), chunk_size=chunk, entropy=True, recompute=recompute
+        )
         lp, ent = both[:, 0], both[:, 1]
     (lp.sum() + ent.sum()).backward()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
@@ -147,31 +155,33 @@ def _logprob_worker(path: str, tokens: int, vocab: int, hidden: int, chunk: int)
     torch.save(out | {"peak_mib": peak - before}, path)
 
 
-def _logprob_memory(tokens: int, vocab: int, hidden: int, chunk: int) -> dict[str, float]:
+def _logprob_memory(tokens: int, vocab: int, hidden: int, chunk: int) -> dict[str, Any]:
     import tempfile
     from pathlib import Path
 
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name in ("naive", "chunked"):
+        for name in ("naive", "checkpoint", "chunked"):
             path = str(Path(tmp) / f"{name}.pt")
             cmd = [sys.executable, __file__, "--logprob-worker", path, "--vocab", str(vocab)]
             cmd += ["--tokens", str(tokens), "--hidden", str(hidden), "--chunk", str(chunk)]
             subprocess.run(cmd, check=True)
             results[name] = torch.load(path)
-    naive, chunked = results["naive"], results["chunked"]
+    naive, chunked, ckpt = results["naive"], results["chunked"], results["checkpoint"]
 
-    def diff(key: str) -> float:
-        return float((naive[key] - chunked[key]).abs().max())
+    def diff(key: str, other: dict[str, Any] = chunked) -> float:
+        return float((naive[key] - other[key]).abs().max())
 
     return {
         "peak_logprob_mib": round(chunked["peak_mib"], 1),
         "naive_logprob_mib": round(naive["peak_mib"], 1),
+        "checkpoint_logprob_mib": round(ckpt["peak_mib"], 1),
         "logprob_mem_ratio": round(chunked["peak_mib"] / naive["peak_mib"], 3),
         "logprob_max_abs_diff": diff("lp"),
         "entropy_max_abs_diff": diff("ent"),
         "grad_hidden_max_abs_diff": diff("gh"),
         "grad_head_max_abs_diff": diff("gw"),
+        "checkpoint_max_abs_diff": max(diff(k, ckpt) for k in ("lp", "ent", "gh", "gw")),
         "logprob_shape": {"tokens": tokens, "vocab": vocab, "hidden": hidden, "chunk": chunk},
     }
 

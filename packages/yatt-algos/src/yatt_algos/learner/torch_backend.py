@@ -80,9 +80,10 @@ def causal_lm_forward(
     that predicted each token, when asked) aligned to mb["input_ids"].
 
     The model runs to its final hidden states; the output projection, final logit transform, temperature and
-    log-softmax then run `chunk_size` tokens at a time, recomputed in backward (`lm_head.head_token_outputs`),
-    so the [b, t, V] logits never exist. A model type whose final transform is unknown takes the full logits
-    (with a warning)."""
+    log-softmax then run `chunk_size` tokens at a time over the positions whose target is not padding,
+    recomputed in backward (`lm_head.head_token_outputs`, `chunked_logprobs`), so the [b, t, V] logits never
+    exist. A model type whose final transform is unknown takes the full logits (with a warning): the fallback
+    where no backbone/projection split is known."""
     kwargs = {
         "input_ids": mb["input_ids"],
         "attention_mask": mb["attention_mask"].long(),
@@ -104,9 +105,12 @@ def causal_lm_forward(
     if hidden is None:
         raise RuntimeError(f"{type(head.inner).__name__}'s forward did not call its lm_head")
     b, t, width = hidden.shape
-    labels = mb["input_ids"][:, 1:].reshape(-1).long()  # hidden[:, i] predicts input_ids[:, i + 1]
+    # hidden[:, i] predicts input_ids[:, i + 1]; only the positions whose target is a real token run the head
+    # (their outputs are the only ones `_shift_right` keeps: padding costs no [chunk, V] work)
+    rows = mask[:, 1:].reshape(-1).nonzero().squeeze(-1)  # [n] flat indices into [b * (t - 1)]
+    labels = mb["input_ids"][:, 1:].reshape(-1)[rows].long()
     flat = head_token_outputs(
-        hidden[:, :-1].reshape(b * (t - 1), width),
+        hidden[:, :-1].reshape(b * (t - 1), width)[rows],
         head.head,
         labels,
         transform=head.transform,
@@ -114,15 +118,16 @@ def causal_lm_forward(
         temperature=temperature,
         entropy=entropy != "none",
         sum_pi_squared=sum_pi_squared,
-    )
+    )  # [n] or [n, k]
+    full = flat.new_zeros((b * (t - 1), *flat.shape[1:])).index_copy(0, rows, flat)
     if entropy == "none" and not sum_pi_squared:
-        return {"logprobs": _shift_right(flat.view(b, t - 1), mask)}
-    flat = flat.view(b, t - 1, -1)
-    result = {"logprobs": _shift_right(flat[..., 0], mask)}
+        return {"logprobs": _shift_right(full.view(b, t - 1), mask)}
+    full = full.view(b, t - 1, -1)
+    result = {"logprobs": _shift_right(full[..., 0], mask)}
     if entropy != "none":
-        result["entropy"] = _shift_right(flat[..., 1] if entropy == "grad" else flat[..., 1].detach(), mask)
+        result["entropy"] = _shift_right(full[..., 1] if entropy == "grad" else full[..., 1].detach(), mask)
     if sum_pi_squared:
-        result["sum_pi_squared"] = _shift_right(flat[..., 2].detach(), mask)
+        result["sum_pi_squared"] = _shift_right(full[..., 2].detach(), mask)
     return result
 
 

@@ -115,12 +115,13 @@ def tiny_cpu_distill() -> DistillConfig:
     no KL to a reference, 32 prompts x 8 samples per step, 60 steps, greedy accuracy on 256 validation rows
     (64 rows are +-0.05 of noise). Measured (`bench_jobs.py --quick`, seed 0, a loaded 2-core machine): reverse
     KL 0.75 -> 0.16 nats/token (-79%, first and last three steps), greedy accuracy 0.50 -> 0.61, sampled
-    accuracy 0.35 -> 0.44, the teacher 0.75. Tried (session 10, the job unless "replica": a single-process copy of the step):
-    the sampled-token estimate (distill.topk 0) with this student cut the reverse KL 44% in 30 steps but left
-    greedy accuracy flat (0.48 -> 0.47) and at lr 1e-3 made it worse (0.50 -> 0.33 by step 10); the dense loss
-    at lr 2e-3 diverged (reverse KL 0.55 -> 2.8); the forward KL (distill.topk_divergence) did no better than
-    the reverse one (replica: -12% vs -22% KL, greedy -0.004 vs +0.02 in 30 steps). Session 9's 400-step
-    student (0.22) stayed flat whatever the lr, reward coefficient or teacher temperature."""
+    accuracy 0.35 -> 0.44, the teacher 0.75. Tried (session 10; the job unless "replica": a single-process
+    copy of the step): the sampled-token estimate (distill.topk 0) with this student cut the reverse KL 44% in
+    30 steps but left greedy accuracy flat (0.48 -> 0.47) and at lr 1e-3 made it worse (0.50 -> 0.33 by step
+    10); the dense loss at lr 2e-3 diverged (reverse KL 0.55 -> 2.8); the forward KL
+    (distill.topk_divergence) did no better than the reverse one (replica: -12% vs -22% KL, greedy -0.004 vs
+    +0.02 in 30 steps). Session 9's 400-step student (0.22) stayed flat whatever the lr, reward coefficient or
+    teacher temperature."""
     base = _tiny_base()
     return as_config(
         DistillConfig,

@@ -14,7 +14,15 @@ from yatt_algos.distill import reverse_kl_advantages
 from yatt_apps.config import ModelSpec
 from yatt_apps.io.data import PromptRow, arithmetic_task
 from yatt_apps.io.models import load_tokenizer, prepare_model, tokenizer_corpus
-from yatt_apps.jobs.distill import JOB, TEACHER, check, check_plan, serve_teacher, tiny_cpu_distill
+from yatt_apps.jobs.distill import (
+    JOB,
+    TEACHER,
+    DistillSpec,
+    check,
+    check_plan,
+    serve_teacher,
+    tiny_cpu_distill,
+)
 from yatt_apps.runtime.launch import placement_plan
 from yatt_apps.runtime.phases import pad_batch, render_prompt
 from yatt_apps.runtime.teacher import TeacherWorker, check_tokenizers, teacher_tensor, token_logprobs
@@ -35,14 +43,20 @@ def models(tmp_path_factory):
     return str(student), str(teacher)
 
 
-def _forward_logprobs(model_dir: str, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log p(token t | tokens < t) [B, T] by a plain full-logits forward (0 at t = 0): the reference."""
+def _forward_logprobs(
+    model_dir: str, input_ids: torch.Tensor, temperature: float = 1.0, *, full_vocab: bool = False
+) -> torch.Tensor:
+    """log p(token t | tokens < t) [B, T] by a plain full-logits forward (0 at t = 0): the reference; with
+    `full_vocab`, the whole distribution that predicts token t [B, T, V] (zeros at t = 0)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     with torch.no_grad():
         logits = model(input_ids=input_ids).logits.float() / temperature
-    picked = logits[:, :-1].log_softmax(-1).gather(-1, input_ids[:, 1:, None])[..., 0]
+    lp = logits[:, :-1].log_softmax(-1)
+    if full_vocab:
+        return torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
+    picked = lp.gather(-1, input_ids[:, 1:, None])[..., 0]
     return torch.cat([torch.zeros(input_ids.shape[0], 1), picked], dim=1)
 
 
@@ -89,6 +103,19 @@ def test_teacher_logprobs_and_advantages_equal_separate_forwards(models):
         sharp, _forward_logprobs(teacher_dir, batch["input_ids"], 0.5), rtol=0, atol=1e-5
     )
 
+    # distill.topk: the same log-probs, and per response token the teacher's top-k and tail of a full forward
+    worker.topk = 3
+    dense = worker.score_and_teach(requests)
+    assert dense["teacher_logprobs"] == out["teacher_logprobs"]
+    ids, values = (teacher_tensor(batch, dense[f"teacher_topk_{key}"]) for key in ("ids", "values"))
+    assert ids.shape == (*mask.shape, 3) and ids.dtype == torch.long and values.shape == (*mask.shape, 4)
+    full = _forward_logprobs(teacher_dir, batch["input_ids"], full_vocab=True)[mask]  # [N, V]
+    top = full.topk(3, dim=-1)
+    assert torch.equal(ids[mask], top.indices)
+    torch.testing.assert_close(values[mask][:, :3], top.values, rtol=0, atol=1e-5)
+    rest = full.exp().sum(-1) - top.values.exp().sum(-1)  # the tail's mass: every other token's
+    torch.testing.assert_close(values[mask][:, 3].exp(), rest, rtol=1e-4, atol=1e-6)
+
 
 def test_matching_tokenizers_pass_and_mismatched_ones_are_refused(models, tmp_path):
     student_dir, teacher_dir = models
@@ -123,6 +150,12 @@ def test_config_errors_name_their_keys():
     coef = msgspec.structs.replace(cfg.distill, reward_coef=0.5)
     with pytest.raises(ValueError, match="rewards is empty"):
         check(msgspec.structs.replace(cfg, distill=coef, rewards=[]))
+    dense = msgspec.structs.replace(cfg.distill, topk=8)
+    replay = msgspec.structs.replace(cfg.algo, routing_replay="r3")
+    with pytest.raises(ValueError, match=r"distill\.topk > 0 \(the dense loss\) runs on torch learners"):
+        check(msgspec.structs.replace(cfg, distill=dense, algo=replay))
+    with pytest.raises(ValueError, match=r"distill\.topk must be >= 0"):
+        DistillSpec(topk=-1)
     # the config the run uses holds the teacher in the judge's slot, and passes the check again (resume)
     served = serve_teacher(cfg, None)  # type: ignore[arg-type]
     assert served.judge == cfg.distill.teacher

@@ -60,3 +60,15 @@ def test_baseline_subtracts_the_mean_over_response_tokens() -> None:
     expected = torch.tensor([[0.0, 0.0, 2.0, -7.0], [1.0, 4.0, 0.0, 0.0]])
     assert torch.equal(adv, expected)
     assert float(adv[MASK.bool()].sum()) == 0.0
+
+
+def test_kl_coef_zero_keeps_only_the_reward_share() -> None:
+    """kl_coef 0 (distill.topk: the KL is a loss of its own): A_t = reward_coef * r - its token mean."""
+    reward = torch.tensor([1.0, 0.0])
+    adv = reverse_kl_advantages(
+        STUDENT, TEACHER, MASK, reward=reward, reward_coef=2.0, kl_coef=0.0, baseline=True
+    )
+    # 2 on row 0's three tokens, 0 on row 1's two: mean 6 / 5 = 1.2
+    expected = torch.tensor([[0.0, 0.8, 0.8, 0.8], [-1.2, -1.2, 0.0, 0.0]])
+    torch.testing.assert_close(adv, expected, rtol=0, atol=1e-6)
+    assert bool((reverse_kl_advantages(STUDENT, TEACHER, MASK, kl_coef=0.0) == 0).all())

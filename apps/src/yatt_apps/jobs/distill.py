@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import uuid
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import msgspec
 from yatt_algos.types import AlgoConfig, OptimConfig
@@ -81,10 +81,21 @@ class DistillSpec(_Config, frozen=True, kw_only=True):
     baseline: bool = True
     # the teacher's logits are divided by this before its log-probs (1: its own distribution; < 1: sharper)
     teacher_temperature: float = 1.0
+    # 0: the KL term is the per-token advantage -(log p_student - log p_teacher) of the sampled token (policy
+    # gradient). k > 0: it is a loss of its own instead, the exact reverse KL at every response position between
+    # the student's next-token distribution and the teacher's k most likely tokens plus one bucket for the rest
+    # (`yatt_algos.distill_topk`; the teacher sends k + 1 log-probs per token); the advantages keep only the task
+    # reward's share. Torch learners (ddp, fsdp2); k < the vocabulary size
+    topk: int = 0
+    # with topk: reverse, KL(student || teacher) (the sampled estimate's objective, mode-seeking), or forward,
+    # KL(teacher || student) (cross-entropy on the teacher's soft labels at the student's prefixes; GKD's beta 0)
+    topk_divergence: Literal["reverse", "forward"] = "reverse"
 
     def __post_init__(self) -> None:
         if not self.teacher_temperature > 0:
             raise ValueError(f"distill.teacher_temperature must be > 0, got {self.teacher_temperature}")
+        if self.topk < 0:
+            raise ValueError(f"distill.topk must be >= 0 (0: the sampled-token estimate), got {self.topk}")
 
 
 class DistillConfig(RunConfig, frozen=True, kw_only=True):
@@ -96,38 +107,37 @@ class DistillConfig(RunConfig, frozen=True, kw_only=True):
 
 
 def tiny_cpu_distill() -> DistillConfig:
-    """`yatt distill` on the embedded task: a tiny Qwen2 student warm-started briefly (400 steps: greedy
-    validation accuracy 0.22) distils a twice-wider tiny teacher warm-started for longer (0.75; both built once
-    and cached). Pure distillation (reward_coef 0; the exact-answer rule is scored as a metric), the mean
-    advantage of each controller's batch as the baseline, token-mean PPO-clip, two updates per batch at lr
-    5e-4, no KL to a reference, 32 prompts x 8 samples per step, 30 steps. Measured (seed 0, a loaded 2-core
-    machine): reverse KL 2.13 -> 1.50 nats/token (means of the first and last three steps: -29%), sampled
-    accuracy (`reward/mean`) 0.12 -> 0.24, greedy `val/accuracy` 0.22 -> 0.25 (noisy: 64 rows). Tried: without
-    the baseline the reverse KL barely fell at lr 5e-4 and rose at 2e-3; with it, lr 1e-3 and a teacher at
-    temperature 0.5 made the first steps worse; one update per batch reached 0.33 greedy accuracy at step 29
-    once but only 0.25 at step 39 of a 40-step run; the default student (700 warm-start steps, 0.53) left too
-    little room below the teacher (its greedy accuracy fell while its sampled accuracy rose). A single-process
-    replica of this recipe (HF sampling, the same advantages and PPO-clip, greedy accuracy on 256 validation
-    rows, not 64: +-0.03) found the 400-step student flat (0.22 -> 0.25; with the advantage clipped at -3, a
-    task reward at coef 2, a teacher at temperature 2 or lr 2e-3: 0.16-0.25), and the 700-step student (the
-    shared default policy, shipped) better: reverse KL -45%, greedy 0.50 -> 0.57 (lr 1e-3, 4 updates per
-    batch, 64 prompts or 16 samples per prompt: no better). Not yet run through the job."""
+    """`yatt distill` on the embedded task: the shared tiny Qwen2 policy (warm-started 700 steps: greedy
+    validation accuracy about 0.50) distils a twice-wider tiny teacher warm-started for longer (0.75; both
+    shipped). The KL term is the dense one (`distill.topk` 16: the exact per-position reverse KL over the
+    teacher's 16 most likely tokens and a tail bucket, `yatt_algos.distill_topk`), pure distillation
+    (reward_coef 0; the exact-answer rule is scored as a metric), token-mean, two updates per batch at lr 5e-4,
+    no KL to a reference, 32 prompts x 8 samples per step, 60 steps, greedy accuracy on 256 validation rows
+    (64 rows are +-0.05 of noise). Measured (`bench_jobs.py --quick`, seed 0, a loaded 2-core machine): reverse
+    KL 0.75 -> 0.16 nats/token (-79%, first and last three steps), greedy accuracy 0.50 -> 0.61, sampled
+    accuracy 0.35 -> 0.44, the teacher 0.75. Tried (session 10; the job unless "replica": a single-process
+    copy of the step): the sampled-token estimate (distill.topk 0) with this student cut the reverse KL 44% in
+    30 steps but left greedy accuracy flat (0.48 -> 0.47) and at lr 1e-3 made it worse (0.50 -> 0.33 by step
+    10); the dense loss at lr 2e-3 diverged (reverse KL 0.55 -> 2.8); the forward KL
+    (distill.topk_divergence) did no better than the reverse one (replica: -12% vs -22% KL, greedy -0.004 vs
+    +0.02 in 30 steps). Session 9's 400-step student (0.22) stayed flat whatever the lr, reward coefficient or
+    teacher temperature."""
     base = _tiny_base()
     return as_config(
         DistillConfig,
         base,
         run=msgspec.structs.replace(
-            base.run, name="distill-tiny", num_steps=30, prompts_per_step=32, eval_every=5
+            base.run, name="distill-tiny", num_steps=60, prompts_per_step=32, eval_every=10
         ),
-        model=ModelSpec(warm_start="policy", warm_start_steps=400, warm_start_batch_size=64),
         judge=None,
+        data=msgspec.structs.replace(base.data, num_val_rows=256),
         sampling=msgspec.structs.replace(base.sampling, n=8),
         rewards=[RewardSpec(kind="math_verify", weight=1.0)],
         algo=AlgoConfig(loss_agg_mode="token-mean", kl_loss_coef=0.0, num_updates_per_batch=2),
         optim=OptimConfig(
-            lr=5e-4, num_warmup_steps=2, num_training_steps=30, micro_batch_size=32, clip_grad_norm=1.0
+            lr=5e-4, num_warmup_steps=2, num_training_steps=60, micro_batch_size=32, clip_grad_norm=1.0
         ),
-        distill=DistillSpec(teacher=TINY_TEACHER),
+        distill=DistillSpec(teacher=TINY_TEACHER, topk=16),
     )
 
 
@@ -148,6 +158,7 @@ def distill_step(
     from yatt_apps.jobs.grpo import logprobs_and_train, old_logprobs_from_update, rollout_logprobs
 
     tok = tokenizer(policy_dir)
+    topk = cfg.distill.topk
     with ctx.phase("rollout_teacher"):  # completions streamed into the teacher, chunk by chunk
         prompt_ids, scored = rollout_and_score(ctx, cfg, rows, tok, method="score_and_teach", token_ids=True)
     sums = maybe_evaluate(ctx, val_rows, cfg, tok)  # the student that generated this step's samples
@@ -167,15 +178,22 @@ def distill_step(
             reward=reward,
             reward_coef=cfg.distill.reward_coef,
             baseline=cfg.distill.baseline,
+            kl_coef=0.0 if topk else 1.0,  # top-k: the KL is the learner's dense loss, not an advantage
         )
+        dense = {  # [B, T, k] and [B, T, k + 1]: what the student's learner matches at every response token
+            f"teacher_topk_{key}": teacher_tensor(
+                batch, [scored.extra[f"teacher_topk_{key}"][i] for i in kept]
+            )
+            for key in (("ids", "values") if topk else ())
+        }
 
     with ctx.phase("train"):  # SPMD: every learner rank updates together (gradient all-reduce)
-        if old_logprobs_from_update(cfg):  # one optimizer step per batch: the update's forward gives them
+        if old_logprobs_from_update(cfg) and not topk:  # one optimizer step: the update's forward gives them
             experience = {**batch, "advantages": advantages, "rollout_logprobs": student}
             lp, stats = logprobs_and_train(ctx, experience)
         else:
             lp, rollout_lp = old_logprobs(ctx, batch, samples)
-            stats = train_policy(ctx, batch, lp, rollout_lp, advantages)
+            stats = train_policy(ctx, batch, lp, rollout_lp, advantages, **dense)
 
     push_weights(ctx, cfg, plan)  # version v+1 to every rollout replica; all controllers wait
 
@@ -227,12 +245,12 @@ def build(
     from yatt_controller.sync import WeightSync
     from yatt_controller.worker_group import WorkerGroup
 
-    from yatt_apps.runtime.teacher import TeacherWorker
-    from yatt_apps.runtime.workers import PolicyWorker, RolloutWorker
+    from yatt_apps.runtime.teacher import StudentWorker, TeacherWorker
+    from yatt_apps.runtime.workers import RolloutWorker
 
     key = f"yatt-actor-{uuid.uuid4().hex}"  # this attempt's learner rendezvous (a restart gets a new one)
     actor = WorkerGroup.create(
-        pool, "actor", PolicyWorker, args=(cfg, policy_dir, key), pass_worker_info=True, lock="learner"
+        pool, "actor", StudentWorker, args=(cfg, policy_dir, key), pass_worker_info=True, lock="learner"
     )
     rollout = WorkerGroup.create(
         pool,
@@ -250,6 +268,7 @@ def build(
         args=(cfg, judge_dir, policy_dir),
         kwargs={
             "temperature": cfg.distill.teacher_temperature,
+            "topk": cfg.distill.topk,
             "shared_device": plan.shares_device(TEACHER, "actor"),
         },
     )
@@ -281,6 +300,11 @@ def check(cfg: DistillConfig) -> None:
         raise ValueError("distill distils text policies on single-turn prompts (model.arch, rollout.env)")
     if cfg.distill.reward_coef and not cfg.rewards:
         raise ValueError("distill.reward_coef is set but rewards is empty: add the task's reward terms")
+    if cfg.distill.topk and (cfg.learner.backend == "megatron" or cfg.algo.routing_replay != "off"):
+        raise ValueError(
+            "distill.topk > 0 (the dense loss) runs on torch learners without routing replay: set "
+            "learner.backend to ddp or fsdp2 and algo.routing_replay=off, or distill.topk=0"
+        )
 
 
 def check_plan(plan: PlacementPlan) -> None:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from yatt_apps.config import RunConfig
 from yatt_apps.io.data import PromptRow
-from yatt_apps.runtime.workers import RewardWorker
+from yatt_apps.runtime.workers import PolicyWorker, RewardWorker
 
 if TYPE_CHECKING:
     from yatt_controller.controller import StepContext
@@ -99,6 +99,31 @@ def token_logprobs(
     return torch.cat(parts)
 
 
+def topk_logprobs(
+    model: Any,
+    batch: dict[str, Any],
+    k: int,
+    *,
+    chunk_size: int,
+    micro_batch_size: int,
+    temperature: float = 1.0,
+) -> dict[str, Any]:
+    """`yatt_algos.distill_topk.teacher_topk_outputs` of `model` over `batch` in micro-batches: "logprobs"
+    [B, T] of each response token, the top-k "topk_ids" [B, T, k] and "topk_values" [B, T, k + 1] (k log-probs
+    and the tail's) of the distribution that predicted it; 0 off the response; on the CPU."""
+    import torch
+    from yatt_algos.distill_topk import teacher_topk_outputs
+
+    dev = next(model.parameters()).device
+    parts: dict[str, list] = {}
+    for start in range(0, batch["input_ids"].shape[0], micro_batch_size):
+        mb = {key: v[start : start + micro_batch_size].to(dev) for key, v in batch.items()}
+        out = teacher_topk_outputs(model, mb, k, chunk_size=chunk_size, temperature=temperature)
+        for key, value in out.items():
+            parts.setdefault(key, []).append(value.cpu())
+    return {key: torch.cat(values) for key, values in parts.items()}
+
+
 class TeacherWorker(RewardWorker):
     """`yatt distill`'s reward service: the rule terms of `rewards` (the task reward) and the teacher model on
     an HF engine in this process (slept and woken as a judge is: `RewardWorker.sleep` / `wake_up`)."""
@@ -110,6 +135,7 @@ class TeacherWorker(RewardWorker):
         policy_dir: str,
         *,
         temperature: float = 1.0,
+        topk: int = 0,
         shared_device: bool = True,
     ) -> None:
         from yatt_rollout.hf_engine import HFEngine
@@ -122,6 +148,7 @@ class TeacherWorker(RewardWorker):
         assert spec is not None, "distill serves its teacher in the judge's slot (serve_teacher)"
         self.system_prompt = cfg.data.system_prompt
         self.temperature = temperature  # the teacher's logits / temperature: < 1 sharpens the target
+        self.topk = topk  # > 0: also the top-k ids and log-probs (and the tail's) at every response position
         self.chunk_size = cfg.learner.logits_chunk_size
         self.micro_batch_size = cfg.optim.micro_batch_size or 32
         # the student's tokenizer renders prompts exactly as the controllers did (one vocabulary: checked)
@@ -134,43 +161,88 @@ class TeacherWorker(RewardWorker):
         )
         self.engine = self.teacher  # slept (weights off the accelerator) and woken as a judge's engine
 
-    def teacher_logprobs(self, requests: list) -> list[list[float]]:
-        """The teacher's log-prob of each response token of each `RewardRequest` (with response token ids)."""
+    def teacher_logprobs(self, requests: list) -> dict[str, list]:
+        """Per `RewardRequest` (with response token ids), in order: "teacher_logprobs", the teacher's log-prob
+        of each response token (a list of floats); with `topk` also "teacher_topk_ids" [n, k] and
+        "teacher_topk_values" [n, k + 1] (tensors; n: the request's response tokens)."""
+        import torch
+
         from yatt_apps.runtime.phases import pad_batch, render_prompt
 
         if not requests:
-            return []
+            return {"teacher_logprobs": []} | (
+                {"teacher_topk_ids": [], "teacher_topk_values": []} if self.topk else {}
+            )
         prompts = [
             render_prompt(self.tok, PromptRow(prompt=r.prompt, answer=r.reference), self.system_prompt)
             for r in requests
         ]
         batch = pad_batch(prompts, [list(r.response_token_ids) for r in requests], self.tok.pad_token_id)
-        lp = token_logprobs(
-            self.teacher.model,
-            batch,
-            chunk_size=self.chunk_size,
-            micro_batch_size=self.micro_batch_size,
-            temperature=self.temperature,
-        )
-        return [lp[i][batch["response_mask"][i]].tolist() for i in range(len(requests))]
+        sizes = {"chunk_size": self.chunk_size, "micro_batch_size": self.micro_batch_size}
+        if not self.topk:
+            lp = token_logprobs(self.teacher.model, batch, temperature=self.temperature, **sizes)
+            mask = batch["response_mask"]
+            return {"teacher_logprobs": [lp[i][mask[i]].tolist() for i in range(len(requests))]}
+        out = topk_logprobs(self.teacher.model, batch, self.topk, temperature=self.temperature, **sizes)
+        rows = range(len(requests))
+        mask = batch["response_mask"]
+        return {
+            "teacher_logprobs": [out["logprobs"][i][mask[i]].tolist() for i in rows],
+            "teacher_topk_ids": [out["topk_ids"][i][mask[i]].to(torch.int32) for i in rows],
+            "teacher_topk_values": [out["topk_values"][i][mask[i]] for i in rows],
+        }
 
     def score_and_teach(self, requests: list) -> dict[str, Any]:
-        """The rule terms (task reward) and the teacher's token log-probs of each request, in one call (one
-        stream stage)."""
-        return {**self.score(requests), "teacher_logprobs": self.teacher_logprobs(requests)}
+        """The rule terms (task reward) and the teacher's token log-probs of each request (and its top-k), in
+        one call (one stream stage)."""
+        return {**self.score(requests), **self.teacher_logprobs(requests)}
 
     def generate(self, requests: list) -> list:
         """The teacher's own completions (its validation accuracy)."""
         return self.teacher.generate(requests)
 
 
-def teacher_tensor(batch: dict[str, Any], logprobs: list[list[float]]) -> Any:
-    """The teacher's per-sample token log-probs laid on the batch's response tokens [B, T] (0 elsewhere)."""
+class StudentWorker(PolicyWorker):
+    """The student's learner rank: a `PolicyWorker` whose `train` runs the dense loss
+    (`yatt_algos.distill_topk.update_topk`) when the experience carries the teacher's top-k (`distill.topk`:
+    "teacher_topk_ids" [B, T, k], "teacher_topk_values" [B, T, k + 1])."""
+
+    def __init__(self, cfg: RunConfig, model_dir: str, key: str, *, worker_info: Any) -> None:
+        super().__init__(cfg, model_dir, key, worker_info=worker_info)
+        spec = getattr(cfg, "distill", None)  # a DistillConfig's DistillSpec (any RunConfig: the default)
+        self.direction = "reverse" if spec is None else spec.topk_divergence
+
+    def train(self, experience: dict[str, Any]) -> dict[str, float]:
+        if "teacher_topk_ids" not in experience:
+            return super().train(experience)
+        from yatt_algos.distill_topk import update_topk
+
+        self.weights.release()
+        rest = dict(experience)
+        ids, values = rest.pop("teacher_topk_ids"), rest.pop("teacher_topk_values")
+        stats = update_topk(self.learner, rest, ids, values, direction=self.direction)
+        return {
+            "loss": stats.loss,
+            "grad_norm": stats.grad_norm,
+            "lr": stats.lr,
+            "num_skipped_steps": float(stats.num_skipped_steps),
+            **stats.metrics,
+        }
+
+
+def teacher_tensor(batch: dict[str, Any], values: list) -> Any:
+    """Per-sample teacher outputs laid on the batch's response tokens, 0 elsewhere: lists of floats (one per
+    response token) -> [B, T] float32; tensors [n, ...] -> [B, T, ...] (int64 for integer ones, e.g. top-k
+    ids; float32 otherwise)."""
     import torch
 
-    out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
-    for row, values in enumerate(logprobs):
-        out[row, batch["response_mask"][row]] = torch.tensor(values, dtype=torch.float32)
+    parts = [torch.as_tensor(v) for v in values]
+    trailing = tuple(parts[0].shape[1:]) if parts else ()
+    integer = bool(parts) and not parts[0].dtype.is_floating_point
+    dtype = torch.long if integer else torch.float32
+    out = torch.zeros((*batch["input_ids"].shape, *trailing), dtype=dtype)
+    for row, part in enumerate(parts):
+        out[row, batch["response_mask"][row]] = part.to(dtype)
     return out
 
 

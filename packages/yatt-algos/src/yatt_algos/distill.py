@@ -28,8 +28,10 @@ def reverse_kl_advantages(
     reward: torch.Tensor | None = None,
     reward_coef: float = 0.0,
     baseline: bool = False,
+    kl_coef: float = 1.0,
 ) -> torch.Tensor:
-    """A_t = -(student_logprobs - teacher_logprobs) + reward_coef * reward on response tokens, 0 elsewhere;
+    """A_t = -kl_coef * (student_logprobs - teacher_logprobs) + reward_coef * reward on response tokens, 0
+    elsewhere (kl_coef 0: the task reward's share only, where the KL is a loss of its own: `distill_topk`);
     with `baseline`, minus the mean of A over every response token of the batch (a constant baseline: the
     expected gradient is unchanged, its variance smaller, since on a student far from its teacher nearly every
     sampled token's A is negative; a departure from the write-up, which uses none).
@@ -45,7 +47,7 @@ def reverse_kl_advantages(
         "student_logprobs", {"student_logprobs": student_logprobs, "response_mask": response_mask}
     )
     mask = as_bool_mask("response_mask", response_mask)
-    advantages = -(student_logprobs.detach().float() - teacher_logprobs.detach().float())
+    advantages = -kl_coef * (student_logprobs.detach().float() - teacher_logprobs.detach().float())
     if reward_coef:
         if reward is None:
             raise ValueError("reward_coef is set but reward (one task reward per sequence, [B]) is None")

@@ -124,15 +124,17 @@ def response_head(
     labels = mb["input_ids"][:, 1:][sel]  # [N]
     rows = [x[:, 1:][sel] for x in per_position]  # each [N, ...]
     head = chunked_head(model)
-    if head is None:
+    # a plain linear head is sliced here; an unknown model, or a peft LoRA-wrapped lm_head, gives full logits
+    if head is None or not isinstance(head.head, torch.nn.Linear):
         return fn(model(**kwargs).logits[:, :-1][sel], labels, *rows)
+    linear: torch.nn.Linear = head.head
     with hidden_states_only(head.inner) as keep:
         model(**kwargs)
     if keep.hidden is None:
         raise RuntimeError(f"{type(head.inner).__name__}'s forward did not call its lm_head")
     hidden = keep.hidden[:, :-1][sel]  # [N, H]: the states that predict the response tokens
-    weight, bias, transform = head.head.weight, head.head.bias, head.transform
-    size = max(1, min(chunk_size, MAX_CHUNK_LOGITS // head.head.out_features))
+    weight, bias, transform = linear.weight, linear.bias, head.transform
+    size = max(1, min(chunk_size, MAX_CHUNK_LOGITS // linear.out_features))
 
     def chunk(h: torch.Tensor, w: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
         return fn(transform(F.linear(h, w, bias)), *rest)
@@ -144,7 +146,7 @@ def response_head(
         args = (hidden[part], weight, labels[part], *(x[part] for x in rows))
         parts.append(checkpoint(chunk, *args, use_reentrant=False) if grad else chunk(*args))
     if not parts:
-        return fn(hidden.new_zeros(0, head.head.out_features), labels, *rows)
+        return fn(hidden.new_zeros(0, linear.out_features), labels, *rows)
     return torch.cat(parts)
 
 

@@ -4,8 +4,13 @@ The workspace packages are imported from this checkout's source folders.
 
 1. Learner: `TorchPolicyLearner.update` (PPO-clip, token-mean, AdamW) on a Qwen2 model built from a config
    (hidden 1024, 8 layers, vocab 32000) in bf16 on CUDA: response tokens per second, median of timed steps.
-2. HF engine: `HFEngine.generate`, 64 prompts x 128 sampled tokens, same model in bf16: generated tokens/s.
-3. Megatron parity: a tiny Qwen2 (fp32, TF32 off) converted to a Megatron-Core GPTModel at TP = 1 on NCCL
+2. HF engine: `HFEngine.generate`, 64 prompts x 128 sampled tokens, same model in bf16: generated tokens/s,
+   the second time (`hf_engine_tokens_per_s_bf16`) and the first time its shapes are seen (`..._cold_...`).
+3. Log-prob memory on CUDA: forward + backward of the summed log-probs and entropy of 4,096 tokens over a
+   151,936-token vocabulary (hidden 1024, bf16), full logits (`naive`) against the learner's chunked head with
+   its hand-written backward (`chunked`): peak allocated MiB above the inputs, milliseconds, largest log-prob
+   difference.
+4. Megatron parity: a tiny Qwen2 (fp32, TF32 off) converted to a Megatron-Core GPTModel at TP = 1 on NCCL
    (one process): max abs difference of its logits from the HF model's, and of one update's exported
    weights from the torch backend's. (TP > 1 needs several devices; the learner tests cover it on CPU.)
 
@@ -98,7 +103,10 @@ def learner_tokens_per_s(
     return tokens / statistics.median(times)
 
 
-def engine_tokens_per_s(hidden: int, layers: int, new_tokens: int, device: str = "cuda") -> float:
+def engine_tokens_per_s(
+    hidden: int, layers: int, new_tokens: int, device: str = "cuda"
+) -> tuple[float, float]:
+    """Generated tokens/s of 64 sampled prompts: the first time the engine meets their shapes, and again."""
     from yatt_rollout.hf_engine import HFEngine
     from yatt_rollout.types import GenerateRequest, Prompt, SamplingParams
 
@@ -111,12 +119,14 @@ def engine_tokens_per_s(hidden: int, layers: int, new_tokens: int, device: str =
         )
         for i in range(64)
     ]
-    engine.generate(requests[:4])  # warm-up
-    start = time.perf_counter()
-    done = engine.generate(requests)
-    seconds = time.perf_counter() - start
+    engine.generate(requests[:4])  # CUDA context, kernels loaded
+    rates = []
+    for _ in range(2):  # shapes (batch, KV length) seen for the first time, then again
+        start = time.perf_counter()
+        done = engine.generate(requests)
+        rates.append(sum(len(c.token_ids) for c in done) / (time.perf_counter() - start))
     engine.close()
-    return sum(len(c.token_ids) for c in done) / seconds
+    return rates[0], rates[1]
 
 
 def megatron_parity() -> dict[str, float]:
@@ -161,6 +171,41 @@ def megatron_parity() -> dict[str, float]:
         dist.destroy_process_group()
 
 
+def logprob_memory_cuda(tokens: int = 4096, vocab: int = 151936, hidden: int = 1024) -> dict:
+    """Peak CUDA memory and time of the log-probs' forward + backward: full logits vs the chunked head."""
+    from yatt_algos.learner.lm_head import LogitTransform, head_token_outputs
+    from yatt_algos.value import logprobs_and_entropy_from_logits
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(hidden, vocab, bias=False, device="cuda", dtype=torch.bfloat16)
+    labels = torch.randint(0, vocab, (tokens,), device="cuda")
+    hidden_states = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    out: dict = {}
+    results = {}
+    for variant in ("naive", "chunked", "naive", "chunked"):  # the second round is timed warm
+        h = hidden_states.clone().requires_grad_(True)
+        head.weight.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        started = time.perf_counter()
+        if variant == "naive":
+            lp, ent = logprobs_and_entropy_from_logits(head(h)[None], labels[None], chunk_size=1024)
+            lp, ent = lp[0], ent[0]
+        else:
+            both = head_token_outputs(
+                h, head, labels, transform=LogitTransform(), chunk_size=1024, entropy=True
+            )
+            lp, ent = both[:, 0], both[:, 1]
+        (lp.float().sum() + ent.float().sum()).backward()
+        torch.cuda.synchronize()
+        out[f"cuda_{variant}_logprob_ms"] = round((time.perf_counter() - started) * 1e3, 2)
+        out[f"cuda_{variant}_logprob_mib"] = round((torch.cuda.max_memory_allocated() - base) / 2**20, 1)
+        results[variant] = lp.detach().float()
+    out["cuda_logprob_max_abs_diff"] = float((results["naive"] - results["chunked"]).abs().max())
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smaller model and fewer steps")
@@ -176,9 +221,10 @@ def main() -> None:
         "layers": layers,
     }
     result["learner_tokens_per_s_bf16"] = round(learner_tokens_per_s(hidden, layers, steps), 1)
-    result["hf_engine_tokens_per_s_bf16"] = round(
-        engine_tokens_per_s(hidden, layers, 64 if args.quick else 128), 1
-    )
+    cold, warm = engine_tokens_per_s(hidden, layers, 64 if args.quick else 128)
+    result["hf_engine_tokens_per_s_bf16"] = round(warm, 1)
+    result["hf_engine_cold_tokens_per_s_bf16"] = round(cold, 1)
+    result |= logprob_memory_cuda()
     try:
         result |= megatron_parity()
     except ImportError as err:  # megatron-core not installed on this machine

@@ -144,7 +144,7 @@ def test_vllm_routed_experts_are_cut_to_the_recorded_positions():
     from types import SimpleNamespace
 
     import numpy as np
-    from yatt_rollout.vllm_engine import _routes
+    from yatt_rollout.vllm_outputs import _routes
 
     ids = np.arange(5 * 2 * 2).reshape(5, 2, 2) % 4
     routes = _routes(SimpleNamespace(routed_experts=ids), 4)

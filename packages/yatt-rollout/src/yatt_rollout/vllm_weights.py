@@ -196,7 +196,8 @@ def plain_linears(model: Any) -> int:
             v2 = type(method).__name__ in WEIGHT_LOADER_V2_SUPPORTED and hasattr(module, "weight_loader_v2")
             method.create_weights(
                 module,
-                module.input_size_per_partition,
+                # a ReplicatedLinear (an MoE router's GateLinear) keeps no partition size: it is the whole input
+                getattr(module, "input_size_per_partition", module.input_size),
                 module.output_partition_sizes,
                 module.input_size,
                 module.output_size,

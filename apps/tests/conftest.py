@@ -78,3 +78,14 @@ def ray_session():
     )
     yield
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def policy_dir(tmp_path_factory):
+    """The tiny policy (built from its config, tokenizer trained on the embedded task) in a module's folder."""
+    from yatt_apps.config import ModelSpec
+    from yatt_apps.io.data import arithmetic_task
+    from yatt_apps.io.models import prepare_model, tokenizer_corpus
+
+    out = tmp_path_factory.mktemp("models") / "policy"
+    return prepare_model(ModelSpec(), out, tokenizer_corpus(arithmetic_task(64)))

@@ -11,21 +11,14 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from yatt_algos.learner.torch_engine import apply_lora
 from yatt_algos.types import LearnerConfig
-from yatt_apps.config import ModelSpec, RunConfig
-from yatt_apps.io.data import arithmetic_task
+from yatt_apps.config import RunConfig
 from yatt_apps.io.export import export_checkpoint, save_hf
-from yatt_apps.io.models import load_causal_lm, prepare_model, tokenizer_corpus
+from yatt_apps.io.models import load_causal_lm
 from yatt_apps.overlay import build_config, to_yaml
 from yatt_controller import checkpoint
 
 LORA = LearnerConfig(lora_rank=4, lora_alpha=8.0)
 IDS = torch.tensor([[5, 17, 42, 9, 77, 3]])
-
-
-@pytest.fixture(scope="module")
-def policy_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("models") / "policy"
-    return prepare_model(ModelSpec(), out, tokenizer_corpus(arithmetic_task(64)))
 
 
 def _lora_model(policy_dir):

@@ -11,10 +11,9 @@ import pytest
 import torch
 from yatt_algos.learner.torch_backend import TorchPolicyLearner
 from yatt_algos.types import AlgoConfig, LearnerConfig, OptimConfig
-from yatt_apps.config import ModelSpec, RolloutSpec, RunConfig
-from yatt_apps.io.data import arithmetic_task
+from yatt_apps.config import RolloutSpec, RunConfig
 from yatt_apps.io.export import export_checkpoint
-from yatt_apps.io.models import load_causal_lm, prepare_model, tokenizer_corpus
+from yatt_apps.io.models import load_causal_lm
 from yatt_apps.overlay import build_config, to_yaml
 from yatt_apps.runtime.learner_weights import LearnerWeights
 from yatt_controller import checkpoint
@@ -23,12 +22,6 @@ from yatt_rollout.hf_engine import HFEngine
 
 LORA = LearnerConfig(lora_rank=4, lora_alpha=8.0)
 IDS = torch.tensor([[5, 17, 42, 9, 77, 3]])
-
-
-@pytest.fixture(scope="module")
-def policy_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("models") / "policy"
-    return prepare_model(ModelSpec(), out, tokenizer_corpus(arithmetic_task(64)))
 
 
 def _learner(policy_dir) -> TorchPolicyLearner:

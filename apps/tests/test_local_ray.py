@@ -61,8 +61,7 @@ def test_the_reaper_kills_the_orphans_of_its_roots_after_its_pipe_closes():
     root = subprocess.Popen([sys.executable, "-c", TREE])
     assert _wait(lambda: len(local_ray.descendants([root.pid])) == 1)
     (orphan,) = local_ray.descendants([root.pid])
-    reaper = local_ray.Reaper.spawn([root.pid])
-    time.sleep(2 * local_ray.POLL_S)  # one poll records the grandchild
+    reaper = local_ray.Reaper.spawn([root.pid])  # returns once its first scan has recorded the grandchild
     root.kill()  # the root dies first, as the raylet does: its child is now an orphan
     root.wait()
     assert local_ray.alive(orphan)

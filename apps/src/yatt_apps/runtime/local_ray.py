@@ -91,9 +91,13 @@ class Reaper:
         proc = subprocess.Popen(
             [sys.executable, "-m", "yatt_apps.runtime.local_ray", *map(str, roots)],
             stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
             start_new_session=True,  # a Ctrl-C to the driver's group must not stop the reaper first
         )
+        # armed: its first scan holds every process of the tree so far (a driver that dies right after
+        # this still has them reaped); an empty read is a reaper that died at start, which reaps nothing
+        assert proc.stdout is not None
+        proc.stdout.read(1)
         return cls(proc)
 
     def close(self) -> None:
@@ -163,6 +167,8 @@ def main(roots: list[int]) -> None:
     """The reaper: watch Ray's processes (`roots` and their descendants) until stdin closes, wait the grace
     time, kill the rest."""
     known = {pid: started for pid in roots if (started := start_time(pid)) is not None}
+    known.update(descendants(roots))
+    os.write(sys.stdout.fileno(), b"r")  # armed (`Reaper.spawn` waits for it)
     while True:
         known.update(descendants(roots))
         ready, _, _ = select.select([sys.stdin.buffer], [], [], POLL_S)

@@ -43,6 +43,7 @@ from yatt_rollout import sampling
 from yatt_rollout.adapters import AdapterMerger
 from yatt_rollout.buckets import bucket_tensors
 from yatt_rollout.constraints import Spec, choice_token_ids
+from yatt_rollout.device import decode_attention, release_free_memory
 from yatt_rollout.live_rows import LiveRows
 from yatt_rollout.media import expand_image_tokens, load_image
 from yatt_rollout.requests import check_request, error_completions
@@ -231,7 +232,7 @@ class HFEngine:
                 self.slots.discard()
             elif self.device.type != "cpu":
                 self.model.to("cpu")
-            _release_free_memory(self.device)
+            release_free_memory(self.device)
 
     def wake_up(self) -> None:
         """Serve again. After level 2, weights must still be loaded before `generate`."""
@@ -353,7 +354,7 @@ class HFEngine:
         self.stats["rows"] += len(batch)
         switches = [(0, version)]  # (first step, version) of each policy the batch decoded under
         try:
-            with _decode_attention(self.device):
+            with decode_attention(self.device):
                 results, routes = self._decode(batch, switches)
         except Exception as err:  # a failing batch fails its own requests; the engine keeps serving
             for row in batch:
@@ -500,18 +501,6 @@ def _mrope_step(pos: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
     return torch.cat([pos[None], shifted])
 
 
-def _release_free_memory(device: torch.device) -> None:
-    """Hand the allocators' free memory back to the system: CUDA's caching allocator, glibc's heap."""
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed blocks under the mmap threshold stay in the heap
-    except (OSError, AttributeError):  # not glibc: freed memory returns as that allocator decides
-        pass
-
-
 def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
     eos = getattr(tokenizer, "eos_token_id", None)
     if eos is None:
@@ -519,15 +508,3 @@ def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
     if eos is None:
         return []
     return [eos] if isinstance(eos, int) else list(eos)
-
-
-def _decode_attention(device: torch.device) -> contextlib.AbstractContextManager:
-    """On CUDA, decoding leaves cuDNN's attention out: it builds a graph for every new (batch, KV length) shape,
-    and decoding meets a new KV length at every token until those caches are warm (H100, a 1024-wide 8-layer
-    Qwen2 in bf16, 64 prompts x 128 tokens: 918 tokens/s on first sight of the shapes with it, 10,054 without
-    it; warm, 8,184 with it). Flash, memory-efficient and math kernels need no per-shape build."""
-    if device.type != "cuda":
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])

@@ -15,10 +15,12 @@ What is compared. One GRPO step = generate G completions for each of P prompts, 
   per rank. Both therefore skip the separate old-policy forward (the training forward's detached logprobs are
   the old ones) and run the reference forward beside the update.
 
-YATT runs the real app: `yatt_apps.runtime.launch.run_job` with the `tiny_cpu` preset minus the judge, colocated, in
-each layout of `--layouts` (`2c2d`: two parallel controllers on two logical devices, a learner rank each over
-gloo DDP; `1c1d`: one controller, one device), all in one Ray session; per device a policy learner rank with
-its reference, an HF rollout engine and a reward worker. A logical device is an equal share of the machine's
+YATT runs the real app: `yatt_apps.runtime.launch.run_job` with the `tiny_cpu` preset minus the judge, in each
+layout of `--layouts` (`2c2d`: two parallel controllers on two logical devices, a learner rank each over gloo
+DDP; `1c1d`: one controller, one device; both colocated, per device a policy learner rank with its reference,
+an HF rollout engine and a reward worker; `async1c2d`: disaggregated with bounded staleness 1, the learner on
+device 0 and the engine with the rule reward beside it on device 1, generation overlapping the update), all in
+one Ray session. A logical device is an equal share of the machine's
 cores (`placement.cpus_per_device` = cores / devices: the torch threads of each role on it). The engines keep
 their weights between steps (`placement.sleep_level=0`: a CPU has no device memory to hand over). Its step time is the lead controller's
 `time/step` (data, rollout, reward, advantages, train with the reference forward, weight sync; not
@@ -32,6 +34,12 @@ Throughput = completion tokens (up to and including EOS, as each side counts the
 TRL's `completions/mean_length` x P x G) / step seconds: the median over the timed steps after the warm-up
 (robust to a step slowed by other work on a shared machine), and the overall figure (sums) beside it.
 Start-up (Ray, worker processes, model loads) is excluded on both sides.
+Quality beside speed: each run's final reward (mean `reward/mean` of its last 3 steps) is reported,
+`sync_final_reward`, `async_final_reward`, `trl_final_reward`. YATT's fixed per-step cost, `yatt_fixed_step_s`:
+the best synchronous layout on the `null` model (one layer of width 8: ~no compute) with the same batch and
+lengths; `yatt_fixed_step_share` is its share of that layout's step on the size's real model.
+`ratio_yatt_over_trl` is YATT's best layout (async included) over TRL's best thread count,
+`sync_ratio_yatt_over_trl` YATT's best synchronous layout over the same.
 
 Differences that cannot be removed: YATT spreads the step over processes (learner, rollout engine with a KV
 cache and reward worker per device, weights pushed to the engine after each update; the reward worker scores
@@ -58,6 +66,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 FORMAT_PATTERN = r"^\s*-?\d+"
 KL_COEF, LR = 1e-3, 2e-3
@@ -67,9 +76,29 @@ KL_COEF, LR = 1e-3, 2e-3
 SIZES = {
     "tiny": {},
     "small": {"hidden_size": 256, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2, "head_dim": 64},
+    # ~no compute (one layer of width 8): its step time is YATT's fixed per-step cost at the same batch
+    "null": {"hidden_size": 8, "num_layers": 1, "num_heads": 1, "num_kv_heads": 1, "head_dim": 8},
 }
-# YATT layouts: (controllers, logical devices); each controller drives one learner rank on its own device
-LAYOUTS = {"2c2d": 2, "1c1d": 1}
+
+
+class Layout(NamedTuple):
+    """A YATT layout: parallel controllers, logical devices, placement mode, bounded staleness."""
+
+    controllers: int
+    devices: int
+    mode: str = "colocated"
+    max_staleness: int = 0
+
+
+# colocated layouts run each controller's learner rank, engine and reward worker on its own device; the async
+# one puts the learner on device 0 and the rollout engine with the rule reward beside it on device 1, and
+# trains on batches generated up to one policy version earlier (generation overlaps the update)
+LAYOUTS = {
+    "2c2d": Layout(2, 2),
+    "1c1d": Layout(1, 1),
+    "async1c2d": Layout(1, 2, "disaggregated", 1),
+}
+FINAL_STEPS = 3  # a run's final reward: the mean reward of its last steps
 
 
 def build_policy(root: Path, num_rows: int, size: str) -> str:
@@ -109,13 +138,16 @@ def yatt_config(policy_dir: str, args: argparse.Namespace, num_steps: int, layou
     assert [s.kind for s in rules] == ["math_verify", "regex"]
     assert rules[1].options["pattern"] == FORMAT_PATTERN
     base = msgspec.structs.replace(base, judge=None, rewards=rules)
-    devices = LAYOUTS[layout]
-    per_rank = args.prompts * args.group_size // devices
+    lay = LAYOUTS[layout]
+    devices = lay.devices
+    per_rank = args.prompts * args.group_size // lay.controllers
     sets = [
         f"model.path={policy_dir}",
         "model.warm_start=none",
-        f"controller.num_controllers={devices}",
+        f"controller.num_controllers={lay.controllers}",
         f"placement.cluster.devices_per_node={devices}",
+        f"placement.mode={lay.mode}",
+        f"algo.max_staleness={lay.max_staleness}",
         # a logical CPU device is an equal share of the machine's cores: its roles' torch threads
         f"placement.cpus_per_device={max(1, (os.cpu_count() or 1) // devices)}",
         f"run.num_steps={num_steps}",
@@ -142,6 +174,8 @@ def yatt_config(policy_dir: str, args: argparse.Namespace, num_steps: int, layou
         # would discard them and the next push restore them)
         "placement.sleep_level=0",
     ]
+    if lay.mode == "disaggregated":
+        sets.append("placement.rollout_replicas=1")
     return build_config(RunConfig, base, None, sets)
 
 
@@ -150,7 +184,10 @@ def run_yatt(policy_dir: str, root: Path, args: argparse.Namespace, layout: str)
     from yatt_apps.runtime.launch import run_job
 
     cfg = yatt_config(policy_dir, args, args.warmup + args.steps, layout)
-    started, run_dir = time.perf_counter(), root / f"yatt-run-{layout}"
+    started, run_dir = (
+        time.perf_counter(),
+        root / f"yatt-run-{layout}-{Path(policy_dir).name}-L{args.max_new_tokens}",
+    )
     summary = run_job(cfg, run_dir, JOB)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     timed = [row for row in rows if row["step"] >= args.warmup]
@@ -164,6 +201,7 @@ def run_yatt(policy_dir: str, root: Path, args: argparse.Namespace, layout: str)
             k.removeprefix("time/"): statistics.median(row.get(k, 0.0) for row in timed) for k in phases
         },
         "reward_mean": [row["reward/mean"] for row in rows],
+        "final_reward": statistics.fmean(row["reward/mean"] for row in rows[-FINAL_STEPS:]),
         "driver_bytes": summary["driver_bytes"],
         "wall_s": time.perf_counter() - started,
     }
@@ -198,7 +236,7 @@ def _step_timer(batch_completions: int):
 
     class StepTimer(TrainerCallback):
         def __init__(self) -> None:
-            self.step_s, self.tokens, self._start = [], [], 0.0
+            self.step_s, self.tokens, self.rewards, self._start = [], [], [], 0.0
 
         def on_step_begin(self, args, state, control, **kwargs):
             self._start = time.perf_counter()
@@ -209,6 +247,7 @@ def _step_timer(batch_completions: int):
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "completions/mean_length" in logs:
                 self.tokens.append(logs["completions/mean_length"] * batch_completions)
+                self.rewards.append(logs["reward"])
 
     return StepTimer()
 
@@ -266,6 +305,7 @@ def run_trl(policy_dir: str, root: Path, args: argparse.Namespace, threads: int)
     return {
         **throughput(timer.tokens[timed], timer.step_s[timed]),
         "torch_threads": threads,
+        "final_reward": statistics.fmean(timer.rewards[-FINAL_STEPS:]),
         "wall_s": time.perf_counter() - started,
     }
 
@@ -301,10 +341,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.sizes, args.layouts = args.sizes.split(","), args.layouts.split(",")
     threads = args.threads or f"1,{os.cpu_count() or 1}"
     args.threads = sorted({int(n) for n in threads.split(",")})
-    for name, valid, given in (("size", SIZES, args.sizes), ("layout", LAYOUTS, args.layouts)):
+    sizes = {k: v for k, v in SIZES.items() if k != "null"}  # the null size is run for every size
+    for name, valid, given in (("size", sizes, args.sizes), ("layout", LAYOUTS, args.layouts)):
         if unknown := [g for g in given if g not in valid]:
             raise SystemExit(f"unknown --{name}s {unknown}: valid are {sorted(valid)}")
-    if any(args.prompts % LAYOUTS[layout] for layout in args.layouts):
+    if any(args.prompts % LAYOUTS[layout].controllers for layout in args.layouts):
         raise SystemExit("--prompts must be a multiple of every layout's controller count")
     return args
 
@@ -324,7 +365,7 @@ def start_ray() -> None:
     ray.init(
         address="local",
         num_cpus=8,
-        num_gpus=max(LAYOUTS.values()),
+        num_gpus=max(lay.devices for lay in LAYOUTS.values()),
         include_dashboard=False,
         object_store_memory=512 * 2**20,
         log_to_driver=False,
@@ -372,9 +413,27 @@ def bench_size(root: Path, args: argparse.Namespace, size: str) -> dict:
             "yatt_phases_s": _rounded(yatt["phases_s"], 4),
             "yatt_driver_bytes": yatt["driver_bytes"],
         }
+    syncs = [r for r in yatts if not LAYOUTS[r["layout"]].max_staleness]
+    asyncs = [r for r in yatts if LAYOUTS[r["layout"]].max_staleness]
+    if syncs:  # the fixed per-step cost: the best synchronous layout on the null model, same batch
+        sync = max(syncs, key=lambda res: res["tokens_per_s"])
+        null = run_yatt(build_policy(root, args.num_rows, "null"), root, args, sync["layout"])
+        fixed = statistics.median(null["step_s"])
+        print(f"  yatt/{sync['layout']} on the null model: step {fixed:.3f} s (YATT's fixed per-step cost)")
+        out |= {
+            "sync_final_reward": round(sync["final_reward"], 4),
+            "yatt_fixed_step_s": round(fixed, 4),
+            "yatt_fixed_step_share": round(fixed / statistics.median(sync["step_s"]), 3),
+        }
+    if asyncs:
+        out["async_final_reward"] = round(max(asyncs, key=lambda r: r["tokens_per_s"])["final_reward"], 4)
+    if trls:
+        out["trl_final_reward"] = round(trl["final_reward"], 4)
     if trls and yatts:
         out["ratio_yatt_over_trl"] = round(yatt["tokens_per_s"] / trl["tokens_per_s"], 3)
         out["ratio_overall"] = round(yatt["tokens_per_s_overall"] / trl["tokens_per_s_overall"], 3)
+    if trls and syncs:
+        out["sync_ratio_yatt_over_trl"] = round(sync["tokens_per_s"] / trl["tokens_per_s"], 3)
     return out
 
 

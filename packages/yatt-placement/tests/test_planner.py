@@ -107,6 +107,25 @@ def test_disaggregated_slices_water_fill_by_profile():
     assert all(p.colocated_with == [] for p in result.roles)
 
 
+def test_a_sharing_rule_reward_takes_no_device_of_its_own():
+    # A rule reward (no model) shares the rollout's devices: disaggregated actor + rollout + reward fits two
+    # devices (the async layout of bench_e2e); with a tensor-parallel rollout it gets one replica per device.
+    reward = RoleSpec(role="reward", num_params=1e6, shares="rollout")
+    rollout = RoleSpec(role="rollout", num_params=1.5e9)
+    two = ClusterSpec(num_nodes=1, devices_per_node=2, device_memory_gb=96.0)
+    result = plan(two, [ACTOR, rollout, reward], "disaggregated")
+    assert _replicas(result) == {"actor": [[0]], "rollout": [[1]], "reward": [[1]]}
+    assert result.reason == "disjoint slices: actor 1, rollout 1"
+    assert {(p.name or p.role): p.colocated_with for p in result.roles}["reward"] == ["rollout"]
+    four = ClusterSpec(num_nodes=1, devices_per_node=4, device_memory_gb=96.0)
+    tp2 = plan(four, [ACTOR, ROLLOUT_TP2, reward], "disaggregated")
+    assert _replicas(tp2) == {"rollout": [[0, 1]], "actor": [[2], [3]], "reward": [[0], [1]]}
+    # colocated: as before, a reward replica on every device
+    assert _replicas(plan(two, [ACTOR, rollout, reward], "colocated"))["reward"] == [[0], [1]]
+    with pytest.raises(ValueError, match="shares 'judge', which is not a role with devices of its own"):
+        plan(two, [ACTOR, rollout, RoleSpec(role="reward", num_params=1e6, shares="judge")], "colocated")
+
+
 def test_memory_estimate_matches_the_papers_formula():
     # Trained 7B over 8 devices, O = 1: 7e9 x [(2 + 6 + 1) / 1 + 12 / 8] = 7e9 x 10.5 B = 73.5 GB, + 4 GB.
     actor = RoleSpec(role="actor", num_params=7e9, trainable=True)

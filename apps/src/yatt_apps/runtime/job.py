@@ -78,7 +78,8 @@ def policy_roles(cfg: RunConfig, *, critic: bool = False) -> list[RoleSpec]:
             )
         )
     else:
-        roles.append(RoleSpec(role="reward", num_params=1e6))
+        # rule terms only: no model, so no device of its own (it runs beside each rollout engine)
+        roles.append(RoleSpec(role="reward", num_params=1e6, shares="rollout"))
     return roles
 
 

@@ -16,6 +16,8 @@ Modes (WeChat-YATT, arXiv 2508.07970, and PAPERS.md "Placement"):
   predicted time (work / devices) is largest. Departure: the paper leaves the sizes to the user.
 Without a `JobProfile`, a role's work is approximated by its parameter count (x3 when trained: forward and
 backward), a crude proxy; pass a profile.
+A role with `RoleSpec.shares` takes no devices of its own in any mode: it gets a replica on each device of the
+role it names (a rule reward beside the rollout engines, so a disaggregated rule-only job fits two devices).
 """
 
 from __future__ import annotations
@@ -50,13 +52,14 @@ def plan(
 ) -> PlacementPlan:
     """Place `roles` on `cluster` under `mode`; raise ValueError naming the role and the problem."""
     specs = _check_roles(cluster, roles)
+    own = [spec for spec in specs if not spec.shares]  # the sharing roles follow theirs in `lay_out`
     if mode == "colocated":
-        counts = dict.fromkeys((role_key(spec) for spec in specs), cluster.num_devices)
+        counts = dict.fromkeys((role_key(spec) for spec in own), cluster.num_devices)
         reason = "every role time-shares all devices"
     elif mode in ("partial", "dynamic"):
-        counts, reason = _partial_counts(cluster, specs, profile)
+        counts, reason = _partial_counts(cluster, own, profile)
     elif mode == "disaggregated":
-        counts, reason = _disaggregated_counts(cluster, specs, profile)
+        counts, reason = _disaggregated_counts(cluster, own, profile)
     else:
         raise ValueError(f"mode must be one of colocated, partial, disaggregated, dynamic; got {mode!r}")
     result = lay_out(cluster, specs, mode, counts)
@@ -69,8 +72,10 @@ def lay_out(
     cluster: ClusterSpec, roles: list[RoleSpec], mode: PlacementMode, counts: dict[str, int]
 ) -> PlacementPlan:
     """Turn device counts per role into a plan. Raises ValueError if a model-parallel group would cross a
-    node (a group no larger than a node stays inside one; a larger one starts on a node boundary)."""
+    node (a group no larger than a node stays inside one; a larger one starts on a node boundary). A role
+    with `shares` gets the replicas of the role it names and needs no count."""
     n = cluster.num_devices
+    sharing, roles = [s for s in roles if s.shares], [s for s in roles if not s.shares]
     sized = [
         role_key(s)
         for s in roles
@@ -96,6 +101,11 @@ def lay_out(
         key = role_key(spec)
         spans_all = mode == "colocated" or (mode != "disaggregated" and spec.role not in SPLIT_ROLES)
         placements.append(_place(cluster, spec, starts[key], n if spans_all else counts[key]))
+    by_key = {role_key(p): p for p in placements}
+    for spec in sharing:
+        host = by_key[spec.shares]
+        replicas = [[device] for replica in host.replicas for device in replica]  # one per host device
+        placements.append(RolePlacement(role=spec.role, replicas=replicas, name=spec.name))
     _mark_sharing(placements)
     return PlacementPlan(mode=mode, num_devices=n, roles=placements)
 
@@ -153,6 +163,18 @@ def _check_roles(cluster: ClusterSpec, roles: list[RoleSpec]) -> list[RoleSpec]:
             raise ValueError(
                 f"role {key!r} needs {spec.model_parallel_size} devices per model-parallel group, "
                 f"but the cluster has {cluster.num_devices}"
+            )
+    owners = sorted(role_key(spec) for spec in roles if not spec.shares)
+    for spec in roles:
+        if spec.shares and spec.shares not in owners:
+            raise ValueError(
+                f"role {role_key(spec)!r} shares {spec.shares!r}, which is not a role with devices of its own "
+                f"in this plan (those are {owners})"
+            )
+        if spec.shares and spec.model_parallel_size != 1:
+            raise ValueError(
+                f"role {role_key(spec)!r} shares {spec.shares!r} but spans {spec.model_parallel_size} devices "
+                "per group; a sharing role runs one replica on each device of its host"
             )
     if not any(spec.role == "actor" for spec in roles):
         raise ValueError("roles must include an 'actor' (the policy trainer)")

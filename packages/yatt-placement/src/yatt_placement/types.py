@@ -65,6 +65,9 @@ class RoleSpec(_Config, frozen=True, kw_only=True):
     trainable: bool = False
     memory_gb: float | None = None  # per device; None: estimated by the planner from num_params
     name: str = ""  # distinguishes several roles of one kind, e.g. two GenRM judges
+    # the key of a role whose devices this one shares instead of taking its own: a rule reward has no model,
+    # so in disaggregated mode it runs beside the rollout engines rather than idling a device ("": own slice)
+    shares: str = ""
 
     def __post_init__(self) -> None:
         if self.num_params <= 0:

@@ -81,6 +81,9 @@ class CountingLearner:
         self.total += sum(s["x"] for s in samples) + sum(len(s["media"]) for s in samples)
         return float(self.total)
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def checkpoint_state(self) -> bytes:
         self.num_checkpoints += 1
         if self.num_checkpoints == self.crash_in_checkpoint and _fire_once(self.marker):
@@ -161,6 +164,12 @@ def media_step(ctx, batch: list[int]) -> dict[str, float]:
         {"num_samples": len(samples), "signature": signature, "learner_total": sum(totals)}
     )
     return {**counts, "seen": ctx.state["seen"], "draw": ctx.rng.random()}
+
+
+def pid_step(ctx, batch: list[int]) -> dict[str, float]:
+    """media_step, plus whether this controller runs in the process of its (first) learner rank."""
+    beside = float(os.getpid() == ctx.get(ctx.learner.rank_zero("pid")))
+    return {**media_step(ctx, batch), "in_learner_process": ctx.all_reduce({"n": beside})["n"]}
 
 
 BLOB_BYTES = 10 * 2**20

@@ -176,14 +176,37 @@ def test_crash_mid_checkpoint_resumes_with_identical_batches(cluster, tmp_path):
     assert baseline.driver_bytes is None  # counting is opt-in (ControllerSpec.count_driver_bytes)
     # learner rank processes die inside their 2nd checkpoint write (after step 3); steps 2-3 rerun from step 1
     learner_kwargs = {"crash_in_checkpoint": 2, "marker": str(tmp_path / "fired")}
-    crashed = run(spec, _job(tmp_path / "b", num_steps=6, learner_kwargs=learner_kwargs), cluster)
+    logged: dict[int, list] = {}  # what the driver logs, per step (a step the restart reruns: again)
+    job = _job(tmp_path / "b", num_steps=6, learner_kwargs=learner_kwargs)
+    job = dataclasses.replace(job, on_step=lambda step, reports: logged.setdefault(step, []).append(reports))
+    crashed = run(spec, job, cluster)
     assert crashed.restarts == 1
     assert "dead actors: device-" in crashed.failures[0] and "actor-" in crashed.failures[0]
-    assert sorted(crashed.reports) == list(range(6))
+    # a controller lives in its learner rank's process and dies with it: the reports a heartbeat had not
+    # carried out yet come back from the checkpoint the restart resumes from; every step is logged with all
+    # ranks' reports, the last time as in the straight run
+    assert sorted(logged) == list(range(6))
     for step in range(6):
-        assert [r.metrics for r in crashed.reports[step]] == [r.metrics for r in baseline.reports[step]]
+        assert [r.metrics for r in logged[step][-1]] == [r.metrics for r in baseline.reports[step]]
     # keep_checkpoints=2: steps 3 and 5 remain, no staging directory is left
     assert sorted(p.name for p in (tmp_path / "b" / "ckpt").iterdir()) == ["step-00000003", "step-00000005"]
+
+
+def test_hosted_controllers_run_beside_their_learner_and_match_own_processes(cluster):
+    """Each parallel controller lives in its learner rank's host process (no process of its own) and gives
+    the reports, bit for bit, that controllers in processes of their own give (`hosted=False`)."""
+    spec = ControllerSpec(num_controllers=2, heartbeat_interval_s=0.5)
+    step = {"step_fn": doubles.pid_step}
+    hosted = run(spec, dataclasses.replace(_job(num_steps=2), **step), cluster)
+    own = run(
+        msgspec.structs.replace(spec, hosted=False), dataclasses.replace(_job(num_steps=2), **step), cluster
+    )
+    assert [r.metrics["in_learner_process"] for r in hosted.reports[1]] == [2.0, 2.0]  # both controllers
+    assert [r.metrics["in_learner_process"] for r in own.reports[1]] == [0.0, 0.0]
+    for s in (0, 1):
+        a = [{k: v for k, v in r.metrics.items() if k != "in_learner_process"} for r in hosted.reports[s]]
+        b = [{k: v for k, v in r.metrics.items() if k != "in_learner_process"} for r in own.reports[s]]
+        assert a == b
 
 
 @pytest.mark.slow

@@ -106,6 +106,7 @@ FIELD_DOCS: dict[str, str] = {
     "ControllerSpec.on_failure": "restart (from the newest checkpoint) or fail",
     "ControllerSpec.max_restarts": "restarts before the run fails",
     "ControllerSpec.keep_checkpoints": "newest checkpoints kept on disk",
+    "ControllerSpec.hosted": "parallel controllers live in their learner rank's process (false: own processes)",
     "JudgeSpec.template_name": "the judge's prompt template",
     "JudgeSpec.template_version": "the template's version",
     "JudgeSpec.num_samples": "judgements per response (K), aggregated",

@@ -18,7 +18,13 @@ from yatt_controller.health import Health, Watch, summary
 from yatt_controller.replan import Replanner
 from yatt_controller.reports import ReportLog
 from yatt_controller.roster import Roster, RosterBookActor
-from yatt_controller.startup import Launcher, SingleController, check_services, make_roster
+from yatt_controller.startup import (
+    HostedController,
+    Launcher,
+    SingleController,
+    check_services,
+    make_roster,
+)
 from yatt_controller.types import ControllerSpec
 from yatt_controller.worker_group import HostPool
 
@@ -62,7 +68,9 @@ class Attempt:
             self.single = SingleController(launcher, path, self.job.num_steps)
             self.controllers.append((None, Watch("controller-0")))
             return
-        self.rendezvous, self.controllers = launcher.parallel(self.realized)
+        self.rendezvous, self.controllers, created = launcher.parallel()
+        for ref in created:  # hosted controllers exist before their first call (a host's calls overlap)
+            self._get_or_fail(ref, "a controller failed to start")
         self._await(
             [actor.prepare.remote(None if path is None else str(path)) for actor, _ in self.controllers]
         )
@@ -162,7 +170,7 @@ class Attempt:
                 self._refresh_roster()
             ray.kill(self.book, no_restart=True)
         for actor, _ in self.controllers:
-            if actor is not None:
+            if actor is not None and not isinstance(actor, HostedController):  # that one ends with its host
                 ray.kill(actor, no_restart=True)
         if self.rendezvous is not None:
             ray.kill(self.rendezvous, no_restart=True)

@@ -300,10 +300,11 @@ class ControllerCore:
         return next_step
 
 
-# ray's stubs lack the actor option concurrency_groups (what gives `heartbeat` its own thread)
-@ray.remote(concurrency_groups={"health": 1})  # type: ignore[call-overload]
-class ControllerActor:
-    """A parallel controller: a `ControllerCore` in its own process; `heartbeat` has its own thread."""
+class Controller:
+    """A parallel controller: a `ControllerCore` behind the three calls the driver makes. It lives in the
+    host process of its learner rank's device (`_Host.create`; `startup.HostedController` is the driver's
+    handle), or, for a job without a learner, in a process of its own (`ControllerActor`). `heartbeat` runs
+    on a thread of its own while `run` is in progress."""
 
     def __init__(self, plan: ControllerPlan, rendezvous: Any, label: str) -> None:
         self.core = ControllerCore(plan, rendezvous, label=label)
@@ -317,3 +318,7 @@ class ControllerActor:
     @ray.method(concurrency_group="health")
     def heartbeat(self, logged_through: int = -1) -> tuple[Heartbeat, list[StepReport]]:
         return self.core.heartbeat(logged_through)
+
+
+# ray's stubs lack the actor option concurrency_groups (what gives `heartbeat` its own thread)
+ControllerActor = ray.remote(concurrency_groups={"health": 1})(Controller)  # type: ignore[call-overload]

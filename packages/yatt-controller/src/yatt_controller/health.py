@@ -120,7 +120,19 @@ class Health:
             self.dead.pop(change.dead, None)
 
     def node(self, label: str) -> str:
-        return self._nodes.get(label, "?")
+        """The node of an actor: from its last answer, else (a host that died before answering) from the
+        placement group's bundle of its device."""
+        if label in self._nodes:
+            return self._nodes[label]
+        record = next((r for r in self.pool.hosts.values() if host_name(r) == label), None)
+        group = getattr(self.pool.realized, "placement_group", None)
+        if record is None or group is None:
+            return "?"
+        try:
+            nodes = ray.util.placement_group_table(group).get("bundles_to_node_id", {})
+        except Exception:  # best effort: this only names a node in a failure message
+            return "?"
+        return str(nodes.get(record.device, "?"))
 
     def _hang_message(self, watch: Watch, now: float) -> str:
         doing, _ = self._busy.get(watch.label, ("?", 0.0))

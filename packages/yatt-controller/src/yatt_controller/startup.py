@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from yatt_controller.collective import Rendezvous
-from yatt_controller.controller import ControllerActor, ControllerCore, ControllerPlan
+from yatt_controller.controller import Controller, ControllerActor, ControllerCore, ControllerPlan
 from yatt_controller.health import Watch
 from yatt_controller.roster import Roster
 from yatt_controller.types import ControllerSpec
@@ -88,24 +88,55 @@ class Launcher:
             single=spec.mode == "single",
         )
 
-    def parallel(self, realized: Any) -> tuple[Any, list[tuple[Any, Watch]]]:
-        """(the rendezvous actor, one (controller actor, watch) per rank), placed next to its learner rank."""
+    def parallel(self) -> tuple[Any, list[tuple[Any, Watch]], list[Any]]:
+        """(the rendezvous actor, one (controller handle, watch) per rank, the refs to wait for before the
+        first call). Each controller lives in the host process of its (first) learner rank's device, beside
+        that rank, and costs no process of its own; with `ControllerSpec.hosted` off, or in a job without a
+        learner, each gets a process of its own."""
         world, learner = self.spec.num_controllers, self.services.learner
         rendezvous = Rendezvous.remote(world)  # type: ignore[attr-defined]  # ray.remote class: stubs lack it
-        controllers = []
+        controllers: list[tuple[Any, Watch]] = []
+        created = []
         for rank in range(world):
             routed = routed_views(self.services.groups, learner, rank, world, self.spec.max_inflight)
-            options: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0}
-            if learner:  # next to its (first) learner rank
-                options["scheduling_strategy"] = realized.scheduling_strategy(
-                    routed[learner].workers[0].device
+            label, plan = f"controller-{rank}", self.plan(rank, world, routed)
+            handle: Any
+            if learner and self.spec.hosted:
+                host = self.pool.host(routed[learner].workers[0].device, label).handle
+                created.append(host.create.remote(label, Controller, (plan, rendezvous, label), {}, label))
+                handle = HostedController(host, label)
+            else:
+                options: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0}
+                if learner:  # next to its (first) learner rank
+                    options["scheduling_strategy"] = self.pool.realized.scheduling_strategy(
+                        routed[learner].workers[0].device
+                    )
+                handle = ControllerActor.options(**options).remote(  # type: ignore[attr-defined]  # as above
+                    plan, rendezvous, label
                 )
-            label = f"controller-{rank}"
-            actor = ControllerActor.options(**options).remote(  # type: ignore[attr-defined]  # as above
-                self.plan(rank, world, routed), rendezvous, label
-            )
-            controllers.append((actor, Watch(label)))
-        return rendezvous, controllers
+            controllers.append((handle, Watch(label)))
+        return rendezvous, controllers, created
+
+
+class _HostedCall:
+    """`handle.method.remote(*args)` of a hosted controller: a call of its host."""
+
+    def __init__(self, host: Any, key: str, method: str, via: str) -> None:
+        self.host, self.key, self.method, self.via = host, key, method, via
+
+    def remote(self, *args: Any) -> Any:
+        return getattr(self.host, self.via).remote(self.key, self.method, args)
+
+
+class HostedController:
+    """The driver's handle of a controller hosted in a `_Host` process: the calls of a `ControllerActor`
+    handle (`prepare`, `run` under the controller's lock; `heartbeat` on the host's health thread). It dies
+    with its host, which the pool's shutdown ends (there is no process of its own to kill)."""
+
+    def __init__(self, host: Any, key: str) -> None:
+        self.prepare = _HostedCall(host, key, "prepare", "serve")
+        self.run = _HostedCall(host, key, "run", "serve")
+        self.heartbeat = _HostedCall(host, key, "heartbeat", "peek")
 
 
 class SingleController:

@@ -47,6 +47,9 @@ class ControllerSpec(_Config, kw_only=True, frozen=True):
     # it while the next step runs; the checkpoint commits (manifest last) once written, and the run waits for
     # the last write before it ends. Workers without it (bytes state) always save synchronously.
     checkpoint_async: bool = True
+    # parallel mode: each controller lives in the host process of its learner rank's device (no process of
+    # its own); False gives each a process of its own (`ControllerActor`), as before yatt-controller 0.8.0
+    hosted: bool = True
 
     def __post_init__(self) -> None:
         if self.num_controllers < 1:

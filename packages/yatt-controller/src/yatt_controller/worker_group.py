@@ -86,6 +86,18 @@ class _Host:
                 self._busy_s[key] = self._busy_s.get(key, 0.0) + time.perf_counter() - start
                 self._busy.pop(key, None)
 
+    def serve(self, key: str, method: str, args: tuple) -> Any:
+        """A long call of a hosted driver-side object (a controller's `run`), under its key's lock. Not
+        counted as busy: it spends its time waiting on the roles' calls, which are."""
+        with self._lock(key):
+            return getattr(self._objects[key], method)(*args)
+
+    @ray.method(concurrency_group="health")
+    def peek(self, key: str, method: str, args: tuple) -> Any:
+        """A quick call on the health thread, without the key's lock: a hosted controller's heartbeat while
+        its `run` holds the lock."""
+        return getattr(self._objects[key], method)(*args)
+
     @ray.method(concurrency_group="health")
     def ping(self) -> Heartbeat:
         """Liveness, the longest call this host is in (`phase`, since `time_unix`; "" when idle) and the

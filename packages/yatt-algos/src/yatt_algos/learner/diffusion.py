@@ -43,7 +43,9 @@ def _rows(batch: dict[str, Any], rows: slice) -> dict[str, Any]:
 
 class DiffusionLearner:
     """AdamW on `model` with the LLM learners' schedule, clipping and non-finite guard; `reference` a frozen
-    copy for the KL term (None: no KL). `eta` and `sigma_max` must be the engine's (the transition's std)."""
+    copy for the KL term (None: no KL). `eta` and `sigma_max` must be the engine's (the transition's std).
+    `before_step(params)` runs on the accumulated gradients before clipping (data parallel: averages them
+    over the ranks, each of which normalised its loss by its own equal share of the batch)."""
 
     def __init__(
         self,
@@ -55,10 +57,11 @@ class DiffusionLearner:
         eta: float,
         sigma_max: float,
         reference: torch.nn.Module | None = None,
+        before_step: Callable[[list[torch.nn.Parameter]], None] | None = None,
     ) -> None:
         if eta <= 0:
             raise ValueError(f"eta must be > 0 to train (eta 0 is the deterministic sampler), got {eta}")
-        self.model, self.predict, self.reference = model, predict, reference
+        self.model, self.predict, self.reference, self.before_step = model, predict, reference, before_step
         self.algo, self.optim_cfg, self.eta, self.sigma_max = algo, optim, eta, sigma_max
         self.optimizer = build_optimizer(model.parameters(), optim)
         self.scheduler = build_scheduler(self.optimizer, optim)
@@ -133,8 +136,11 @@ class DiffusionLearner:
                 sums["loss"] += float(loss.detach()) * scale
                 for key, value in metrics.items():
                     sums[key] = sums.get(key, 0.0) + float(value) * len(logp) / (num_images * num_k)
+        params = list(self.model.parameters())
+        if self.before_step is not None:
+            self.before_step(params)
         norm, applied = guarded_step(
-            list(self.model.parameters()),
+            params,
             self.optimizer,
             self.scheduler,
             max_norm=self.optim_cfg.clip_grad_norm,

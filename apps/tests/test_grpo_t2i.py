@@ -6,11 +6,20 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from types import SimpleNamespace
 
 import msgspec
 import numpy as np
 import pytest
-from yatt_apps.jobs.grpo_t2i import JOB, T2iSpec, tiny_cpu_t2i, train_rows, val_prompts, write_grid
+from yatt_apps.jobs.grpo_t2i import (
+    JOB,
+    T2iSpec,
+    export,
+    tiny_cpu_t2i,
+    train_rows,
+    val_prompts,
+    write_grid,
+)
 
 
 def test_bad_rows_name_file_row_and_field(tmp_path) -> None:
@@ -81,6 +90,7 @@ def test_tiny_t2i_runs_exports_and_resumes_exactly(ray_session, tmp_path, monkey
             assert math.isfinite(rows[step][key]), (step, key)
         assert 0.0 <= rows[step]["reward/mean"] <= 1.0
     assert sorted(p.name for p in (straight / "images").iterdir()) == ["step-000000.png", "step-000001.png"]
+    assert export(SimpleNamespace(path=straight), cfg) == straight / "final"  # what a launch hook reports
     exported = load_t2i(straight / "final")
     start = load_t2i(straight / "models" / "t2i")
     moved = [

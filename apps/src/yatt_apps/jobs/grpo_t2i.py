@@ -52,7 +52,7 @@ class T2iSpec(_Config, frozen=True, kw_only=True):
     """The diffusion policy and its sampling. `path`: a diffusers SD3-style pipeline folder or hub id; ""
     builds the tiny one from the `tiny_*` keys (cached under $YATT_CACHE_DIR like the warm-started LLMs)."""
 
-    path: str = ""
+    path: str = ""  # a diffusers SD3-style pipeline folder or hub id; "": the tiny one built from tiny_*
     image_size: int = 16  # pixels per side; a multiple of 4 for the tiny pipeline (VAE /2, patch 2)
     num_steps: int = 6  # denoising steps per image
     eta: float = 1.0  # SDE noise level (> 0 to train; the original system's DiT uses 0.3 at 16 steps)
@@ -61,8 +61,8 @@ class T2iSpec(_Config, frozen=True, kw_only=True):
     num_train_steps: int = 0  # the first K denoising steps are trained; 0: all
     images_dir: str = ""  # where validation grids go; "": RUN_DIR/images (set by prepare)
     final_dir: str = ""  # the trained pipeline (diffusers folder) at the last step; "": RUN_DIR/final
-    tiny_hidden_size: int = 64
-    tiny_num_layers: int = 2
+    tiny_hidden_size: int = 64  # the tiny DiT's width
+    tiny_num_layers: int = 2  # the tiny DiT's joint transformer blocks
     tiny_vae_steps: int = 200  # the tiny VAE's autoencoder pretraining on two-colour images (0: random)
 
     def __post_init__(self) -> None:
@@ -84,19 +84,19 @@ class T2iConfig(RunConfig, frozen=True, kw_only=True):
     """`yatt grpo-t2i`: the shared keys and the diffusion policy's."""
 
     app: str = "grpo-t2i"
-    t2i: T2iSpec = T2iSpec()
+    t2i: T2iSpec = T2iSpec()  # the diffusion policy and its SDE sampling
 
 
 def tiny_cpu_t2i() -> T2iConfig:
     """`yatt grpo-t2i` on the embedded colour/position task: a tiny SD3-style pipeline (16x16 images, 4 latent
     channels, a 2-layer DiT of width 64, a 2-layer CLIP text encoder, a VAE pretrained for 200 steps on
-    two-colour images), 6 SDE steps at eta 1, 4 prompts x 8 images per step over two controllers, lr 2e-3,
+    two-colour images), 6 SDE steps at eta 1, 8 prompts x 8 images per step over two controllers, lr 2e-3,
     clip 0.2, no KL; validation on 32 prompts every 5 steps. Measured: see README (Text-to-image GRPO)."""
     return T2iConfig(
         model=ModelSpec(),  # launch's placeholder tokenizer model: the policy is t2i.path's pipeline
         judge=None,
         rewards=[],
-        run=RunSpec(name="t2i-tiny", num_steps=40, prompts_per_step=4, eval_every=5),
+        run=RunSpec(name="t2i-tiny", num_steps=40, prompts_per_step=8, eval_every=5),
         data=DataSpec(num_train_rows=512, num_val_rows=32),
         sampling=SamplingParams(n=8),
         algo=AlgoConfig(adv_estimator="grpo", clip_ratio_low=0.2, clip_ratio_high=0.2),
@@ -280,7 +280,9 @@ def write_grid(images: Any, path: Path) -> Path:
         grid[r * h : (r + 1) * h, c * w : (c + 1) * w] = image
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    Image.fromarray(grid).resize((cols * w * 4, rows * h * 4), Image.Resampling.NEAREST).save(tmp, format="PNG")
+    Image.fromarray(grid).resize((cols * w * 4, rows * h * 4), Image.Resampling.NEAREST).save(
+        tmp, format="PNG"
+    )
     tmp.replace(path)
     return path
 
@@ -345,6 +347,15 @@ def t2i_step(ctx: StepContext, rows: list[PromptRow], *, cfg: T2iConfig) -> dict
     if total.get("val/count"):
         metrics["val/reward"] = total["val/reward_sum"] / total["val/count"]
     return metrics
+
+
+def export(run: Any, cfg: T2iConfig) -> Path | None:
+    """RUN_DIR/final as launch would report it: this job writes its diffusers folder itself at its last step
+    (`T2ILearnerWorker.export`), so there is nothing to convert; the folder, or None when the run has not
+    reached its last step. For a JobDef export hook in launch (launch's `export_final` reads causal-LM
+    learner checkpoints only)."""
+    final = Path(cfg.t2i.final_dir) if cfg.t2i.final_dir else Path(run.path) / "final"
+    return final if (final / "model_index.json").is_file() else None
 
 
 def step_function(cfg: T2iConfig, policy_dir: str, val_rows: ValRows, plan: PlacementPlan) -> StepFn:

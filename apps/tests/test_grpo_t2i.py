@@ -90,6 +90,7 @@ def test_tiny_t2i_runs_exports_and_resumes_exactly(ray_session, tmp_path, monkey
             assert math.isfinite(rows[step][key]), (step, key)
         assert 0.0 <= rows[step]["reward/mean"] <= 1.0
     assert sorted(p.name for p in (straight / "images").iterdir()) == ["step-000000.png", "step-000001.png"]
+    assert len(list((straight / "tb").glob("*.t2i-images"))) == 1  # the grids as TensorBoard images too
     assert export(SimpleNamespace(path=straight), cfg) == straight / "final"  # what a launch hook reports
     exported = load_t2i(straight / "final")
     start = load_t2i(straight / "models" / "t2i")

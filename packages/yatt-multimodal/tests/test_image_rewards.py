@@ -10,6 +10,7 @@ import pytest
 from yatt_multimodal.image_rules import (
     colour_position_score,
     colour_prompts,
+    every_colour_prompt,
     parse_colour_prompt,
     score_images,
 )
@@ -43,6 +44,10 @@ def test_rule_reward_parses_prompts_and_names_bad_ones() -> None:
     assert parse_colour_prompt("A Red square on the LEFT") == ("red", "left")
     prompts = colour_prompts(50, seed=3)
     assert prompts == colour_prompts(50, seed=3) and len(set(prompts)) > 8
+    every = every_colour_prompt()
+    assert len(set(every)) == 16 and {parse_colour_prompt(p) for p in every} == {
+        (c, s) for c in ("red", "green", "blue", "yellow") for s in ("left", "right", "top", "bottom")
+    }
     requests = [
         RewardRequest(request_id="a", prompt="a blue square on the right", response=""),
         RewardRequest(request_id="b", prompt="a cat", response=""),

@@ -41,6 +41,12 @@ def colour_prompts(num: int, *, seed: int) -> list[str]:
     return [f"a {rng.choice(list(COLOURS))} square on the {rng.choice(SIDES)}" for _ in range(num)]
 
 
+def every_colour_prompt() -> list[str]:
+    """Each (colour, side) pair of the task once, as its prompt: a balanced validation set (a small random draw
+    over-weights some pairs, and the pairs are not equally hard)."""
+    return [f"a {colour} square on the {side}" for colour in COLOURS for side in SIDES]
+
+
 def parse_colour_prompt(prompt: str) -> tuple[str, str]:
     """(colour, side) named in `prompt`; ValueError when it names none of COLOURS then none of SIDES."""
     found = _PROMPT.search(prompt)

@@ -13,7 +13,7 @@ colour/position task) through the real job (`yatt_apps.runtime.launch.run_job`, 
 
     python benchmarks/bench_t2i.py --quick
 
-`--quick` runs the preset's 40 steps (validation every 5), the full run 80. The tiny pipeline is cached
+`--quick` runs the preset's 60 steps (validation every 5), the full run 120. The tiny pipeline is cached
 (~/.cache/yatt/models/t2i-*); a cold cache adds its build (the VAE's 200 pretraining steps) to the first run.
 The last printed line is one JSON object.
 """
@@ -53,7 +53,7 @@ def main() -> None:
     from yatt_apps.jobs.grpo_t2i import tiny_cpu_t2i
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="the preset's 40 steps (else 80)")
+    parser.add_argument("--quick", action="store_true", help="the preset's 60 steps (else 120)")
     args = parser.parse_args()
     load_start = os.getloadavg()[0]
     base = tiny_cpu_t2i()

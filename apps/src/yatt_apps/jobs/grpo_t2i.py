@@ -98,13 +98,13 @@ def tiny_cpu_t2i() -> T2iConfig:
         model=ModelSpec(),  # launch's placeholder tokenizer model: the policy is t2i.path's pipeline
         judge=None,
         rewards=[],
-        run=RunSpec(name="t2i-tiny", num_steps=40, prompts_per_step=8, eval_every=5),
+        run=RunSpec(name="t2i-tiny", num_steps=60, prompts_per_step=8, eval_every=5),
         data=DataSpec(num_train_rows=512, num_val_rows=32),
         sampling=SamplingParams(n=8),
         algo=AlgoConfig(adv_estimator="grpo", clip_ratio_low=0.2, clip_ratio_high=0.2),
         # a constant learning rate (min_lr_ratio 1), as Flow-GRPO; cosine decay to 0 halved the rise in 30 steps
         optim=OptimConfig(
-            lr=3e-3, min_lr_ratio=1.0, num_training_steps=40, micro_batch_size=32, clip_grad_norm=1.0
+            lr=3e-3, min_lr_ratio=1.0, num_training_steps=60, micro_batch_size=32, clip_grad_norm=1.0
         ),
         controller=ControllerSpec(
             num_controllers=2, checkpoint_every=10, keep_checkpoints=2, hang_timeout_s=300.0

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from yatt_apps.runtime.job import JobDef
 
 # the shipped jobs' modules, in `yatt --help` order (Bone Soup `merge` is a plain command, not a JobDef)
-JOB_MODULES = ("grpo", "dapo", "ppo", "capo", "vlm", "sft", "dpo", "distill")
+JOB_MODULES = ("grpo", "dapo", "ppo", "capo", "vlm", "sft", "dpo", "distill", "grpo_t2i")
 
 
 @functools.cache

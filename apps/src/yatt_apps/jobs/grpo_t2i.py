@@ -1,0 +1,445 @@
+"""`yatt grpo-t2i`: text-to-image GRPO (Flow-GRPO, arXiv 2505.05470) on a flow-matching diffusion policy.
+
+Each controller takes its shard of the step's prompts, asks the diffusion engine (`T2IRolloutWorker`) for
+`sampling.n` images per prompt, each sampled with the SDE (noise level `t2i.eta`) from its own seed, and gets
+back the images and the trained steps' latents and log-probabilities; scores every image with the pixel rule
+of the embedded task (`yatt_multimodal.image_rules`: the named colour in the named half); takes group
+advantages over each prompt's images with the configured estimator (`algo.adv_estimator`, default GRPO);
+and its learner rank (`T2ILearnerWorker`) takes the clipped GRPO step on each trained denoising step
+(`yatt_algos.learner.diffusion`); then the weights go to the engines. Images and latents travel between a
+controller and its workers only: in parallel mode no image passes through the driver.
+
+Every `run.eval_every` steps and at the last, before the step's update: the validation prompts are sampled
+with fixed seeds and scored (`val/reward`, summed over controllers), and controller 0 writes a grid of its
+validation images to RUN_DIR/images/step-NNNNNN.png, so the change is visible. On the last step the trained
+pipeline is written to RUN_DIR/final as a diffusers folder (`load_t2i` or diffusers' SD3 loaders read it).
+
+Data: `data.train` (jsonl or parquet, one prompt per row under `data.prompt_key`) or, when empty, the
+embedded task's prompts ("a red square on the left"); every prompt must name a colour and a side (the rule
+reward's task), checked row by row before anything starts.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from yatt_algos.types import AlgoConfig, OptimConfig
+from yatt_rollout.types import SamplingParams
+
+from yatt_apps.config import ControllerSpec, DataSpec, ModelSpec, RunConfig, RunSpec, _Config
+from yatt_apps.io.data import PromptRow
+from yatt_apps.runtime.job import JobDef, StepFn, ValRows, policy_roles
+from yatt_apps.runtime.phases import learner_of, sample_seed, sync_weights
+
+if TYPE_CHECKING:
+    from yatt_controller.controller import StepContext
+    from yatt_controller.runner import Services
+    from yatt_controller.worker_group import HostPool
+    from yatt_placement.types import PlacementPlan, RoleSpec
+
+VAL_SEED = 10_000  # validation prompts and their noise: the run's seed + this
+TINY_FORMAT = 1  # bump when the tiny pipeline's build changes: its cache key includes it
+
+
+class T2iSpec(_Config, frozen=True, kw_only=True):
+    """The diffusion policy and its sampling. `path`: a diffusers SD3-style pipeline folder or hub id; ""
+    builds the tiny one from the `tiny_*` keys (cached under $YATT_CACHE_DIR like the warm-started LLMs)."""
+
+    path: str = ""  # a diffusers SD3-style pipeline folder or hub id; "": the tiny one built from tiny_*
+    image_size: int = 16  # pixels per side; a multiple of 4 for the tiny pipeline (VAE /2, patch 2)
+    num_steps: int = 6  # denoising steps per image
+    eta: float = 1.0  # SDE noise level (> 0 to train; the original system's DiT uses 0.3 at 16 steps)
+    shift: float = 3.0  # time shift of the sigma schedule
+    guidance_scale: float = 1.0  # classifier-free guidance (1: off)
+    num_train_steps: int = 0  # the first K denoising steps are trained; 0: all
+    images_dir: str = ""  # where validation grids go; "": RUN_DIR/images (set by prepare)
+    final_dir: str = ""  # the trained pipeline (diffusers folder) at the last step; "": RUN_DIR/final
+    tensorboard_dir: str = ""  # where validation images go as TensorBoard images; "": RUN_DIR/tb (the run's)
+    tiny_hidden_size: int = 64  # the tiny DiT's width
+    tiny_num_layers: int = 2  # the tiny DiT's joint transformer blocks
+    tiny_vae_steps: int = 200  # the tiny VAE's autoencoder pretraining on two-colour images (0: random)
+
+    def __post_init__(self) -> None:
+        if self.image_size < 4 or self.image_size % 4:
+            raise ValueError(f"t2i.image_size must be a positive multiple of 4, got {self.image_size}")
+        if self.eta <= 0:
+            raise ValueError(
+                f"t2i.eta must be > 0 (eta 0 is the deterministic sampler: nothing to train), got {self.eta}"
+            )
+        if not 0 <= self.num_train_steps <= self.num_steps:
+            raise ValueError(
+                f"t2i.num_train_steps must be in [0, t2i.num_steps={self.num_steps}], got {self.num_train_steps}"
+            )
+        if self.guidance_scale < 1:
+            raise ValueError(f"t2i.guidance_scale must be >= 1 (1: no guidance), got {self.guidance_scale}")
+
+
+class T2iConfig(RunConfig, frozen=True, kw_only=True):
+    """`yatt grpo-t2i`: the shared keys and the diffusion policy's."""
+
+    app: str = "grpo-t2i"
+    t2i: T2iSpec = T2iSpec()  # the diffusion policy and its SDE sampling
+
+
+def tiny_cpu_t2i() -> T2iConfig:
+    """`yatt grpo-t2i` on the embedded colour/position task: a tiny SD3-style pipeline (16x16 images, 4 latent
+    channels, a 2-layer DiT of width 64, a 2-layer CLIP text encoder, a VAE pretrained for 200 steps on
+    two-colour images), 6 SDE steps at eta 1, 8 prompts x 8 images per step over two controllers, constant
+    lr 3e-3, clip 0.2, no KL; validation on 32 prompts (each colour x side pair twice) every 5 steps.
+    Measured: see README (Text-to-image GRPO)."""
+    return T2iConfig(
+        model=ModelSpec(),  # launch's placeholder tokenizer model: the policy is t2i.path's pipeline
+        judge=None,
+        rewards=[],
+        run=RunSpec(name="t2i-tiny", num_steps=60, prompts_per_step=8, eval_every=5),
+        data=DataSpec(num_train_rows=512, num_val_rows=32),
+        sampling=SamplingParams(n=8),
+        algo=AlgoConfig(adv_estimator="grpo", clip_ratio_low=0.2, clip_ratio_high=0.2),
+        # a constant learning rate (min_lr_ratio 1), as Flow-GRPO; cosine decay to 0 halved the rise in 30 steps
+        optim=OptimConfig(
+            lr=3e-3, min_lr_ratio=1.0, num_training_steps=60, micro_batch_size=32, clip_grad_norm=1.0
+        ),
+        controller=ControllerSpec(
+            num_controllers=2, checkpoint_every=10, keep_checkpoints=2, hang_timeout_s=300.0
+        ),
+        t2i=T2iSpec(),
+    )
+
+
+# ---- data --------------------------------------------------------------------------------------------------
+
+
+def load_prompts(path: str, key: str) -> list[PromptRow]:
+    """One prompt per row of a jsonl or parquet file (field `key`, a non-empty string naming a colour and a
+    side: the rule reward's task); anything else is a ValueError naming the file, line or row, and field."""
+    from yatt_multimodal.image_rules import parse_colour_prompt
+
+    from yatt_apps.io.records import read_records
+
+    rows = []
+    for where, raw in read_records(path, parquet_where="{path}: row {n} (1-based)"):
+        if not isinstance(raw, dict) or key not in raw:
+            raise ValueError(f"{where}: missing field {key!r} (one prompt per row)")
+        prompt = raw[key]
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise ValueError(f"{where}: field {key!r} must be a non-empty string, got {prompt!r}")
+        try:
+            parse_colour_prompt(prompt)
+        except ValueError as err:
+            raise ValueError(f"{where}: field {key!r}: {err}") from None
+        rows.append(PromptRow(prompt=prompt, answer=""))
+    return rows
+
+
+def train_rows(cfg: T2iConfig) -> list[PromptRow]:
+    """The training prompts: `data.train`'s rows, or the embedded task's (`data.num_train_rows`, the seed)."""
+    from yatt_multimodal.image_rules import colour_prompts
+
+    data = cfg.data
+    if not data.train:
+        return [
+            PromptRow(prompt=p, answer="") for p in colour_prompts(data.num_train_rows, seed=cfg.run.seed)
+        ]
+    return load_prompts(data.train, data.prompt_key)
+
+
+def val_prompts(cfg: T2iConfig) -> list[str]:
+    """The validation prompts: `data.val`'s rows, or `data.num_val_rows` of the embedded task's, every
+    (colour, side) pair in turn (balanced: 32 rows hold each of the 16 pairs twice)."""
+    from yatt_multimodal.image_rules import every_colour_prompt
+
+    data = cfg.data
+    if not data.val:
+        pairs = every_colour_prompt()
+        return [pairs[i % len(pairs)] for i in range(data.num_val_rows)]
+    return [r.prompt for r in load_prompts(data.val, data.prompt_key)]
+
+
+# ---- the pipeline folder -----------------------------------------------------------------------------------
+
+
+def _tiny_key(cfg: T2iConfig) -> str:
+    spec = cfg.t2i
+    parts = (
+        TINY_FORMAT,
+        spec.image_size,
+        spec.tiny_hidden_size,
+        spec.tiny_num_layers,
+        spec.tiny_vae_steps,
+        cfg.run.seed,
+    )
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
+
+
+def tiny_pipeline(cfg: T2iConfig, out: Path) -> Path:
+    """`out` holds the tiny pipeline: copied from the cache ($YATT_CACHE_DIR/t2i-KEY), or built (tokenizer
+    trained on the embedded task's prompts and the training rows) and cached first; both writes atomic."""
+    from yatt_rollout.diffusion_models import save_t2i, tiny_t2i
+
+    from yatt_apps.runtime.warmstart import cache_root
+
+    if (out / "model_index.json").is_file():
+        return out
+    cached = cache_root() / f"t2i-{_tiny_key(cfg)}"
+    if not (cached / "model_index.json").is_file():
+        from yatt_multimodal.image_rules import colour_prompts
+
+        corpus = colour_prompts(512, seed=0) + [r.prompt for r in train_rows(cfg)[:2048]]
+        spec = cfg.t2i
+        policy = tiny_t2i(
+            corpus,
+            image_size=spec.image_size,
+            hidden_size=spec.tiny_hidden_size,
+            num_layers=spec.tiny_num_layers,
+            vae_steps=spec.tiny_vae_steps,
+            seed=cfg.run.seed,
+        )
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        staged = save_t2i(policy, cached.with_name(f"{cached.name}.{os.getpid()}"))
+        try:
+            staged.rename(cached)
+        except OSError:  # another run cached the same pipeline first
+            shutil.rmtree(staged, ignore_errors=True)
+    tmp = out.with_name(f"{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(cached, tmp)
+    tmp.rename(out)
+    return out
+
+
+def prepare(cfg: T2iConfig, run_dir: Path) -> T2iConfig:
+    """The config the run uses: `t2i.path` the pipeline folder (the tiny one built into RUN_DIR/models/t2i),
+    `t2i.images_dir` and `t2i.final_dir` absolute; the validation rows checked here."""
+    spec = cfg.t2i
+    if spec.path:
+        folder = Path(spec.path).resolve() if Path(spec.path).exists() else _hub_folder(spec.path)
+        if not (folder / "model_index.json").is_file():
+            raise ValueError(
+                f"t2i.path {spec.path!r} is not a diffusers pipeline folder (no model_index.json)"
+            )
+    else:
+        folder = tiny_pipeline(cfg, run_dir / "models" / "t2i")
+    images = Path(spec.images_dir).resolve() if spec.images_dir else run_dir / "images"
+    final = Path(spec.final_dir).resolve() if spec.final_dir else run_dir / "final"
+    tb = Path(spec.tensorboard_dir).resolve() if spec.tensorboard_dir else run_dir / "tb"
+    spec = msgspec.structs.replace(
+        spec, path=str(folder), images_dir=str(images), final_dir=str(final), tensorboard_dir=str(tb)
+    )
+    cfg = msgspec.structs.replace(cfg, t2i=spec)
+    val_prompts(cfg)  # a bad validation row fails here, before anything starts
+    return cfg
+
+
+def _hub_folder(hub_id: str) -> Path:
+    """A hub id's cached snapshot (the LLM jobs' rule: offline reads the cache only)."""
+    from yatt_apps.io.model_sources import _snapshot
+
+    return _snapshot(hub_id, "t2i.path")
+
+
+# ---- the step ----------------------------------------------------------------------------------------------
+
+
+def _rollout(ctx: StepContext, prompts: list[str], seeds: list[int]) -> dict[str, Any]:
+    return ctx.get(ctx.services["rollout"].call_one("generate", prompts, seeds))
+
+
+def _rewards(prompts: list[str], images: Any) -> Any:
+    """The rule reward of each image [B] (a prompt naming no colour and side was refused when read)."""
+    import torch
+    from yatt_multimodal.image_rules import colour_position_score, parse_colour_prompt
+
+    return torch.tensor(
+        [
+            colour_position_score(image, *parse_colour_prompt(p))
+            for p, image in zip(prompts, images, strict=True)
+        ]
+    )
+
+
+def _advantages(cfg: T2iConfig, rewards: Any, group_size: int) -> Any:
+    """Group advantages [B] with the configured estimator (each image one 'token')."""
+    import torch
+    from yatt_algos.advantages import compute_advantages
+
+    ids = torch.arange(len(rewards) // group_size).repeat_interleave(group_size)
+    adv, _ = compute_advantages(
+        rewards[:, None].float(), torch.ones(len(rewards), 1), cfg.algo, group_ids=ids
+    )
+    return adv[:, 0]
+
+
+def write_grid(images: Any, path: Path) -> Path:
+    """A PNG of `images` [N, H, W, 3] uint8 in rows of up to 8 (atomic: tmp + rename)."""
+    import numpy as np
+    from PIL import Image
+
+    n, h, w, _ = images.shape
+    cols = min(n, 8)
+    rows = -(-n // cols)
+    grid = np.full((rows * h, cols * w, 3), 255, dtype=np.uint8)
+    for i, image in enumerate(images):
+        r, c = divmod(i, cols)
+        grid[r * h : (r + 1) * h, c * w : (c + 1) * w] = image
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    Image.fromarray(grid).resize((cols * w * 4, rows * h * 4), Image.Resampling.NEAREST).save(
+        tmp, format="PNG"
+    )
+    tmp.replace(path)
+    return path
+
+
+@functools.cache
+def _image_writer(folder: str) -> Any:
+    """Controller 0's TensorBoard writer of validation images, one per process, beside the driver's scalars
+    in the same folder (its own event file: TensorBoard reads every file there)."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(folder, filename_suffix=".t2i-images")
+
+
+def _validate(ctx: StepContext, cfg: T2iConfig) -> dict[str, float]:
+    """This controller's share of the validation prompts, fixed seeds: reward sums; controller 0's grid."""
+    prompts = val_prompts(cfg)
+    mine = list(range(ctx.rank, len(prompts), ctx.world_size))
+    if not mine:
+        return {"val/reward_sum": 0.0, "val/count": 0.0}
+    seeds = [cfg.run.seed + VAL_SEED + i for i in mine]
+    out = _rollout(ctx, [prompts[i] for i in mine], seeds)
+    rewards = _rewards([prompts[i] for i in mine], out["images"])
+    if ctx.rank == 0:
+        write_grid(out["images"][:16], Path(cfg.t2i.images_dir) / f"step-{ctx.step:06d}.png")
+        writer = _image_writer(cfg.t2i.tensorboard_dir)
+        writer.add_images("val/images", out["images"][:16], ctx.step, dataformats="NHWC")
+        writer.flush()
+    return {"val/reward_sum": float(rewards.sum()), "val/count": float(len(mine))}
+
+
+def t2i_step(ctx: StepContext, rows: list[PromptRow], *, cfg: T2iConfig) -> dict[str, float]:
+    """One GRPO step of this controller (module doc); metrics summed over controllers, then means."""
+    import time
+
+    from yatt_apps.runtime.step_metrics import evaluates
+
+    sums: dict[str, float] = {}
+    if evaluates(ctx.step, cfg.run.num_steps, cfg.run.eval_every):
+        with ctx.phase("eval"):
+            sums |= _validate(ctx, cfg)
+    n = cfg.sampling.n
+    prompts = [row.prompt for row in rows for _ in range(n)]
+    base = sample_seed(cfg, ctx)
+    started = time.perf_counter()
+    with ctx.phase("rollout"):
+        out = _rollout(ctx, prompts, [base + i for i in range(len(prompts))])
+    seconds = time.perf_counter() - started
+    with ctx.phase("reward"):
+        rewards = _rewards(prompts, out["images"])
+        advantages = _advantages(cfg, rewards, n)
+    batch = {
+        k: out[k]
+        for k in ("latents", "next_latents", "old_logprobs", "sigmas", "next_sigmas", "embeds", "pooled")
+    }
+    batch["advantages"] = advantages.numpy()
+    with ctx.phase("train"):  # SPMD: every learner rank of this controller steps together
+        stats = ctx.get(learner_of(ctx).shard_rows("update", batch))[0]
+    with ctx.phase("weight_sync"):
+        sync_weights(ctx)
+    if ctx.step == cfg.run.num_steps - 1:
+        with ctx.phase("export"):
+            ctx.get(learner_of(ctx).broadcast("export", cfg.t2i.final_dir))
+    rate = len(prompts) / max(seconds, 1e-9)  # this controller's engine; the controllers' rates add up
+    sums |= {"reward_sum": float(rewards.sum()), "images": float(len(prompts)), "images_per_s": rate}
+    total = ctx.all_reduce(sums)
+    metrics = {
+        "reward/mean": total["reward_sum"] / total["images"],
+        "t2i/images_per_s": total["images_per_s"],
+        "train/loss": stats["loss"],
+        "train/grad_norm": stats["grad_norm"],
+        "train/lr": stats["lr"],
+        "train/clip_frac": stats.get("clip_frac", 0.0),
+    }
+    if total.get("val/count"):
+        metrics["val/reward"] = total["val/reward_sum"] / total["val/count"]
+    return metrics
+
+
+def export(run: Any, cfg: T2iConfig) -> Path | None:
+    """RUN_DIR/final as launch would report it: this job writes its diffusers folder itself at its last step
+    (`T2ILearnerWorker.export`), so there is nothing to convert; the folder, or None when the run has not
+    reached its last step. For a JobDef export hook in launch (launch's `export_final` reads causal-LM
+    learner checkpoints only)."""
+    final = Path(cfg.t2i.final_dir) if cfg.t2i.final_dir else Path(run.path) / "final"
+    return final if (final / "model_index.json").is_file() else None
+
+
+def step_function(cfg: T2iConfig, policy_dir: str, val_rows: ValRows, plan: PlacementPlan) -> StepFn:
+    check(cfg)
+    return functools.partial(t2i_step, cfg=cfg)
+
+
+def check(cfg: T2iConfig) -> None:
+    if cfg.judge is not None or cfg.rewards:
+        raise ValueError(
+            "grpo-t2i scores images with its pixel rule (the colour/position task): set judge to null and rewards to []"
+        )
+    if cfg.learner.backend != "ddp" or cfg.model.tensor_parallel > 1 or cfg.model.pipeline_parallel > 1:
+        raise ValueError(
+            "grpo-t2i trains with its diffusion learner: learner.backend ddp, no tensor/pipeline parallel"
+        )
+    if cfg.algo.max_staleness:
+        raise ValueError("grpo-t2i trains on-policy: algo.max_staleness must be 0")
+    if cfg.sampling.n < 2 and cfg.algo.adv_estimator == "grpo":
+        raise ValueError("grpo-t2i: sampling.n must be >= 2 (GRPO compares the images of one prompt)")
+
+
+def roles(cfg: T2iConfig) -> list[RoleSpec]:
+    """The trained policy (actor) and its diffusion engine (rollout), placed as the LLM jobs' policy."""
+    return [r for r in policy_roles(cfg) if r.role in ("actor", "rollout")]
+
+
+def build(
+    pool: HostPool, *, cfg: T2iConfig, policy_dir: str, judge_dir: str, plan: PlacementPlan
+) -> Services:
+    """The learner ranks and the engines, with the weight sync between them."""
+    from yatt_controller.runner import Services
+    from yatt_controller.sync import WeightSync
+    from yatt_controller.worker_group import WorkerGroup
+
+    from yatt_apps.runtime.t2i_workers import T2ILearnerWorker, T2IRolloutWorker
+
+    key = f"yatt-t2i-{uuid.uuid4().hex}"  # this attempt's learner rendezvous
+    actor = WorkerGroup.create(
+        pool, "actor", T2ILearnerWorker, args=(cfg, policy_dir, key), pass_worker_info=True, lock="learner"
+    )
+    rollout = WorkerGroup.create(
+        pool,
+        "rollout",
+        T2IRolloutWorker,
+        args=(cfg, policy_dir),
+        kwargs={"shared_device": plan.shares_device("rollout", "actor")},
+        pass_worker_info=True,
+    )
+    sync = WeightSync(actor, [rollout], mode="auto", backend="auto")
+    return Services(groups={"actor": actor, "rollout": rollout}, learner="actor", weight_sync=sync)
+
+
+JOB = JobDef(
+    name="grpo-t2i",
+    help="text-to-image GRPO (Flow-GRPO) on a flow-matching diffusion policy; writes a diffusers folder",
+    preset=tiny_cpu_t2i,
+    step=step_function,
+    config=T2iConfig,
+    roles=roles,
+    build=build,
+    check=check,
+    prepare=prepare,
+    dataset=train_rows,
+)

@@ -14,7 +14,8 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
-from yatt_apps.config import RolloutSpec, tiny_cpu
+from yatt_apps.config import PRESETS, RolloutSpec, tiny_cpu
+from yatt_apps.io.data import PromptRow
 from yatt_apps.runtime.agent import CalculatorEnv, check_env, mask_env_tokens
 from yatt_apps.runtime.phases import pad_batch
 from yatt_rollout.env import ENVIRONMENTS
@@ -61,6 +62,10 @@ def test_mask_env_tokens_keeps_only_model_tokens():
     ]
     batch = pad_batch(prompts, [t.token_ids for t in trajs], pad_id=0)
     mask_env_tokens(batch, prompts, trajs)
+    # the learner trains on the engine's ids (prompt + trajectory as generated), never a re-tokenisation
+    for row, (prompt, traj) in enumerate(zip(prompts, trajs, strict=True)):
+        n = len(prompt) + len(traj.token_ids)
+        assert batch["input_ids"][row, :n].tolist() == prompt + traj.token_ids
     assert batch["response_mask"].int().tolist() == [[0, 0, 0, 1, 1, 0, 0, 1], [0, 0, 1, 0, 0, 0, 0, 0]]
     assert batch["attention_mask"].int().tolist() == [[1] * 8, [1, 1, 1, 0, 0, 0, 0, 0]]
 
@@ -81,6 +86,34 @@ def test_check_env_names_the_key():
         check_env(msgspec.structs.replace(cfg, rollout=RolloutSpec(env="yatt_apps.runtime.agent:Missing")))
     check_env(msgspec.structs.replace(cfg, rollout=RolloutSpec(env="yatt_apps.runtime.agent:CalculatorEnv")))
     assert ENVIRONMENTS["yatt_apps.runtime.agent:CalculatorEnv"] is CalculatorEnv
+
+
+def test_prompts_render_the_environment_tools_and_prepare_writes_its_rows(tmp_path: Path):
+    """`rollout.tools_in_prompt`: the step's prompt (render_prompt through `prompt_tokenizer`) is exactly the
+    driver's rendering of the environment's reset with its tools; `prepare` writes the environment's own
+    rows as the run's data (no warm start with rollout.sft_steps=0)."""
+    from yatt_apps.runtime.agent import prompt_tokenizer
+    from yatt_apps.runtime.agent_warmstart import prepare
+    from yatt_apps.runtime.phases import render_prompt
+    from yatt_rollout.agent import TurnCodec
+    from yatt_rollout.tiny import train_tokenizer
+    from yatt_rollout.tool_tasks import MultiplyEnv
+    from yatt_rollout.types import Message
+
+    tok = train_tokenizer(["347 * 86 = 29842 calculator expression"], vocab_size=300)
+    agent = PRESETS["tiny_cpu_agent"]()
+    cfg = msgspec.structs.replace(agent, rollout=msgspec.structs.replace(agent.rollout, sft_steps=0))
+    row = PromptRow(prompt="347 * 86 =", answer="29842")
+    ids = render_prompt(prompt_tokenizer(tok, cfg), row, "")
+    assert ids == TurnCodec(tok).prompt_ids([Message(role="user", content=row.prompt)], MultiplyEnv().tools)
+    assert '"name": "calculator"' in tok.decode(ids)
+    off = msgspec.structs.replace(cfg, rollout=msgspec.structs.replace(cfg.rollout, tools_in_prompt=False))
+    assert render_prompt(prompt_tokenizer(tok, off), row, "") == render_prompt(tok, row, "")
+    prepared = prepare(cfg, tmp_path)
+    assert prepared.model == cfg.model  # sft_steps=0: the tiny policy is built as usual
+    train = [json.loads(line) for line in Path(prepared.data.train).read_text().splitlines()]
+    assert train == MultiplyEnv.rows(cfg.data.num_train_rows, cfg.run.seed)
+    assert len(Path(prepared.data.val).read_text().splitlines()) == cfg.data.num_val_rows
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ environment says done, after `max_turns` model turns, or when the next turn or r
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,7 +25,14 @@ from typing import Any, Literal
 
 import msgspec
 
-from yatt_rollout.env import ENVIRONMENTS, Environment, parse_tool_calls, tool_schemas, tools_system_prompt
+from yatt_rollout.env import (
+    ENVIRONMENTS,
+    Environment,
+    parse_tool_calls,
+    render_tool_call,
+    tool_schemas,
+    tools_system_prompt,
+)
 from yatt_rollout.types import (
     TOOL_ERROR_KINDS,
     Action,
@@ -34,6 +42,7 @@ from yatt_rollout.types import (
     Message,
     Prompt,
     StopReason,
+    ToolCall,
     ToolSpec,
     Trajectory,
 )
@@ -66,6 +75,15 @@ def _doc(i: int, message: ChatMessage) -> dict[str, Any]:
     return doc
 
 
+def _call(call: Mapping[str, Any]) -> ToolCall:
+    """A TRL/OpenAI tool call (`{"type": "function", "function": {...}}` or the function) as a ToolCall."""
+    fn = call.get("function", call)
+    arguments = fn.get("arguments", {})
+    return ToolCall(
+        name=fn["name"], arguments=json.loads(arguments) if isinstance(arguments, str) else arguments
+    )
+
+
 def _content(message: ChatMessage) -> str:
     return message.content if isinstance(message, Message) else str(message.get("content") or "")
 
@@ -86,6 +104,7 @@ class TurnCodec:
         self.tok = tokenizer
         self.eos_id = tokenizer.eos_token_id
         self.native_tools = "tools" in (tokenizer.chat_template or "")
+        self.native_calls = "tool_calls" in (tokenizer.chat_template or "")
 
     def _render(self, messages: Sequence[ChatMessage], tools: Sequence[ToolSpec], generation: bool) -> str:
         """The template's text with each message's content replaced by a placeholder (`_mark(i)`)."""
@@ -149,7 +168,14 @@ class TurnCodec:
 
     def assistant_ids(self, message: ChatMessage) -> list[int]:
         """One assistant turn's own tokens as the model writes them after the opened turn: its content and
-        tool calls through the eos that ends it (what the template puts after the eos is not the model's)."""
+        tool calls through the eos that ends it (what the template puts after the eos is not the model's).
+        A template that does not render `tool_calls` gets them as Hermes blocks in the content."""
+        if not isinstance(message, Message) and message.get("tool_calls") and not self.native_calls:
+            blocks = [render_tool_call(_call(c)) for c in message["tool_calls"]]
+            message = {
+                "role": "assistant",
+                "content": "\n".join([*filter(None, [message.get("content")]), *blocks]),
+            }
         opened = self._after_stand_in([Message(role="user", content="U")], generation=True)
         whole = self._after_stand_in([Message(role="user", content="U"), message], generation=False)
         if whole[: len(opened)] != opened or self.eos_id not in whole[len(opened) :]:

@@ -537,15 +537,21 @@ def tiny_cpu_agent() -> RunConfig:
     return msgspec.structs.replace(
         base,
         run=msgspec.structs.replace(
-            base.run, name="agent-tiny", num_steps=12, prompts_per_step=16, eval_every=11
+            base.run, name="agent-tiny", num_steps=20, prompts_per_step=16, eval_every=19
         ),
         model=ModelSpec(
-            vocab_size=1024, max_position_embeddings=512, warm_start_lr=3e-3, warm_start_batch_size=32
+            hidden_size=128,
+            num_heads=4,
+            num_kv_heads=2,
+            vocab_size=1024,
+            max_position_embeddings=512,
+            warm_start_lr=3e-3,
+            warm_start_batch_size=32,
         ),
         judge=None,
         rewards=[RewardSpec(kind="math_verify", weight=1.0)],
         data=DataSpec(num_train_rows=512, num_val_rows=64, max_prompt_tokens=256),
-        rollout=RolloutSpec(env="multiply", max_turns=3, sft_steps=300, sft_demos=1024, tools_in_prompt=True),
+        rollout=RolloutSpec(env="multiply", max_turns=3, sft_steps=400, sft_demos=1024, tools_in_prompt=True),
         sampling=msgspec.structs.replace(base.sampling, n=8, max_new_tokens=32),
         algo=msgspec.structs.replace(base.algo, num_updates_per_batch=1),
         optim=msgspec.structs.replace(base.optim, lr=1e-3),

@@ -31,8 +31,10 @@ from yatt_rollout.env import ToolEnvironment, parse_tool_calls, register, tool_s
 from yatt_rollout.tools import calculator_tool, evaluate_arithmetic, format_number, python_tool
 from yatt_rollout.types import Action, Message, Observation, StepResult, ToolSpec
 
-# the demonstration mix: with the tool, answered directly, a wrong first call then corrected
-DEMO_MIX = (0.45, 0.4, 0.15)
+# the demonstration mix: with the tool, answered directly, a wrong first call then corrected. Answered
+# directly more often than not (with 0.3 + 0.1 calling, the hidden-128 tiny policy still called greedily on
+# every prompt), so the warm-started policy's greedy choice is to guess: RL finds out that the calls pay.
+DEMO_MIX = (0.2, 0.7, 0.1)
 
 
 def last_integer(text: str) -> str:
@@ -43,7 +45,11 @@ def last_integer(text: str) -> str:
 
 class FinalAnswerEnv(ToolEnvironment):
     """A `ToolEnvironment` whose first turn without calls is the answer: reward 1.0 when its last integer
-    is the row's answer (or, for a row with only a prompt, `answer_of(prompt)`), and the episode ends."""
+    is the row's answer (or, for a row with only a prompt, `answer_of(prompt)`), and the episode ends.
+    Demonstrations answer directly as `ANSWER` says (one opening: the choice to call is the first token
+    of the turn) and after a tool result with the number alone (the copy a small model learns first)."""
+
+    ANSWER = "The answer is {}."
 
     def answer_of(self, prompt: str) -> str:
         raise NotImplementedError
@@ -72,7 +78,8 @@ class FinalAnswerEnv(ToolEnvironment):
             text = tool_call_text(call)
             result = self.step(Action(text=text, tool_calls=parse_tool_calls(text)[0]))
             messages += [{"role": m.role, "content": m.content} for m in result.observation.messages]
-        messages.append({"role": "assistant", "content": str(row["answer"])})
+        final = str(row["answer"]) if calls else self.ANSWER.format(row["answer"])
+        messages.append({"role": "assistant", "content": final})
         return messages
 
     def right_arguments(self, row: Mapping[str, Any]) -> dict[str, Any]:
@@ -91,7 +98,7 @@ class FinalAnswerEnv(ToolEnvironment):
         rng = random.Random(seed)
         out = []
         for row in rows:
-            env = cls()
+            env = cls()  # type: ignore[call-arg]  # a concrete task (a registry factory) takes no arguments
             kind = rng.choices(("tool", "direct", "corrected"), weights=DEMO_MIX)[0]
             out.append({"messages": env.demonstration(row, kind, rng), "tools": tool_schemas(env.tools)})
         return out

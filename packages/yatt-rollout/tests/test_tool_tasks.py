@@ -48,7 +48,7 @@ def test_tools_render_as_qwen(tok):
         {"role": "assistant", "content": "", "tool_calls": [MultiplyEnv().call({"expression": "12 * 34"})]},
         {"role": "tool", "content": "408"},
         {"role": "tool", "content": "409"},
-        {"role": "assistant", "content": "408"},
+        {"role": "assistant", "content": "The answer is 408."},
     ]
     text = tok.apply_chat_template(chat, tools=schemas, tokenize=False)
     # Qwen2.5's layout (its default system sentence aside): tools after the system text, calls as Hermes
@@ -62,7 +62,7 @@ def test_tools_render_as_qwen(tok):
         "<args-json-object>}\n</tool_call><|im_end|>\n<|im_start|>user\n12 * 34 =<|im_end|>\n"
         '<|im_start|>assistant\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 * 34"}}\n'
         "</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n408\n</tool_response>\n<tool_response>\n409"
-        "\n</tool_response><|im_end|>\n<|im_start|>assistant\n408<|im_end|>\n"
+        "\n</tool_response><|im_end|>\n<|im_start|>assistant\nThe answer is 408.<|im_end|>\n"
     )
     # what the model writes for a call is what the template renders and what the parser reads back
     call = tool_call_text(MultiplyEnv().call({"expression": "12 * 34"}))

@@ -85,6 +85,10 @@ def test_check_env_names_the_key():
     ):
         check_env(msgspec.structs.replace(cfg, rollout=RolloutSpec(env="yatt_apps.runtime.agent:Missing")))
     check_env(msgspec.structs.replace(cfg, rollout=RolloutSpec(env="yatt_apps.runtime.agent:CalculatorEnv")))
+    with pytest.raises(
+        ValueError, match=r"rollout.tools_in_prompt and rollout.sft_steps need an environment"
+    ):
+        RolloutSpec(tools_in_prompt=True)
     assert ENVIRONMENTS["yatt_apps.runtime.agent:CalculatorEnv"] is CalculatorEnv
 
 

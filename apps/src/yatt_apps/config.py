@@ -530,7 +530,7 @@ def _tiny_base() -> RunConfig:
 
 
 def tiny_cpu_agent() -> RunConfig:
-    """Agentic GRPO (`yatt grpo --preset tiny_cpu_agent`): "47 * 86 =" (`yatt_rollout.tool_tasks.MultiplyEnv`),
+    """Agentic GRPO (`yatt grpo --preset tiny_cpu_agent`): "347 * 86 =" (`yatt_rollout.tool_tasks.MultiplyEnv`),
     out of a tiny model's reach without its calculator, within it with. The calculator's schema is in the
     prompt (the chat template's tools support). The policy is warm-started by a multi-turn SFT on the
     environment's demonstrations (some with the tool, some answered directly, some with a wrong first call
@@ -555,7 +555,7 @@ def tiny_cpu_agent() -> RunConfig:
         judge=None,
         rewards=[RewardSpec(kind="math_verify", weight=1.0)],
         data=DataSpec(num_train_rows=512, num_val_rows=64, max_prompt_tokens=256),
-        rollout=RolloutSpec(env="multiply", max_turns=3, sft_steps=500, sft_demos=1024, tools_in_prompt=True),
+        rollout=RolloutSpec(env="multiply", max_turns=3, sft_steps=400, sft_demos=1024, tools_in_prompt=True),
         sampling=msgspec.structs.replace(base.sampling, n=8, max_new_tokens=32),
         algo=msgspec.structs.replace(base.algo, num_updates_per_batch=1),
         optim=msgspec.structs.replace(base.optim, lr=1e-3),

@@ -1,6 +1,6 @@
 """Tasks that need their tool, as environments with their own data and demonstrations.
 
-- `MultiplyEnv` ("multiply"): "47 * 86 =", a product of two 2-digit numbers. A tiny model cannot multiply, so
+- `MultiplyEnv` ("multiply"): "347 * 86 =", a 3-digit by 2-digit product. A tiny model cannot multiply, so
   without the calculator it guesses; with it, it copies the expression into a call and the result into its
   answer. The final answer (a turn without tool calls) ends the episode: reward 1.0 when its last integer
   is the product.
@@ -32,10 +32,10 @@ from yatt_rollout.tools import calculator_tool, evaluate_arithmetic, format_numb
 from yatt_rollout.types import Action, Message, Observation, StepResult, ToolSpec
 
 # the demonstration mix: with the tool, answered directly, a wrong first call then corrected. Answered
-# directly more often than not (with 0.3 + 0.1 calling, the hidden-128 tiny policy still called greedily on
-# every prompt; with 0.2 + 0.1 it had not learned to copy the result after 400 steps), so the warm-started
-# policy's greedy choice is to guess: RL finds out that the calls pay.
-DEMO_MIX = (0.25, 0.65, 0.1)
+# directly more often than not in the data; the hidden-128 tiny policy, after 400 steps, calls on about half
+# of its sampled turns and copies the result right about half the time (with 0.2 + 0.1 or 0.25 + 0.1
+# calling, it had not learned to copy the result by 400-500 steps): RL sharpens both.
+DEMO_MIX = (0.3, 0.6, 0.1)
 
 
 def last_integer(text: str) -> str:
@@ -131,7 +131,7 @@ class MultiplyEnv(FinalAnswerEnv):
         rng = random.Random(seed)
         out = []
         for _ in range(n):
-            a, b = rng.randint(10, 99), rng.randint(10, 99)
+            a, b = rng.randint(100, 999), rng.randint(10, 99)
             out.append({"prompt": f"{a} * {b} =", "answer": str(a * b)})
         return out
 

@@ -34,6 +34,7 @@ def test_every_example_is_tested():
         "controller_hosts_your_classes",
         "trl_judge",
         "own_job",
+        "agent_env",
     }
     assert {p.stem for p in EXAMPLES.glob("*.py")} == tested
 
@@ -181,3 +182,16 @@ def test_own_job_runs_through_yatt_run(tmp_path):
         )
         assert row["reward/mean"] == pytest.approx(expected, abs=1e-9)
     assert "app: grpo-brevity" in (run_dir / "config.yaml").read_text()
+
+
+def test_agent_env_in_one_file():
+    """The one-file environment and tool: the prompt lists the tool, the call runs it, the answer scores."""
+    pytest.importorskip("transformers")
+    result = _example("agent_env").main([])
+    assert result["tools_in_prompt"] is True
+    assert "<tool_response>\n3\n</tool_response>" in result["episode"]
+    assert (result["reward"], result["turns"], result["tool_calls"], result["tool_errors"]) == (1.0, 2, 1, {})
+    rows = _example("agent_env").LetterCountEnv.rows(20, 1)
+    assert all(
+        row["answer"] == str(row["prompt"].split(" in ")[1][:-1].count(row["prompt"][9])) for row in rows
+    )

@@ -1,6 +1,6 @@
-"""Multi-turn GRPO (`rollout.env=calculator`): the calculator environment, the response-mask hook, config
-checks, and (slow) the job end to end as a user runs it: `yatt grpo --set rollout.env=calculator
---set rollout.max_turns=3` with two parallel controllers and the HF engine."""
+"""Multi-turn GRPO (`rollout.env`): the calculator environment, the response-mask hook, config checks, tools
+in the prompt and the environment's own rows, and (slow) the agentic job end to end as a user runs it:
+`yatt grpo --preset tiny_cpu_agent` with two parallel controllers, on the HF engine and on vLLM."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
-from yatt_apps.config import RolloutSpec, tiny_cpu
+from yatt_apps.config import PRESETS, RolloutSpec, tiny_cpu
+from yatt_apps.io.data import PromptRow
 from yatt_apps.runtime.agent import CalculatorEnv, check_env, mask_env_tokens
 from yatt_apps.runtime.phases import pad_batch
 from yatt_rollout.env import ENVIRONMENTS
@@ -61,6 +62,10 @@ def test_mask_env_tokens_keeps_only_model_tokens():
     ]
     batch = pad_batch(prompts, [t.token_ids for t in trajs], pad_id=0)
     mask_env_tokens(batch, prompts, trajs)
+    # the learner trains on the engine's ids (prompt + trajectory as generated), never a re-tokenisation
+    for row, (prompt, traj) in enumerate(zip(prompts, trajs, strict=True)):
+        n = len(prompt) + len(traj.token_ids)
+        assert batch["input_ids"][row, :n].tolist() == prompt + traj.token_ids
     assert batch["response_mask"].int().tolist() == [[0, 0, 0, 1, 1, 0, 0, 1], [0, 0, 1, 0, 0, 0, 0, 0]]
     assert batch["attention_mask"].int().tolist() == [[1] * 8, [1, 1, 1, 0, 0, 0, 0, 0]]
 
@@ -80,35 +85,64 @@ def test_check_env_names_the_key():
     ):
         check_env(msgspec.structs.replace(cfg, rollout=RolloutSpec(env="yatt_apps.runtime.agent:Missing")))
     check_env(msgspec.structs.replace(cfg, rollout=RolloutSpec(env="yatt_apps.runtime.agent:CalculatorEnv")))
+    with pytest.raises(
+        ValueError, match=r"rollout.tools_in_prompt and rollout.sft_steps need an environment"
+    ):
+        RolloutSpec(tools_in_prompt=True)
     assert ENVIRONMENTS["yatt_apps.runtime.agent:CalculatorEnv"] is CalculatorEnv
+
+
+def test_prompts_render_the_environment_tools_and_prepare_writes_its_rows(tmp_path: Path):
+    """`rollout.tools_in_prompt`: the step's prompt (render_prompt through `prompt_tokenizer`) is exactly the
+    driver's rendering of the environment's reset with its tools; `prepare` writes the environment's own
+    rows as the run's data (no warm start with rollout.sft_steps=0)."""
+    from yatt_apps.runtime.agent import prompt_tokenizer
+    from yatt_apps.runtime.agent_warmstart import prepare
+    from yatt_apps.runtime.phases import render_prompt
+    from yatt_rollout.agent import TurnCodec
+    from yatt_rollout.tiny import train_tokenizer
+    from yatt_rollout.tool_tasks import MultiplyEnv
+    from yatt_rollout.types import Message
+
+    tok = train_tokenizer(["347 * 86 = 29842 calculator expression"], vocab_size=300)
+    agent = PRESETS["tiny_cpu_agent"]()
+    cfg = msgspec.structs.replace(agent, rollout=msgspec.structs.replace(agent.rollout, sft_steps=0))
+    row = PromptRow(prompt="347 * 86 =", answer="29842")
+    ids = render_prompt(prompt_tokenizer(tok, cfg), row, "")
+    assert ids == TurnCodec(tok).prompt_ids([Message(role="user", content=row.prompt)], MultiplyEnv().tools)
+    assert '"name": "calculator"' in tok.decode(ids)
+    off = msgspec.structs.replace(cfg, rollout=msgspec.structs.replace(cfg.rollout, tools_in_prompt=False))
+    assert render_prompt(prompt_tokenizer(tok, off), row, "") == render_prompt(tok, row, "")
+    prepared = prepare(cfg, tmp_path)
+    assert prepared.model == cfg.model  # sft_steps=0: the tiny policy is built as usual
+    train = [json.loads(line) for line in Path(prepared.data.train).read_text().splitlines()]
+    assert train == MultiplyEnv.rows(cfg.data.num_train_rows, cfg.run.seed)
+    assert len(Path(prepared.data.val).read_text().splitlines()) == cfg.data.num_val_rows
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ["hf", "vllm"])
-def test_grpo_calculator_job_two_steps(tmp_path: Path, engine: str):
+def test_grpo_agent_job_two_steps(tmp_path: Path, engine: str):
+    """`yatt grpo --preset tiny_cpu_agent` as a user runs it (two parallel controllers), without its warm
+    start (`rollout.sft_steps=0`: a fresh tiny policy, so no minutes of SFT here) and with a context that
+    holds the calculator's schema: the environment's rows, the tools in every prompt, episodes on the engine,
+    validation with and without the tools."""
     run_dir = tmp_path / "agent"
-    argv = [
-        "grpo",
-        "--set",
-        f"rollout.engine={engine}",
-        "--run-dir",
-        str(run_dir),
-        "--set",
-        "rollout.env=calculator",
-        "--set",
-        "rollout.max_turns=3",
-        "--set",
-        "run.num_steps=2",
-        "--set",
-        "run.prompts_per_step=8",
-        "--set",
-        "sampling.n=4",
-        "--set",
-        "run.eval_every=1",
-        "--set",
-        "controller.count_driver_bytes=true",
-        "--json",
-    ]
+    sets = {
+        "rollout.engine": engine,
+        "rollout.sft_steps": "0",
+        "model.max_position_embeddings": "1024",
+        "run.num_steps": "2",
+        "run.prompts_per_step": "8",
+        "sampling.n": "4",
+        "sampling.max_new_tokens": "12",
+        "run.eval_every": "1",
+        "data.num_val_rows": "8",
+        "controller.count_driver_bytes": "true",
+    }
+    argv = ["grpo", "--preset", "tiny_cpu_agent", "--run-dir", str(run_dir), "--json"]
+    for key, value in sets.items():
+        argv += ["--set", f"{key}={value}"]
     out = subprocess.run(
         [sys.executable, "-m", "yatt_apps.cli", *argv],
         cwd=tmp_path,
@@ -123,23 +157,26 @@ def test_grpo_calculator_job_two_steps(tmp_path: Path, engine: str):
     assert summary["driver_bytes"] < 300_000 and summary["restarts"] == 0
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [0, 1]
+    train = (run_dir / "task" / "train.jsonl").read_text().splitlines()
+    assert json.loads(train[0])["prompt"].endswith(" =") and " * " in json.loads(train[0])["prompt"]
     for row in rows:
         for key in (
             "agent/turns_mean",
             "agent/tool_calls",
+            "agent/tool_success",
             "agent/truncated",
             "agent/tool_errors/malformed",
-            "agent/tool_errors/timeout",
             "reward/mean",
             "train/loss",
             "val/accuracy",
+            "val/accuracy_no_tools",
         ):
             assert key in row and math.isfinite(row[key]), key
-        # a random tiny policy is almost never right: the feedback loop gives it more than one turn
-        assert 1.0 < row["agent/turns_mean"] <= 3.0
-        # the response mask counts model tokens only: at most 3 turns of max_new_tokens (6) each
-        assert 0 < row["rollout/response_len_mean"] <= 18.0
-        # the learner's logprobs of the model tokens equal the engine's: masks and logprobs line up
+        assert 1.0 <= row["agent/turns_mean"] <= 3.0
+        # the response mask counts model tokens only: at most 3 turns of max_new_tokens (12) each
+        assert 0 < row["rollout/response_len_mean"] <= 36.0
+        # the learner's logprobs of the model tokens equal the engine's: the trained ids are the engine's
         assert row["train/rollout_mismatch"] < (1e-4 if engine == "hf" else 1e-3)
         assert row["agent/tool_calls"] >= sum(v for k, v in row.items() if k.startswith("agent/tool_errors/"))
+        assert 0.0 <= row["agent/tool_success"] <= 1.0
     assert torch.isfinite(torch.tensor([v for v in rows[-1].values() if isinstance(v, float)])).all()

@@ -90,6 +90,44 @@ def test_bad_rows_name_file_line_and_field(tmp_path):
         load_sft_rows(path, prompt_key="q", response_key="a")
 
 
+def test_chat_rows_with_tool_calls_train_on_the_assistant_turns_only(tok, tmp_path):
+    """TRL's conversational format: `messages` with `tool_calls` and `tool` messages (and `tools`), mixed
+    with prompt/response rows in one file; the loss mask covers the assistant turns through their eos."""
+    import random
+
+    from yatt_apps.io.sft_data import ChatRow
+    from yatt_rollout.env import tool_schemas
+    from yatt_rollout.tool_tasks import MultiplyEnv
+
+    demo = MultiplyEnv().demonstration({"prompt": "12 * 34 =", "answer": "408"}, "tool", random.Random(0))
+    path = tmp_path / "chat.jsonl"
+    chat = {"messages": demo, "tools": tool_schemas(MultiplyEnv().tools)}
+    path.write_text(json.dumps(chat) + "\n" + json.dumps({"prompt": "1 + 1 =", "response": "2"}) + "\n")
+    rows = load_sft_rows(path)
+    assert isinstance(rows[0], ChatRow) and (rows[0].prompt, rows[0].answer) == ("12 * 34 =", "408")
+    batch = sft_batch(tok, [rows[0], arithmetic_task(1, seed=0)[0]], "")
+    own = tok.decode(batch["input_ids"][0][batch["response_mask"][0]])
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 * 34"}}\n</tool_call>'
+    assert own == f"{call}<|im_end|>408<|im_end|>"
+    row = arithmetic_task(1, seed=0)[0]  # a prompt/response row: encode_pair's layout as before
+    prompt, response = encode_pair(tok, chat_messages("", row.prompt), row.answer)
+    n = len(prompt) + len(response)
+    assert batch["input_ids"][1, :n].tolist() == prompt + response
+    assert batch["response_mask"][1].tolist() == [False] * len(prompt) + [True] * len(response) + [False] * (
+        batch["input_ids"].shape[1] - n
+    )
+    bad = {"messages": [demo[0], {"role": "assistant", "tool_calls": [{"function": {"arguments": {}}}]}]}
+    path.write_text(json.dumps(bad) + "\n")
+    with pytest.raises(ValueError, match=rf"^{path}:1: messages\[1\].tool_calls\[0\] needs \"function\""):
+        load_sft_rows(path)
+    path.write_text(json.dumps({"messages": [demo[0]]}) + "\n")
+    with pytest.raises(ValueError, match=rf"^{path}:1: field 'messages' has no assistant message"):
+        load_sft_rows(path)
+    path.write_text(json.dumps({"messages": [{"role": "robot", "content": "x"}]}) + "\n")
+    with pytest.raises(ValueError, match=r"messages\[0\].role must be one of \['system', 'user'"):
+        load_sft_rows(path)
+
+
 def test_parquet_rows_are_read_with_1_based_row_errors(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq

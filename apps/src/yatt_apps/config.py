@@ -116,10 +116,24 @@ class RolloutSpec(_Config, frozen=True, kw_only=True):
     env: str = ""  # a registered multi-turn environment (yatt_rollout); "": single-turn completions
     max_turns: int = 1
     partial: bool = False  # async: pause in-flight generations at a weight update and resume them
+    # a tiny policy (model.path empty) fine-tuned first on `sft_demos` of the environment's multi-turn
+    # demonstrations for this many steps (yatt_apps.runtime.agent_warmstart, cached); 0: no such warm start
+    sft_steps: int = 0
+    sft_demos: int = 1024
+    # the environment's tools in every prompt, through the chat template's own tools support (Qwen's
+    # `tools=`; the Hermes block as a system message where the template has none). Off by default: the schemas
+    # take hundreds of tokens, more than the default tiny policy's context (tiny_cpu_agent turns it on)
+    tools_in_prompt: bool = False
 
     def __post_init__(self) -> None:
         if self.max_turns < 1:
             raise ValueError(f"rollout.max_turns must be >= 1, got {self.max_turns}")
+        if self.sft_steps < 0 or self.sft_demos < 1:
+            raise ValueError("rollout.sft_steps must be >= 0 and rollout.sft_demos >= 1")
+        if not self.env and (self.tools_in_prompt or self.sft_steps):
+            raise ValueError(
+                "rollout.tools_in_prompt and rollout.sft_steps need an environment: set rollout.env"
+            )
 
 
 class RaySpec(_Config, frozen=True, kw_only=True):
@@ -515,6 +529,39 @@ def _tiny_base() -> RunConfig:
     )
 
 
+def tiny_cpu_agent() -> RunConfig:
+    """Agentic GRPO (`yatt grpo --preset tiny_cpu_agent`): "347 * 86 =" (`yatt_rollout.tool_tasks.MultiplyEnv`),
+    out of a tiny model's reach without its calculator, within it with. The calculator's schema is in the
+    prompt (the chat template's tools support). The policy is warm-started by a multi-turn SFT on the
+    environment's demonstrations (some with the tool, some answered directly, some with a wrong first call
+    corrected: `rollout.sft_steps`), so it knows the format but calls the tool only part of the time; GRPO
+    on the exact answer (math_verify) teaches it when to call. Validation runs with the tools and without
+    (`val/accuracy`, `val/accuracy_no_tools`)."""
+    base = _tiny_base()
+    return msgspec.structs.replace(
+        base,
+        run=msgspec.structs.replace(
+            base.run, name="agent-tiny", num_steps=20, prompts_per_step=16, eval_every=19
+        ),
+        model=ModelSpec(
+            hidden_size=128,
+            num_heads=4,
+            num_kv_heads=2,
+            vocab_size=1024,
+            max_position_embeddings=512,
+            warm_start_lr=3e-3,
+            warm_start_batch_size=32,
+        ),
+        judge=None,
+        rewards=[RewardSpec(kind="math_verify", weight=1.0)],
+        data=DataSpec(num_train_rows=512, num_val_rows=64, max_prompt_tokens=256),
+        rollout=RolloutSpec(env="multiply", max_turns=3, sft_steps=400, sft_demos=1024, tools_in_prompt=True),
+        sampling=msgspec.structs.replace(base.sampling, n=8, max_new_tokens=32),
+        algo=msgspec.structs.replace(base.algo, num_updates_per_batch=1),
+        optim=msgspec.structs.replace(base.optim, lr=1e-3),
+    )
+
+
 def tiny_cpu_dapo() -> DapoConfig:
     """`yatt dapo` on the tiny task (DAPO, arXiv 2503.14476): the rule terms of `tiny_cpu` without the judge (a
     noisy judge would make every group vary, leaving dynamic sampling nothing to filter), clip-higher 0.28,
@@ -666,5 +713,6 @@ PRESETS: dict[str, Callable[[], RunConfig]] = {
     "tiny_cpu_capo": tiny_cpu_capo,
     "tiny_cpu_vlm": tiny_cpu_vlm,
     "tiny_cpu_sft": tiny_cpu_sft,
+    "tiny_cpu_agent": tiny_cpu_agent,
     "qwen2_5_math_1_5b_genrm_72b": qwen2_5_math_1_5b_genrm_72b,
 }

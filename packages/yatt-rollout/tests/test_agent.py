@@ -8,10 +8,12 @@ random tiny model would never write; the real path around it is the one the HFEn
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from yatt_rollout.agent import AgentDriver, TurnCodec, agent_metrics, agent_sums
-from yatt_rollout.env import ToolEnvironment, make_env, register
+from yatt_rollout.env import ToolEnvironment, make_env, register, tool_schemas
 from yatt_rollout.hf_engine import HFEngine
 from yatt_rollout.tiny import tiny_causal_lm, train_tokenizer
 from yatt_rollout.tools import calculator_tool
@@ -92,9 +94,11 @@ def _requests(tok, n=2, seed=1, max_new_tokens=6):
 
 
 def _reply(tok, k: int) -> list[int]:
-    # ChatML, written out by hand: what follows the model turn's <|im_end|>
+    # Qwen2.5's layout, written out by hand: what follows the model turn's <|im_end|> (a tool message is a
+    # user turn of <tool_response> blocks)
     return tok.encode(
-        f"\n<|im_start|>tool\nresult {k}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False
+        f"\n<|im_start|>user\n<tool_response>\nresult {k}\n</tool_response><|im_end|>\n<|im_start|>assistant\n",
+        add_special_tokens=False,
     )
 
 
@@ -218,18 +222,23 @@ def test_tool_calls_malformed_calls_and_metrics(tok):
     assert (traj.num_turns, traj.stop_reason, traj.reward) == (3, "done", 1.0)
     assert traj.tool_calls == 3 and traj.tool_errors == {"malformed": 1, "unknown_tool": 1}
     env_text = tok.decode([t for t, m in zip(traj.token_ids, traj.response_mask, strict=True) if not m])
-    assert "<|im_start|>tool\n7<|im_end|>" in env_text
+    assert "<|im_start|>user\n<tool_response>\n7\n</tool_response>" in env_text
     assert "error: malformed tool call: tool call is not valid JSON" in env_text
     assert "error: unknown tool 'sh'; tools: ['calculator']" in env_text
     metrics = agent_metrics(agent_sums([traj]))
     assert metrics["agent/turns_mean"] == 3.0 and metrics["agent/tool_calls"] == 3.0
     assert metrics["agent/tool_errors/malformed"] == 1.0 and metrics["agent/tool_errors/unknown_tool"] == 1.0
     assert metrics["agent/tool_errors/timeout"] == 0.0 and metrics["agent/truncated"] == 0.0
-    # the prompt rendered the tool in the Hermes block (the tiny ChatML template has no tools support)
+    # the prompt rendered the tool through the template's tools support (as Qwen2.5's does)
     prompt = tok.decode(
         TurnCodec(tok).prompt_ids([Message(role="user", content="3 + 4 =")], CalculatorEnv().tools)
     )
-    assert '<tools>\n{"type": "function", "function": {"name": "calculator"' in prompt
+    schemas = tool_schemas(CalculatorEnv().tools)
+    assert prompt == tok.apply_chat_template(
+        [{"role": "user", "content": "3 + 4 ="}], tools=schemas, add_generation_prompt=True, tokenize=False
+    )
+    assert prompt.startswith("<|im_start|>system\n# Tools\n\nYou may call one or more functions")
+    assert f"<tools>\n{json.dumps(schemas[0])}\n</tools>" in prompt
 
 
 def test_registry(tok):

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from yatt_apps.config import RunConfig, tiny_cpu
 from yatt_apps.io.data import PromptRow
-from yatt_apps.runtime import policy_inputs, producer
+from yatt_apps.runtime import agent_warmstart, policy_inputs, producer
 from yatt_apps.runtime.job import JobDef, StepFn, ValRows
 from yatt_apps.runtime.phases import (
     concat_rows,
@@ -54,6 +54,10 @@ def grpo_step(
     import torch
 
     tok = tokenizer(policy_dir)
+    if cfg.rollout.env:  # multi-turn: the environment's tools are in every prompt (the template renders them)
+        from yatt_apps.runtime.agent import prompt_tokenizer, validation_without_tools
+
+        tok = prompt_tokenizer(tok, cfg)
 
     with ctx.phase("rollout_reward"):  # generation streamed into the reward service, chunk by chunk
         if cfg.algo.max_staleness:  # async: launch this step's batch, train on the oldest one in flight
@@ -67,6 +71,8 @@ def grpo_step(
         ):  # ReMax: each prompt's greedy completion, scored, is its baseline
             baselines = policy_inputs.greedy_baselines(ctx, cfg, rows, prompt_ids, tok)
     sums = maybe_evaluate(ctx, val_rows, cfg, tok)  # the policy that generated this step's samples
+    if cfg.rollout.env:  # the same policy's validation accuracy with the tools withheld
+        sums |= validation_without_tools(ctx, val_rows, cfg, tok)
     sleep_engines(ctx, cfg, plan)  # full colocation: the engines give the devices to the learner
 
     with ctx.phase("advantages"):  # a prompt's group never leaves this controller
@@ -205,5 +211,6 @@ JOB = JobDef(
     preset=tiny_cpu,
     step=step_function,
     check=check,
+    prepare=agent_warmstart.prepare,  # rollout.env: the environment's rows, the multi-turn SFT warm start
     asynchronous=True,
 )

@@ -7,9 +7,11 @@ parallel group (DDP or FSDP2), micro-batching, gradient clipping and LR schedule
 last step the job writes `RUN_DIR/final`, an HF folder (config, safetensors, the policy's tokenizer) that
 `AutoModelForCausalLM.from_pretrained` loads.
 
-Data: `sft.train` (jsonl or parquet, `sft.prompt_key` / `sft.response_key`), or, when empty, worked answers
-of the embedded arithmetic task (prompt "a + b =", response the answer), so `yatt sft` runs out of the box.
-Inside the job an SFT row travels as a `PromptRow` whose `answer` is the response.
+Data: `sft.train` (jsonl or parquet, `sft.prompt_key` / `sft.response_key`; or multi-turn rows in TRL's chat
+format, `{"messages": [...], "tools": [...]}` with `tool_calls` and `tool` messages, the loss on the assistant
+turns only: `io.sft_data`), or, when empty, worked answers of the embedded arithmetic task (prompt "a + b =",
+response the answer), so `yatt sft` runs out of the box. Inside the job an SFT row travels as a `PromptRow`
+whose `answer` is the response (a chat row as its subclass `ChatRow`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,14 @@ import msgspec
 
 from yatt_apps.config import SftConfig, tiny_cpu_sft
 from yatt_apps.io.data import PromptRow, arithmetic_task
-from yatt_apps.io.sft_data import chat_messages, encode_pair, load_sft_rows, pad_examples
+from yatt_apps.io.sft_data import (
+    ChatRow,
+    chat_messages,
+    encode_conversation,
+    encode_pair,
+    load_sft_rows,
+    pad_masked,
+)
 from yatt_apps.runtime.job import JobDef, StepFn, ValRows
 from yatt_apps.runtime.phases import learner_of, sync_weights
 
@@ -40,14 +49,20 @@ def train_rows(cfg: SftConfig) -> list[PromptRow]:
     if not cfg.sft.train:
         return arithmetic_task(cfg.data.num_train_rows, seed=cfg.run.seed)
     rows = load_sft_rows(cfg.sft.train, prompt_key=cfg.sft.prompt_key, response_key=cfg.sft.response_key)
-    return [PromptRow(prompt=r.prompt, answer=r.response) for r in rows]
+    return [r if isinstance(r, ChatRow) else PromptRow(prompt=r.prompt, answer=r.response) for r in rows]
 
 
 def sft_batch(tok: Any, rows: list[PromptRow], system_prompt: str) -> dict[str, Any]:
     """Padded input_ids / attention_mask / response_mask [B, T] of rows (prompt = chat template with its
-    generation prompt, response = the assistant turn through its eos)."""
-    examples = [encode_pair(tok, chat_messages(system_prompt, r.prompt), r.answer) for r in rows]
-    return pad_examples(examples, tok.pad_token_id)
+    generation prompt, response = the assistant turn through its eos; a chat row: its assistant turns)."""
+    examples = []
+    for r in rows:
+        if isinstance(r, ChatRow):
+            examples.append(encode_conversation(tok, r.messages, r.tools, system_prompt))
+        else:
+            prompt, response = encode_pair(tok, chat_messages(system_prompt, r.prompt), r.answer)
+            examples.append((prompt + response, [0] * len(prompt) + [1] * len(response)))
+    return pad_masked(examples, tok.pad_token_id)
 
 
 def sft_step(

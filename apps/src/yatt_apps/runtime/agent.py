@@ -9,8 +9,17 @@ model tokens only, `logprobs` are 0.0 on environment tokens. The job's prompt is
 Rewards are the job's `rewards` on the decoded trajectory (rule terms and GenRM over the whole of it); the
 environment's own reward is reported as `agent/env_reward_mean`.
 
-Environments: `calculator` is registered here; `rollout.env="package.module:factory"` imports that module
-and registers `factory` under that name (the only import a config can cause, named in it explicitly).
+Environments: `calculator` is registered here, `multiply` (needs its calculator) and `digit_sum` (the python
+sandbox) in `yatt_rollout.tool_tasks`; `rollout.env="package.module:factory"` imports that module and
+registers `factory` under that name (the only import a config can cause, named in it explicitly).
+
+With `rollout.tools_in_prompt`, tools reach the prompt through the chat template's own tools support: the
+step renders its prompts with
+`prompt_tokenizer` (the policy tokenizer whose `apply_chat_template` gets the environment's `tools=`), so the
+prompt the engine sees and the learner trains on lists exactly the tools the environment runs. Validation
+also runs with the tools withheld (`val/accuracy_no_tools`: `WithoutTools`, requests tagged `NO_TOOLS`).
+The multi-turn SFT warm start of a tiny policy on an environment's demonstrations is
+`yatt_apps.runtime.agent_warmstart`.
 """
 
 from __future__ import annotations
@@ -19,8 +28,9 @@ import importlib
 import re
 from typing import Any
 
+from yatt_rollout import tool_tasks
 from yatt_rollout.agent import agent_metrics, agent_sums
-from yatt_rollout.env import ENVIRONMENTS, ToolEnvironment, register
+from yatt_rollout.env import ENVIRONMENTS, ToolEnvironment, register, tool_schemas, tools_system_prompt
 from yatt_rollout.tools import calculator_tool, evaluate_arithmetic, format_number
 from yatt_rollout.types import Action, Message, Observation, StepResult
 
@@ -73,9 +83,8 @@ def _expression_value(prompt: str) -> str:
         return ""
 
 
-# yatt_rollout's Environment protocol declares `tools` a settable Sequence, which ToolEnvironment's list
-# attribute cannot match (invariance); a read-only property there would fix it (reported to yatt-rollout)
-register("calculator", CalculatorEnv)  # type: ignore[arg-type]
+register("calculator", CalculatorEnv)
+NO_TOOLS = "evalnotools"  # the request-id tag of validation episodes whose tools are withheld
 
 
 def resolve_env(name: str) -> str:
@@ -99,6 +108,10 @@ def resolve_env(name: str) -> str:
 def check_env(cfg: RunConfig) -> None:
     """Config-time checks of a multi-turn job (before anything starts)."""
     if not cfg.rollout.env:
+        if cfg.rollout.tools_in_prompt or cfg.rollout.sft_steps:
+            raise ValueError(
+                "rollout.tools_in_prompt and rollout.sft_steps need an environment (rollout.env)"
+            )
         return
     if cfg.app not in AGENT_APPS:
         raise ValueError(f"rollout.env is supported by the {list(AGENT_APPS)} app(s), not app={cfg.app!r}")
@@ -118,16 +131,22 @@ class AgentRolloutWorker(RolloutWorker):
 
         super().__init__(cfg, model_dir, shared_device=shared_device, worker_info=worker_info)
         tok = load_tokenizer(model_dir, trust_remote_code=cfg.model.trust_remote_code)
-        self.driver = AgentDriver(
-            self.engine,
-            tok,
-            resolve_env(cfg.rollout.env),
-            max_turns=cfg.rollout.max_turns,
-            max_total_tokens=_context(self.engine),
+        factory = ENVIRONMENTS[resolve_env(cfg.rollout.env)]
+        limits = {"max_turns": cfg.rollout.max_turns, "max_total_tokens": _context(self.engine)}
+        self.driver = AgentDriver(self.engine, tok, factory, **limits)
+        self.without_tools = AgentDriver(
+            self.engine, tok, lambda: tool_tasks.WithoutTools(factory()), **limits
         )
 
     def generate(self, requests: list) -> list:
-        return self.driver.run(requests, [{"prompt": req.prompt.text} for req in requests])
+        """Episodes of every request, those tagged `NO_TOOLS` with the tools withheld (in request order)."""
+        plain = [r for r in requests if not r.request_id.startswith(NO_TOOLS)]
+        withheld = [r for r in requests if r.request_id.startswith(NO_TOOLS)]
+        out = []
+        for driver, reqs in ((self.driver, plain), (self.without_tools, withheld)):
+            if reqs:
+                out += driver.run(reqs, [{"prompt": req.prompt.text} for req in reqs])
+        return out
 
 
 def _context(engine: Any) -> int:
@@ -147,3 +166,65 @@ def mask_env_tokens(batch: dict[str, Any], prompts: list[list[int]], trajectorie
     for row, (prompt, traj) in enumerate(zip(prompts, trajectories, strict=True)):
         span = slice(len(prompt), len(prompt) + len(traj.token_ids))
         mask[row, span] = torch.tensor(traj.response_mask, dtype=torch.bool)
+
+
+class ToolPromptTokenizer:
+    """The policy tokenizer with `tools` in every chat prompt it renders: `apply_chat_template` gets the
+    environment's tools (`tools=` where the template supports them, else the Hermes block as the system
+    message, as `TurnCodec` does); everything else is the tokenizer's own. `base` is the plain tokenizer."""
+
+    def __init__(self, base: Any, tools: list) -> None:
+        self.base, self.tools = base, tools
+        self.native = "tools" in (base.chat_template or "")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.base, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.base(*args, **kwargs)
+
+    def apply_chat_template(self, conversation: list[dict[str, Any]], **kwargs: Any) -> Any:
+        if not self.tools:
+            return self.base.apply_chat_template(conversation, **kwargs)
+        if self.native:
+            return self.base.apply_chat_template(conversation, tools=tool_schemas(self.tools), **kwargs)
+        block = tools_system_prompt(self.tools)
+        if conversation and conversation[0]["role"] == "system":
+            head = {"role": "system", "content": conversation[0]["content"] + "\n\n" + block}
+            conversation = [head, *conversation[1:]]
+        else:
+            conversation = [{"role": "system", "content": block}, *conversation]
+        return self.base.apply_chat_template(conversation, **kwargs)
+
+
+def prompt_tokenizer(tok: Any, cfg: RunConfig) -> Any:
+    """`tok` rendering the tools of `cfg.rollout.env` into every prompt (`ToolPromptTokenizer`) with
+    `rollout.tools_in_prompt`; else `tok` itself."""
+    if not cfg.rollout.tools_in_prompt:
+        return tok
+    env = ENVIRONMENTS[resolve_env(cfg.rollout.env)]()
+    return ToolPromptTokenizer(tok, list(env.tools))
+
+
+def validation_without_tools(ctx: Any, val_rows: Any, cfg: RunConfig, tok: Any) -> dict[str, float]:
+    """At the steps that validate: greedy episodes of this controller's validation rows with the tools
+    withheld (no tools in the prompt, every call an error), scored by the environment. Sums to reduce."""
+    from yatt_rollout.types import SamplingParams
+
+    from yatt_apps.runtime.phases import generate, render_prompt
+    from yatt_apps.runtime.step_metrics import evaluates
+
+    if val_rows is None or not evaluates(ctx.step, cfg.run.num_steps, cfg.run.eval_every):
+        return {}
+    mine = val_rows()[ctx.rank :: ctx.world_size]
+    if not mine:
+        return {"val/no_tools_correct": 0.0, "val/no_tools_total": 0.0}
+    plain = getattr(tok, "base", tok)
+    greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=cfg.sampling.max_new_tokens)
+    with ctx.phase("eval"):
+        ids = [render_prompt(plain, row, cfg.data.system_prompt) for row in mine]
+        outs = generate(ctx, mine, ids, greedy, NO_TOOLS, None)
+    return {
+        "val/no_tools_correct": float(sum(t.reward for t in outs)),
+        "val/no_tools_total": float(len(mine)),
+    }

@@ -17,6 +17,7 @@ environment says done, after `max_turns` model turns, or when the next turn or r
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,7 +25,14 @@ from typing import Any, Literal
 
 import msgspec
 
-from yatt_rollout.env import ENVIRONMENTS, Environment, parse_tool_calls, tool_schemas, tools_system_prompt
+from yatt_rollout.env import (
+    ENVIRONMENTS,
+    Environment,
+    parse_tool_calls,
+    render_tool_call,
+    tool_schemas,
+    tools_system_prompt,
+)
 from yatt_rollout.types import (
     TOOL_ERROR_KINDS,
     Action,
@@ -34,6 +42,7 @@ from yatt_rollout.types import (
     Message,
     Prompt,
     StopReason,
+    ToolCall,
     ToolSpec,
     Trajectory,
 )
@@ -51,10 +60,43 @@ def _mark(i: int) -> str:
     return f"\ue000yatt-turn-{i}\ue001"
 
 
+ChatMessage = Message | Mapping[str, Any]  # a Message, or a chat dict (TRL's: role, content, tool_calls)
+
+
+def _doc(i: int, message: ChatMessage) -> dict[str, Any]:
+    """Message i as the template's dict, its content replaced by `_mark(i)`; an assistant's `tool_calls`
+    (TRL's / OpenAI's `{"type": "function", "function": {"name", "arguments"}}`) kept for the template."""
+    if isinstance(message, Message):
+        return {"role": message.role, "content": _mark(i)}
+    # an empty content stays empty: templates test it (Qwen's writes no newline before the tool calls then)
+    doc = {"role": message["role"], "content": _mark(i) if message.get("content") else ""}
+    if message.get("tool_calls"):
+        doc["tool_calls"] = list(message["tool_calls"])
+    return doc
+
+
+def _call(call: Mapping[str, Any]) -> ToolCall:
+    """A TRL/OpenAI tool call (`{"type": "function", "function": {...}}` or the function) as a ToolCall."""
+    fn = call.get("function", call)
+    arguments = fn.get("arguments", {})
+    return ToolCall(
+        name=fn["name"], arguments=json.loads(arguments) if isinstance(arguments, str) else arguments
+    )
+
+
+def _content(message: ChatMessage) -> str:
+    return message.content if isinstance(message, Message) else str(message.get("content") or "")
+
+
+def _role(message: ChatMessage) -> str:
+    return message.role if isinstance(message, Message) else str(message["role"])
+
+
 class TurnCodec:
-    """Chat-template rendering for one tokenizer: a prompt from messages (and tools), and an environment
-    reply as a token delta. Tools go through the template's own `tools` support where it has one, else as
-    the Hermes block in the system message."""
+    """Chat-template rendering for one tokenizer: a prompt from messages (and tools), an environment reply
+    as a token delta, and a whole conversation with its assistant turns marked (the multi-turn SFT layout).
+    Tools go through the template's own `tools` support where it has one (`apply_chat_template(...,
+    tools=...)`, as Qwen2.5's and the tiny tokenizer's), else as the Hermes block in the system message."""
 
     def __init__(self, tokenizer: Any) -> None:
         if tokenizer.eos_token is None:
@@ -62,10 +104,11 @@ class TurnCodec:
         self.tok = tokenizer
         self.eos_id = tokenizer.eos_token_id
         self.native_tools = "tools" in (tokenizer.chat_template or "")
+        self.native_calls = "tool_calls" in (tokenizer.chat_template or "")
 
-    def _render(self, messages: Sequence[Message], tools: Sequence[ToolSpec], generation: bool) -> str:
+    def _render(self, messages: Sequence[ChatMessage], tools: Sequence[ToolSpec], generation: bool) -> str:
         """The template's text with each message's content replaced by a placeholder (`_mark(i)`)."""
-        docs = [{"role": m.role, "content": _mark(i)} for i, m in enumerate(messages)]
+        docs = [_doc(i, m) for i, m in enumerate(messages)]
         kwargs: dict[str, Any] = {}
         if tools and self.native_tools:
             kwargs["tools"] = tool_schemas(tools)
@@ -80,29 +123,35 @@ class TurnCodec:
     def encode(self, text: str) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=False))
 
-    def _fill(self, rendered: str, messages: Sequence[Message]) -> list[int]:
+    def _fill(self, rendered: str, messages: Sequence[ChatMessage]) -> list[int]:
         """`rendered`'s ids, each placeholder replaced by its message's content as plain text: a special token
         spelled in a message (a tool's output, a dataset prompt) never becomes a control token, so it cannot
         close its turn or open another role's; the template's own markup keeps its special tokens."""
         ids: list[int] = []
         for i, message in enumerate(messages):
-            if rendered.count(_mark(i)) != 1:
-                raise ValueError(f"chat template: message {i} ({message.role}) is not rendered exactly once")
+            count = rendered.count(_mark(i))
+            if count > 1 or (count == 0 and _content(message)):
+                raise ValueError(
+                    f"chat template: message {i} ({_role(message)}) is not rendered exactly once"
+                )
+            if count == 0:  # an empty content the template leaves out (an assistant turn of tool calls only)
+                continue
             before, rendered = rendered.split(_mark(i))
             ids += self.encode(before)
-            ids += self.tok(message.content, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+            ids += self.tok(_content(message), add_special_tokens=False, split_special_tokens=True)[
+                "input_ids"
+            ]
         return ids + self.encode(rendered)
 
-    def prompt_ids(self, messages: Sequence[Message], tools: Sequence[ToolSpec] = ()) -> list[int]:
+    def prompt_ids(self, messages: Sequence[ChatMessage], tools: Sequence[ToolSpec] = ()) -> list[int]:
         """The prompt of an episode: its messages with the assistant turn opened."""
         return self._fill(self._render(messages, tools, generation=True), messages)
 
-    def reply_ids(self, messages: Sequence[Message]) -> list[int]:
-        """The tokens that follow a model turn's eos: the reply messages, then the next assistant turn
-        opened. Raises ValueError when the template renders the stand-in differently with the reply."""
+    def _after_stand_in(self, messages: Sequence[ChatMessage], generation: bool) -> list[int]:
+        """The tokens the template renders for `messages` after the stand-in conversation's last eos."""
         eos = self.tok.eos_token
         before = self._render(_STAND_IN, (), generation=False)
-        after = self._render([*_STAND_IN, *messages], (), generation=True)
+        after = self._render([*_STAND_IN, *messages], (), generation=generation)
         cut = before.rfind(eos) + len(eos)
         if cut < len(eos) or after[:cut] != before[:cut]:
             raise ValueError("chat template: a reply changes how the conversation before it renders")
@@ -111,6 +160,53 @@ class TurnCodec:
         for i in range(len(messages)):
             tail = tail.replace(_mark(len(_STAND_IN) + i), _mark(i))
         return self._fill(tail, messages)
+
+    def reply_ids(self, messages: Sequence[ChatMessage]) -> list[int]:
+        """The tokens that follow a model turn's eos: the reply messages, then the next assistant turn
+        opened. Raises ValueError when the template renders the stand-in differently with the reply."""
+        return self._after_stand_in(messages, generation=True)
+
+    def assistant_ids(self, message: ChatMessage) -> list[int]:
+        """One assistant turn's own tokens as the model writes them after the opened turn: its content and
+        tool calls through the eos that ends it (what the template puts after the eos is not the model's).
+        A template that does not render `tool_calls` gets them as Hermes blocks in the content."""
+        if not isinstance(message, Message) and message.get("tool_calls") and not self.native_calls:
+            blocks = [render_tool_call(_call(c)) for c in message["tool_calls"]]
+            message = {
+                "role": "assistant",
+                "content": "\n".join([*filter(None, [message.get("content")]), *blocks]),
+            }
+        opened = self._after_stand_in([Message(role="user", content="U")], generation=True)
+        whole = self._after_stand_in([Message(role="user", content="U"), message], generation=False)
+        if whole[: len(opened)] != opened or self.eos_id not in whole[len(opened) :]:
+            raise ValueError(
+                "chat template: an assistant turn does not follow its opened turn and end with eos"
+            )
+        own = whole[len(opened) :]
+        return own[: own.index(self.eos_id) + 1]
+
+    def conversation_ids(
+        self, messages: Sequence[ChatMessage], tools: Sequence[ToolSpec] = ()
+    ) -> tuple[list[int], list[int]]:
+        """(ids, mask) of a whole conversation laid out exactly as an episode is: the prompt (the messages
+        before the first assistant turn, with `tools`), each assistant turn (`assistant_ids`, mask 1), and the
+        messages between turns as a reply delta (`reply_ids`, mask 0). Messages after the last assistant turn
+        are no target and are left out. ValueError when there is no assistant turn."""
+        turns = [i for i, m in enumerate(messages) if _role(m) == "assistant"]
+        if not turns:
+            raise ValueError("conversation has no assistant message (nothing to learn)")
+        ids = self.prompt_ids(messages[: turns[0]], tools)
+        mask = [0] * len(ids)
+        for k, i in enumerate(turns):
+            own = self.assistant_ids(messages[i])
+            ids, mask = ids + own, mask + [1] * len(own)
+            if k + 1 < len(turns):
+                between = messages[i + 1 : turns[k + 1]]
+                if not between:
+                    raise ValueError(f"messages {i} and {i + 1}: two assistant turns with nothing between")
+                reply = self.reply_ids(between)
+                ids, mask = ids + reply, mask + [0] * len(reply)
+        return ids, mask
 
 
 @dataclass
@@ -277,11 +373,19 @@ def agent_sums(trajectories: Sequence[Trajectory]) -> dict[str, float]:
 
 
 def agent_metrics(sums: Mapping[str, float]) -> dict[str, float]:
-    """The logged metrics from (summed) `agent_sums`: agent/turns_mean, agent/env_reward_mean, and the
-    counts agent/tool_calls, agent/tool_errors/<kind>, agent/truncated as they are."""
+    """The logged metrics from (summed) `agent_sums`: agent/turns_mean, agent/env_reward_mean,
+    agent/tool_success (the fraction of calls that ran without error; 0 with no calls), the counts
+    agent/tool_calls, agent/tool_errors/<kind>, agent/truncated as they are; and, where the sums hold a
+    validation with the tools withheld (`val/no_tools_correct`, `val/no_tools_total`), val/accuracy_no_tools."""
     n = max(sums["agent/trajectories"], 1.0)
     out = {"agent/turns_mean": sums["agent/turns"] / n, "agent/env_reward_mean": sums["agent/env_reward"] / n}
+    errors = 0.0
     for key, value in sums.items():
         if key in ("agent/tool_calls", "agent/truncated") or key.startswith("agent/tool_errors/"):
             out[key] = value
+        errors += value if key.startswith("agent/tool_errors/") else 0.0
+    calls = sums["agent/tool_calls"]
+    out["agent/tool_success"] = (calls - errors) / calls if calls else 0.0
+    if sums.get("val/no_tools_total"):
+        out["val/accuracy_no_tools"] = sums["val/no_tools_correct"] / sums["val/no_tools_total"]
     return out

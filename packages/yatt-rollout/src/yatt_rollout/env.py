@@ -130,7 +130,7 @@ class ToolEnvironment:
 
     def __init__(self, tools: Sequence[Any]) -> None:
         self.tools_by_name = {tool.name: tool for tool in tools}
-        self.tools = [tool.spec for tool in tools]
+        self.tools: Sequence[ToolSpec] = [tool.spec for tool in tools]
 
     def reset(self, row: Mapping[str, Any]) -> Observation:
         self.row = dict(row)

@@ -1,0 +1,36 @@
+"""What the sandbox refuses that the README promises beyond test_sandbox's limits: writes outside its own
+folder and fork bombs. Each run returns a failed status and, through the python tool, a counted error
+observation; the host is untouched (no file appears outside, the host keeps running)."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+from yatt_rollout.env import ToolEnvironment
+from yatt_rollout.sandbox import SandboxLimits, run_python
+from yatt_rollout.tools import python_tool
+from yatt_rollout.types import Action, ToolCall
+
+LIMITS = SandboxLimits(cpu_s=2, memory_bytes=256 << 20, output_bytes=4096, wall_s=5.0)
+
+
+def test_a_write_outside_its_folder_is_refused(tmp_path):
+    target = tmp_path / f"escape-{uuid.uuid4().hex}"
+    result = run_python(f"open({str(target)!r}, 'w').write('x')\nprint('wrote')", LIMITS)
+    assert result.status != "ok" and "wrote" not in result.stdout
+    assert not target.exists()  # the host's file system never saw it
+
+
+def test_a_fork_bomb_is_contained_and_counted():
+    bomb = "import os\nwhile True:\n    os.fork()"
+    result = run_python(bomb, LIMITS)
+    # the process limit makes fork fail; the tracebacks of every copy then fill the output (seen:
+    # output_limit within 0.3 s); a kill by the time limit would do too
+    assert result.status in ("output_limit", "timeout", "crash", "error", "memory"), result
+    assert os.getpid() > 0  # the host is still here
+    env = ToolEnvironment([python_tool(LIMITS)])
+    env.reset({"prompt": "p"})
+    step = env.step(Action(text="", tool_calls=[ToolCall(name="python", arguments={"code": bomb})]))
+    assert step.tool_calls == 1 and len(step.tool_errors) == 1
+    assert step.observation.messages[0].content.startswith(f"error: {step.tool_errors[0]}: ")

@@ -37,9 +37,6 @@ def _run(cfg, name: str) -> tuple[list[dict], dict, float]:
     import yatt_apps.runtime.launch as launch
     from yatt_apps.jobs.grpo_t2i import JOB
 
-    # launch.export_final reads causal-LM checkpoints; this job writes its diffusers folder itself at its last
-    # step (until launch asks the job for its export, it is kept from reading this job's checkpoint)
-    launch.export_final = lambda run, cfg: None
     with tempfile.TemporaryDirectory(prefix=f"bench-t2i-{name}-") as tmp:
         started = time.perf_counter()
         result = launch.run_job(cfg, Path(tmp) / "run", JOB)

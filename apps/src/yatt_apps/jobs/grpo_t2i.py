@@ -374,8 +374,8 @@ def t2i_step(ctx: StepContext, rows: list[PromptRow], *, cfg: T2iConfig) -> dict
 def export(run: Any, cfg: T2iConfig) -> Path | None:
     """RUN_DIR/final as launch would report it: this job writes its diffusers folder itself at its last step
     (`T2ILearnerWorker.export`), so there is nothing to convert; the folder, or None when the run has not
-    reached its last step. For a JobDef export hook in launch (launch's `export_final` reads causal-LM
-    learner checkpoints only)."""
+    reached its last step. The job's `export` hook (launch's default, `export_final`, reads causal-LM learner
+    checkpoints)."""
     final = Path(cfg.t2i.final_dir) if cfg.t2i.final_dir else Path(run.path) / "final"
     return final if (final / "model_index.json").is_file() else None
 
@@ -442,4 +442,5 @@ JOB = JobDef(
     check=check,
     prepare=prepare,
     dataset=train_rows,
+    export=export,
 )

@@ -19,6 +19,8 @@ from yatt_apps.io.data import PromptRow
 if (
     TYPE_CHECKING
 ):  # for annotations only: yatt_controller and yatt_placement load nothing heavy, but stay lazy
+    from pathlib import Path
+
     from yatt_controller.controller import StepContext
     from yatt_controller.runner import Services
     from yatt_controller.worker_group import HostPool
@@ -162,7 +164,8 @@ class JobDef:
     ValueError for a config the job cannot run; `prepare(cfg, run_dir)` returns the config the run uses (e.g.
     with an embedded dataset written into the run directory); `asynchronous`: the step trains with a
     bounded-staleness producer when `algo.max_staleness > 0` (others refuse it); `dataset(cfg)` the job's own
-    training rows (None: the prompt datasets)."""
+    training rows (None: the prompt datasets); `export(run, cfg)` the final folder once the run is done (None:
+    the policy learner's last checkpoint as an HF folder, `launch.export_final`)."""
 
     name: str
     help: str
@@ -176,6 +179,7 @@ class JobDef:
     prepare: Callable[..., RunConfig] | None = None
     asynchronous: bool = False
     dataset: Callable[..., Any] | None = None
+    export: Callable[..., Path | None] | None = None
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("-", "").replace("_", "").isalnum():

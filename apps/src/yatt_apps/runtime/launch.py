@@ -369,7 +369,7 @@ def run_job(
             run.close,
         ]
         plot = close_all(closers, run, quiet=failed)
-    final = export_final(run, cfg)
+    final = job.export(run, cfg) if job.export is not None else export_final(run, cfg)
     return {
         **logger.last,
         "restarts": result.restarts,

@@ -111,9 +111,7 @@ class Launcher:
                     options["scheduling_strategy"] = self.pool.realized.scheduling_strategy(
                         routed[learner].workers[0].device
                     )
-                handle = ControllerActor.options(**options).remote(  # type: ignore[attr-defined]  # as above
-                    plan, rendezvous, label
-                )
+                handle = ControllerActor.options(**options).remote(plan, rendezvous, label)
             controllers.append((handle, Watch(label)))
         return rendezvous, controllers, created
 

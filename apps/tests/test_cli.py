@@ -333,7 +333,7 @@ def test_the_registry_holds_every_shipped_job_under_its_config_app():
     from yatt_apps.jobs import registry
 
     jobs = registry()
-    assert list(jobs) == ["grpo", "dapo", "ppo", "capo", "grpo-vlm", "sft", "dpo", "distill"]
+    assert list(jobs) == ["grpo", "dapo", "ppo", "capo", "grpo-vlm", "sft", "dpo", "distill", "grpo-t2i"]
     for name, job in jobs.items():  # each job's preset is its own config class, naming the job
         cfg = job.preset()
         assert type(cfg) is job.config and cfg.app == name

@@ -77,7 +77,9 @@ def test_killed_rollout_replica_is_replaced_without_a_restart(ray_session, tmp_p
     faulty = run_job(cfg, tmp_path / "faulty", dying)
     assert Path(DyingRollout.marker).exists()  # the replica's process was killed mid-step
     assert faulty["restarts"] == 0, faulty["failures"]
-    assert faulty["faults/replicas_replaced"] == 1.0
+    # the killed process held a rollout replica and the rule reward replica beside it (a rule reward has no
+    # device of its own): both are replaced
+    assert faulty["faults/replicas_replaced"] == 2.0
     assert faulty["step"] == cfg.run.num_steps - 1
     whole = run_job(cfg, tmp_path / "whole", job)
     assert whole["restarts"] == 0 and whole["faults/replicas_replaced"] == 0.0

@@ -126,7 +126,7 @@ def test_grpo_agent_job_two_steps(tmp_path: Path, engine: str):
     """`yatt grpo --preset tiny_cpu_agent` as a user runs it (two parallel controllers), without its warm
     start (`rollout.sft_steps=0`: a fresh tiny policy, so no minutes of SFT here) and with a context that
     holds the calculator's schema: the environment's rows, the tools in every prompt, episodes on the engine,
-    validation with and without the tools."""
+    validation with and without the tools (on HF; the vLLM run skips validation to save the suite's time)."""
     run_dir = tmp_path / "agent"
     sets = {
         "rollout.engine": engine,
@@ -136,7 +136,7 @@ def test_grpo_agent_job_two_steps(tmp_path: Path, engine: str):
         "run.prompts_per_step": "8",
         "sampling.n": "4",
         "sampling.max_new_tokens": "12",
-        "run.eval_every": "1",
+        "run.eval_every": "1" if engine == "hf" else "0",  # validation's two passes: once, on HF
         "data.num_val_rows": "8",
         "controller.count_driver_bytes": "true",
     }
@@ -168,8 +168,7 @@ def test_grpo_agent_job_two_steps(tmp_path: Path, engine: str):
             "agent/tool_errors/malformed",
             "reward/mean",
             "train/loss",
-            "val/accuracy",
-            "val/accuracy_no_tools",
+            *(("val/accuracy", "val/accuracy_no_tools") if engine == "hf" else ()),
         ):
             assert key in row and math.isfinite(row[key]), key
         assert 1.0 <= row["agent/turns_mean"] <= 3.0

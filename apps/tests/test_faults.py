@@ -3,7 +3,8 @@ sends its in-flight requests again and finishes every step without a restart, wi
 uninterrupted run (sampling is seeded: the requests sent again carry their seeds).
 
 The kill is scripted by a test double, `DyingRollout`: a RolloutWorker whose process SIGKILLs itself at its
-first `generate` call under policy version 1 (step 1, after a weight push), once per test (a marker file).
+first `generate` call under policy version 1 (step 1, after a weight push), once per test (a marker file made
+exclusively: of the two rollout replicas, one dies).
 """
 
 from __future__ import annotations
@@ -34,10 +35,18 @@ class DyingRollout(RolloutWorker):
     marker = ""
 
     def generate(self, requests: list) -> list:
-        if self.engine is not None and self.engine.policy_version >= 1 and not Path(self.marker).exists():
-            Path(self.marker).write_text("fired")
+        if self.engine is not None and self.engine.policy_version >= 1 and self._first():
             os.kill(os.getpid(), signal.SIGKILL)
         return super().generate(requests)
+
+    def _first(self) -> bool:
+        """Whether this call made the marker: created exclusively, so of two replicas in their first
+        generate of version 1 at once, one dies."""
+        try:
+            os.close(os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return False
+        return True
 
 
 def config(num_steps: int):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import random
 import shutil
 import sys
 from pathlib import Path
@@ -136,28 +135,23 @@ def build(cfg: RunConfig, factory: Any) -> tuple[Any, Any, dict[str, Any]]:
 
 
 def sft(model: Any, examples: list[tuple[list[int], list[int]]], pad_id: int, cfg: RunConfig) -> list[float]:
-    """Plain-torch SFT of the model's turns: AdamW at `model.warm_start_lr`, warmup over the first tenth,
-    `model.warm_start_batch_size` examples a step, clipping at 1.0."""
+    """Plain-torch SFT of the model's turns (`warmstart.sft_steps` on (ids, loss mask) pairs): AdamW at
+    `model.warm_start_lr`, warmup over the first tenth, `model.warm_start_batch_size` examples a step,
+    clipping at 1.0."""
     import torch
-    from tqdm import tqdm
 
-    from yatt_apps.io.sft_data import masked_nll, pad_masked
+    from yatt_apps.io.sft_data import pad_masked
+    from yatt_apps.runtime.warmstart import sft_steps
 
-    steps, rng = cfg.rollout.sft_steps, random.Random(cfg.model.seed)
     torch.manual_seed(cfg.model.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.model.warm_start_lr, weight_decay=0.0)
-    warmup = max(steps // 10, 1)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
-    model.train()
-    losses = []
-    for _ in tqdm(range(steps), desc="warm start (agent)", unit="step", dynamic_ncols=True):
-        picked = [examples[rng.randrange(len(examples))] for _ in range(cfg.model.warm_start_batch_size)]
-        loss = masked_nll(model, pad_masked(picked, pad_id))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        losses.append(float(loss.detach()))
-    model.eval()
-    return losses
+    return sft_steps(
+        model,
+        examples,
+        pad_id,
+        steps=cfg.rollout.sft_steps,
+        lr=cfg.model.warm_start_lr,
+        batch_size=cfg.model.warm_start_batch_size,
+        seed=cfg.model.seed,
+        desc="warm start (agent)",
+        pad=pad_masked,
+    )

@@ -29,6 +29,7 @@ import random
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -247,12 +248,14 @@ def sft_steps(
     prompt_weight: float = 0.0,
     desc: str = "",
     stop: int | None = None,
+    pad: Callable[[list, int], dict[str, Any]] = pad_examples,
 ) -> list[float]:
     """Plain-torch SFT: AdamW, linear warmup over the first tenth, constant after, clipping at 1.0. With
     `prompt_weight` > 0 the prompt tokens are also targets at that weight (a response token weighs 1): a judge
     then also learns to predict the candidate from the reference, which shortens its plateau. A `desc` shows a
     progress bar of the steps (on stderr) under that name. `stop`: run only the first `stop` steps of that
-    schedule (a reproducibility check of a long warm start's beginning)."""
+    schedule (a reproducibility check of a long warm start's beginning). `pad` makes a batch of examples
+    (default: (prompt ids, response ids) pairs; `sft_data.pad_masked` for (ids, loss mask) pairs)."""
     import torch
     from tqdm import tqdm
 
@@ -264,7 +267,7 @@ def sft_steps(
     losses = []
     run = steps if stop is None else min(stop, steps)
     for _ in tqdm(range(run), desc=desc, unit="step", disable=not desc, dynamic_ncols=True):
-        batch = pad_examples([examples[rng.randrange(len(examples))] for _ in range(batch_size)], pad_id)
+        batch = pad([examples[rng.randrange(len(examples))] for _ in range(batch_size)], pad_id)
         loss = masked_nll(model, batch) if not prompt_weight else weighted_nll(model, batch, prompt_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()

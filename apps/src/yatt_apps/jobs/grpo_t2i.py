@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
 import shutil
 import uuid
 from pathlib import Path
@@ -45,7 +44,7 @@ if TYPE_CHECKING:
     from yatt_placement.types import PlacementPlan, RoleSpec
 
 VAL_SEED = 10_000  # validation prompts and their noise: the run's seed + this
-TINY_FORMAT = 1  # bump when the tiny pipeline's build changes: its cache key includes it
+TINY_FORMAT = 2  # bump when the tiny pipeline's build changes: its cache key includes it
 
 
 class T2iSpec(_Config, frozen=True, kw_only=True):
@@ -165,7 +164,9 @@ def val_prompts(cfg: T2iConfig) -> list[str]:
 # ---- the pipeline folder -----------------------------------------------------------------------------------
 
 
-def _tiny_key(cfg: T2iConfig) -> str:
+def _tiny_key(cfg: T2iConfig, corpus: list[str]) -> str:
+    """The cache key of the tiny pipeline: its shape, seed and the text its tokenizer is trained on (a run on
+    other prompts gets a tokenizer that knows them)."""
     spec = cfg.t2i
     parts = (
         TINY_FORMAT,
@@ -174,6 +175,7 @@ def _tiny_key(cfg: T2iConfig) -> str:
         spec.tiny_num_layers,
         spec.tiny_vae_steps,
         cfg.run.seed,
+        hashlib.sha256("\n".join(corpus).encode()).hexdigest(),
     )
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
 
@@ -181,17 +183,16 @@ def _tiny_key(cfg: T2iConfig) -> str:
 def tiny_pipeline(cfg: T2iConfig, out: Path) -> Path:
     """`out` holds the tiny pipeline: copied from the cache ($YATT_CACHE_DIR/t2i-KEY), or built (tokenizer
     trained on the embedded task's prompts and the training rows) and cached first; both writes atomic."""
+    from yatt_multimodal.image_rules import colour_prompts
     from yatt_rollout.diffusion_models import save_t2i, tiny_t2i
 
-    from yatt_apps.runtime.warmstart import cache_root
+    from yatt_apps.runtime.warmstart import cache_root, store
 
     if (out / "model_index.json").is_file():
         return out
-    cached = cache_root() / f"t2i-{_tiny_key(cfg)}"
+    corpus = colour_prompts(512, seed=0) + [r.prompt for r in train_rows(cfg)[:2048]]
+    cached = cache_root() / f"t2i-{_tiny_key(cfg, corpus)}"
     if not (cached / "model_index.json").is_file():
-        from yatt_multimodal.image_rules import colour_prompts
-
-        corpus = colour_prompts(512, seed=0) + [r.prompt for r in train_rows(cfg)[:2048]]
         spec = cfg.t2i
         policy = tiny_t2i(
             corpus,
@@ -201,12 +202,7 @@ def tiny_pipeline(cfg: T2iConfig, out: Path) -> Path:
             vae_steps=spec.tiny_vae_steps,
             seed=cfg.run.seed,
         )
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        staged = save_t2i(policy, cached.with_name(f"{cached.name}.{os.getpid()}"))
-        try:
-            staged.rename(cached)
-        except OSError:  # another run cached the same pipeline first
-            shutil.rmtree(staged, ignore_errors=True)
+        store(cached, lambda tmp: save_t2i(policy, tmp))  # atomic; another run's equal entry wins
     tmp = out.with_name(f"{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(cached, tmp)

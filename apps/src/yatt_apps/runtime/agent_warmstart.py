@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -86,7 +85,7 @@ def cache_key(cfg: RunConfig) -> str:
 
 def warm_started(cfg: RunConfig, factory: Any) -> Path:
     """The cached warm-started policy folder, built (tokenizer, model, SFT) the first time."""
-    from yatt_apps.runtime.warmstart import cache_root
+    from yatt_apps.runtime.warmstart import cache_root, store_model
 
     cached = cache_root() / f"agent-{cache_key(cfg)}"
     if (cached / "config.json").is_file():
@@ -98,17 +97,7 @@ def warm_started(cfg: RunConfig, factory: Any) -> Path:
         flush=True,
     )
     model, tok, report = build(cfg, factory)
-    from yatt_rollout.tiny import save_tiny
-
-    tmp = cached.with_name(f"{cached.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_tiny(model, tok, tmp)
-    (tmp / "warm_start.json").write_bytes(msgspec.json.encode(report))
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        tmp.replace(cached)
-    except OSError:  # another process stored the same key first: theirs is as good
-        shutil.rmtree(tmp, ignore_errors=True)
+    store_model(cached, model, tok, report)  # atomic; a concurrent run's own folder never collides with ours
     return cached
 
 

@@ -104,14 +104,7 @@ def cached_or_build(spec: ModelSpec, out: Path, corpus: list[str], build: Any) -
 
     source = None if os.environ.get("YATT_NO_SHIPPED") else shipped.find(spec, corpus)
     if source is not None and not (cached / "config.json").is_file():  # the package's own copy: no training
-        tmp = cached.with_name(f"{cached.name}.tmp{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(source, tmp)
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            tmp.replace(cached)
-        except OSError:  # another process stored the same key first
-            shutil.rmtree(tmp, ignore_errors=True)
+        store(cached, lambda tmp: shutil.copytree(source, tmp))
     if not (cached / "config.json").is_file():
         from yatt_apps.runtime.progress import quiet_transformers
 
@@ -124,23 +117,13 @@ def cached_or_build(spec: ModelSpec, out: Path, corpus: list[str], build: Any) -
             file=sys.stderr,
             flush=True,
         )
-        tmp = cached.with_name(f"{cached.name}.tmp{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
         model, tok = build()
         started, cpu = time.perf_counter(), time.process_time()
         report = warm_start(spec, model, tok)
         # wall seconds, and this process's CPU seconds (what the warm start costs on an idle machine)
         report["seconds"], report["cpu_seconds"] = time.perf_counter() - started, time.process_time() - cpu
         report["ship_key"] = shipped.ship_key(spec, corpus)  # its name if shipped (`shipped.rebuild`)
-        from yatt_rollout.tiny import save_tiny
-
-        save_tiny(model, tok, tmp)
-        (tmp / "warm_start.json").write_bytes(msgspec.json.encode(report))
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            tmp.replace(cached)
-        except OSError:  # another process stored the same key first: theirs is as good
-            shutil.rmtree(tmp, ignore_errors=True)
+        store_model(cached, model, tok, report)
     tmp_out = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp_out, ignore_errors=True)
     shutil.copytree(cached, tmp_out)
@@ -149,6 +132,30 @@ def cached_or_build(spec: ModelSpec, out: Path, corpus: list[str], build: Any) -
 
 
 # ---- data -------------------------------------------------------------------------------------------------
+
+
+def store(cached: Path, write: Callable[[Path], Any]) -> None:
+    """Store a cache entry atomically: `write(tmp)` fills this process's own folder, which then takes the
+    entry's name. Another process that stored the same key first wins (its entry is as good)."""
+    tmp = cached.with_name(f"{cached.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    write(tmp)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        tmp.replace(cached)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def store_model(cached: Path, model: Any, tok: Any, report: dict[str, Any]) -> None:
+    """A warm-started model, its tokenizer and its report (`warm_start.json`) as the cache entry `cached`."""
+    from yatt_rollout.tiny import save_tiny
+
+    def write(tmp: Path) -> None:
+        save_tiny(model, tok, tmp)
+        (tmp / "warm_start.json").write_bytes(msgspec.json.encode(report))
+
+    store(cached, write)
 
 
 def near_miss(rng: random.Random, row: PromptRow) -> str:

@@ -33,23 +33,6 @@ def sampling_spec(cfg: Any) -> Any:
     )
 
 
-def _average_gradients(group: Any) -> Any:
-    """A hook averaging every gradient over the learner group before the optimizer step (None: one rank)."""
-    if group is None:
-        return None
-
-    def average(params: list[Any]) -> None:
-        import torch.distributed as dist
-
-        world = dist.get_world_size(group)
-        for p in params:
-            if p.grad is not None:
-                dist.all_reduce(p.grad, group=group)
-                p.grad /= world
-
-    return average
-
-
 class T2ILearnerWorker:
     """One data-parallel rank of the diffusion policy's learner, with a frozen reference copy of the
     transformer when `algo.kl_loss_coef` > 0."""
@@ -60,6 +43,7 @@ class T2ILearnerWorker:
 
         import torch
         from yatt_algos.learner.diffusion import DiffusionLearner
+        from yatt_algos.learner.optim import average_gradients
         from yatt_rollout.diffusion_engine import velocity
         from yatt_rollout.diffusion_models import load_t2i
 
@@ -82,7 +66,7 @@ class T2ILearnerWorker:
             eta=cfg.t2i.eta,
             sigma_max=float(sigmas[1]),
             reference=reference,
-            before_step=_average_gradients(group),
+            before_step=None if group is None else functools.partial(average_gradients, group=group),
         )
 
     def update(self, batch: dict[str, Any]) -> dict[str, float]:

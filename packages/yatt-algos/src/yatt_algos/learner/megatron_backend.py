@@ -278,12 +278,7 @@ class MegatronPolicyLearner:
         # only `update` steps, after checking the optimizer; all three are built together
         assert self.optimizer is not None and self.scheduler is not None and self.optim_config is not None
         params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
-        if dist.get_world_size(self.dp_group) > 1:
-            for p in params:
-                grad = p.grad
-                assert grad is not None  # filtered above
-                dist.all_reduce(grad, group=self.dp_group)
-                grad.div_(dist.get_world_size(self.dp_group))
+        optim.average_gradients(params, self.dp_group)
         norm, applied = optim.guarded_step(
             params,
             self.optimizer,

@@ -12,6 +12,7 @@ import math
 from collections.abc import Callable, Iterable
 
 import torch
+import torch.distributed as dist
 
 from yatt_algos.types import OptimConfig
 
@@ -50,6 +51,18 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig) -> torch
         )
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, ratio)
+
+
+def average_gradients(params: Iterable[torch.nn.Parameter], group: dist.ProcessGroup | None = None) -> None:
+    """Average every parameter's gradient over the data-parallel `group` (all-reduce, then / world size);
+    a no-op for one rank. For learners that hold a plain module per rank (no DDP wrapper)."""
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    if world == 1:
+        return
+    for p in params:
+        if p.grad is not None:
+            dist.all_reduce(p.grad, group=group)
+            p.grad.div_(world)
 
 
 def guarded_step(

@@ -64,9 +64,9 @@ def sde_mean_std(
 ) -> tuple[torch.Tensor, float]:
     """(mean [B, ...], std) of the SDE transition from `latents` at `sigma` to `sigma_next` (module doc).
     `sigma_max` stands in for sigma in 1 - sigma when sigma is 1 (the schedule's second value)."""
-    dt = sigma_next - sigma
     if eta == 0.0:
-        return latents + dt * velocity, 0.0
+        return ode_step(latents, velocity, sigma, sigma_next), 0.0
+    dt = sigma_next - sigma
     std_t = eta * math.sqrt(sigma / (1 - (sigma_max if sigma >= 1.0 else sigma)))
     mean = (
         latents * (1 + std_t**2 / (2 * sigma) * dt)

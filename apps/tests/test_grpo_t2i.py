@@ -48,6 +48,17 @@ def test_bad_image_sizes_and_settings_name_their_keys() -> None:
         T2iSpec(num_train_steps=7)
 
 
+def test_a_path_that_is_no_pipeline_names_the_key(tmp_path) -> None:
+    from yatt_apps.jobs.grpo_t2i import prepare
+
+    cfg = tiny_cpu_t2i()
+    bad = msgspec.structs.replace(cfg, t2i=msgspec.structs.replace(cfg.t2i, path=str(tmp_path)))
+    with pytest.raises(
+        ValueError, match=r"^t2i\.path '.*' is not a diffusers pipeline folder \(no model_index\.json\)"
+    ):
+        prepare(bad, tmp_path / "run")
+
+
 def test_grid_holds_every_image_in_rows_of_eight(tmp_path) -> None:
     from PIL import Image
 

@@ -25,14 +25,16 @@ def hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def resolve_model_dir(path: str, *, key: str = "model.path") -> Path:
+def resolve_model_dir(path: str, *, key: str = "model.path", marker: str = "config.json") -> Path:
     """The local HF directory of `path` (`key` names the config field in errors): the folder itself, or the
-    cached (else downloaded) snapshot of a hub id. The directory must hold a config.json."""
+    cached (else downloaded) snapshot of a hub id. The directory must hold `marker` (a diffusers pipeline's
+    is model_index.json)."""
     local = Path(path)
     if not local.exists() and is_hub_id(path):
         local = _snapshot(path, key)
-    if not (local / "config.json").is_file():
-        raise ValueError(f"{key} {path!r} is not an HF model directory (no config.json)")
+    if not (local / marker).is_file():
+        kind = "an HF model directory" if marker == "config.json" else "a diffusers pipeline folder"
+        raise ValueError(f"{key} {path!r} is not {kind} (no {marker})")
     return local
 
 

@@ -215,11 +215,9 @@ def prepare(cfg: T2iConfig, run_dir: Path) -> T2iConfig:
     `t2i.images_dir` and `t2i.final_dir` absolute; the validation rows checked here."""
     spec = cfg.t2i
     if spec.path:
-        folder = Path(spec.path).resolve() if Path(spec.path).exists() else _hub_folder(spec.path)
-        if not (folder / "model_index.json").is_file():
-            raise ValueError(
-                f"t2i.path {spec.path!r} is not a diffusers pipeline folder (no model_index.json)"
-            )
+        from yatt_apps.io.model_sources import resolve_model_dir
+
+        folder = resolve_model_dir(spec.path, key="t2i.path", marker="model_index.json").resolve()
     else:
         folder = tiny_pipeline(cfg, run_dir / "models" / "t2i")
     images = Path(spec.images_dir).resolve() if spec.images_dir else run_dir / "images"
@@ -231,13 +229,6 @@ def prepare(cfg: T2iConfig, run_dir: Path) -> T2iConfig:
     cfg = msgspec.structs.replace(cfg, t2i=spec)
     val_prompts(cfg)  # a bad validation row fails here, before anything starts
     return cfg
-
-
-def _hub_folder(hub_id: str) -> Path:
-    """A hub id's cached snapshot (the LLM jobs' rule: offline reads the cache only)."""
-    from yatt_apps.io.model_sources import _snapshot
-
-    return _snapshot(hub_id, "t2i.path")
 
 
 # ---- the step ----------------------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from typing import Any
 
 from yatt_rollout import tool_tasks
 from yatt_rollout.agent import agent_metrics, agent_sums
-from yatt_rollout.env import ENVIRONMENTS, ToolEnvironment, register, tool_schemas, tools_system_prompt
+from yatt_rollout.env import ENVIRONMENTS, ToolEnvironment, register, with_tools
 from yatt_rollout.tools import calculator_tool, evaluate_arithmetic, format_number
 from yatt_rollout.types import Action, Message, Observation, StepResult
 
@@ -170,12 +170,10 @@ def mask_env_tokens(batch: dict[str, Any], prompts: list[list[int]], trajectorie
 
 class ToolPromptTokenizer:
     """The policy tokenizer with `tools` in every chat prompt it renders: `apply_chat_template` gets the
-    environment's tools (`tools=` where the template supports them, else the Hermes block as the system
-    message, as `TurnCodec` does); everything else is the tokenizer's own. `base` is the plain tokenizer."""
+    environment's tools (`yatt_rollout.env.with_tools`, as `TurnCodec` renders them); everything else is the tokenizer's own. `base` is the plain tokenizer."""
 
     def __init__(self, base: Any, tools: list) -> None:
         self.base, self.tools = base, tools
-        self.native = "tools" in (base.chat_template or "")
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.base, name)
@@ -184,17 +182,8 @@ class ToolPromptTokenizer:
         return self.base(*args, **kwargs)
 
     def apply_chat_template(self, conversation: list[dict[str, Any]], **kwargs: Any) -> Any:
-        if not self.tools:
-            return self.base.apply_chat_template(conversation, **kwargs)
-        if self.native:
-            return self.base.apply_chat_template(conversation, tools=tool_schemas(self.tools), **kwargs)
-        block = tools_system_prompt(self.tools)
-        if conversation and conversation[0]["role"] == "system":
-            head = {"role": "system", "content": conversation[0]["content"] + "\n\n" + block}
-            conversation = [head, *conversation[1:]]
-        else:
-            conversation = [{"role": "system", "content": block}, *conversation]
-        return self.base.apply_chat_template(conversation, **kwargs)
+        messages, tool_kwargs = with_tools(self.base, conversation, self.tools)
+        return self.base.apply_chat_template(messages, **tool_kwargs, **kwargs)
 
 
 def prompt_tokenizer(tok: Any, cfg: RunConfig) -> Any:

@@ -30,8 +30,7 @@ from yatt_rollout.env import (
     Environment,
     parse_tool_calls,
     render_tool_call,
-    tool_schemas,
-    tools_system_prompt,
+    with_tools,
 )
 from yatt_rollout.types import (
     TOOL_ERROR_KINDS,
@@ -103,21 +102,11 @@ class TurnCodec:
             raise ValueError("TurnCodec: the tokenizer has no eos token (the end of a chat turn)")
         self.tok = tokenizer
         self.eos_id = tokenizer.eos_token_id
-        self.native_tools = "tools" in (tokenizer.chat_template or "")
         self.native_calls = "tool_calls" in (tokenizer.chat_template or "")
 
     def _render(self, messages: Sequence[ChatMessage], tools: Sequence[ToolSpec], generation: bool) -> str:
         """The template's text with each message's content replaced by a placeholder (`_mark(i)`)."""
-        docs = [_doc(i, m) for i, m in enumerate(messages)]
-        kwargs: dict[str, Any] = {}
-        if tools and self.native_tools:
-            kwargs["tools"] = tool_schemas(tools)
-        elif tools:
-            block = tools_system_prompt(tools)
-            if docs and docs[0]["role"] == "system":
-                docs[0] = {"role": "system", "content": docs[0]["content"] + "\n\n" + block}
-            else:
-                docs.insert(0, {"role": "system", "content": block})
+        docs, kwargs = with_tools(self.tok, [_doc(i, m) for i, m in enumerate(messages)], tools)
         return self.tok.apply_chat_template(docs, add_generation_prompt=generation, tokenize=False, **kwargs)
 
     def encode(self, text: str) -> list[int]:

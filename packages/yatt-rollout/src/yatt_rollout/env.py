@@ -120,6 +120,25 @@ def tools_system_prompt(tools: Sequence[ToolSpec]) -> str:
     )
 
 
+def with_tools(
+    tokenizer: Any, messages: Sequence[dict[str, Any]], tools: Sequence[ToolSpec]
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """(messages, `apply_chat_template` keyword arguments) that show `tools` to the model: their schemas as
+    `tools=` where the tokenizer's chat template renders tools itself, else the Hermes block
+    (`tools_system_prompt`) appended to the system message (one is added when there is none)."""
+    messages = list(messages)
+    if not tools:
+        return messages, {}
+    if "tools" in (tokenizer.chat_template or ""):
+        return messages, {"tools": tool_schemas(tools)}
+    block = tools_system_prompt(tools)
+    if messages and messages[0]["role"] == "system":
+        messages[0] = {"role": "system", "content": messages[0]["content"] + "\n\n" + block}
+    else:
+        messages.insert(0, {"role": "system", "content": block})
+    return messages, {}
+
+
 # ---- the common shape: tools, then a final answer -------------------------------------------------------
 
 

@@ -75,6 +75,27 @@ def test_bad_reward_settings_name_their_keys() -> None:
         check(vllm)
 
 
+def test_reward_roles_are_placed_as_the_llm_jobs() -> None:
+    """The rule-only reward role shares the rollout engines' devices (colocated: every device; disaggregated:
+    the engine's, no device of its own); with a judge model the `genrm` role takes devices of its own."""
+    from yatt_apps.runtime.launch import placement_plan
+    from yatt_placement.types import ClusterSpec
+
+    cfg = tiny_cpu_t2i()
+    plan = {r.role: r.replicas for r in placement_plan(cfg, JOB).roles}
+    assert plan == {"actor": [[0], [1]], "rollout": [[0], [1]], "reward": [[0], [1]]}
+    split = msgspec.structs.replace(
+        cfg.placement,
+        mode="disaggregated",
+        rollout_replicas=1,
+        cluster=ClusterSpec(num_nodes=1, devices_per_node=3, device_memory_gb=16.0),
+    )
+    plan = {
+        r.role: r.replicas for r in placement_plan(msgspec.structs.replace(cfg, placement=split), JOB).roles
+    }
+    assert plan == {"actor": [[0], [1]], "rollout": [[2]], "reward": [[2]]}
+
+
 def test_validation_images_reach_an_offline_wandb_run(tmp_path, monkeypatch, wandb_records) -> None:
     """log.wandb=true: controller 0's grids go to a W&B run of their own (`<name>-images`, grouped with the
     driver's run under the run folder's name), one image per evaluated step, finished at the last."""

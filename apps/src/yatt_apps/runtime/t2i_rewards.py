@@ -164,7 +164,7 @@ def rollout_and_score(
     outs = [values[0] for values in result.values]
     ctx.check_versions([out["policy_version"] for out in outs])
     parts = [values[1] for values in result.values]
-    scored = {
+    scored: dict[str, Any] = {
         key: [v for p in parts for v in p[key]] for key in ("scores", "keep", "statuses", "sample_components")
     }
     scored |= {key: sum(p[key] for p in parts) for key in ("judgements", "unparsed")}

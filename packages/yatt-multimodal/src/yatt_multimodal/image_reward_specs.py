@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -96,6 +97,8 @@ class JudgeTerm:
         self._owned = None if folder is not None else tempfile.mkdtemp(prefix="yatt-t2i-judge-")
         self.folder = Path(folder if folder is not None else self._owned)  # type: ignore[arg-type]
         self._calls = 0  # each call writes files of its own prefix: a slow reader never sees a newer image
+        if self._owned is not None:  # removed with this object too (a host drops it without close())
+            self._cleanup = weakref.finalize(self, shutil.rmtree, self._owned, True)
 
     @property
     def failure_policy(self) -> dict[str, OnFailure]:
@@ -118,7 +121,7 @@ class JudgeTerm:
 
     def close(self) -> None:
         if self._owned is not None:
-            shutil.rmtree(self._owned, ignore_errors=True)
+            self._cleanup()
 
 
 class _Bound:

@@ -175,7 +175,8 @@ def test_tiny_t2i_runs_exports_and_resumes_exactly(ray_session, tmp_path) -> Non
     disaggregated placement with three weighted reward terms (`_judged_disaggregated`): metrics finite, the
     combined reward the weighted sum of the per-term means, every judge verdict parsed, a grid per evaluation,
     the diffusers export loads and `yatt export` writes the same folder from the last checkpoint; a copy cut
-    back to its step-0 checkpoint and resumed redoes step 1 with the same metrics and the same final weights."""
+    back to its step-0 checkpoint and resumed in colocated placement redoes step 1 with the same metrics and
+    the same final weights (every image and verdict is seeded per sample, whichever process serves it)."""
     import torch
     import yatt_apps.runtime.launch as launch
     from safetensors.torch import load_file
@@ -236,12 +237,19 @@ def test_tiny_t2i_runs_exports_and_resumes_exactly(ray_session, tmp_path) -> Non
     ckpts = sorted(p for p in (cut / "checkpoints").iterdir() if p.is_dir())
     assert [p.name[-1] for p in ckpts] == ["0", "1"]
     shutil.rmtree(ckpts[1])
-    launch.run_job(cfg, cut, JOB)
+    # resumed colocated (every role in the two devices' processes): placement moves no number
+    launch.run_job(msgspec.structs.replace(cfg, placement=base.placement), cut, JOB)
     resumed = {r["step"]: r for r in map(json.loads, (cut / "metrics.jsonl").read_text().splitlines())}
     a, b = (
-        {k: v for k, v in r[1].items() if not k.startswith(("time/", "throughput/", "t2i/images_per_s"))}
+        {
+            k: v
+            for k, v in r[1].items()
+            if not k.startswith(("time/", "throughput/", "t2i/images_per_s", "sync/bytes"))
+        }
         for r in (resumed, rows)
     )
+    # the pushes reach two engines (one per device) where they reached one
+    assert resumed[1]["sync/bytes"] == 2 * rows[1]["sync/bytes"] > 0
     assert "val/reward" in a and a == pytest.approx(b, rel=1e-5, abs=1e-6)
     mine, theirs = load_file(cut / "final" / name), load_file(straight / "final" / name)
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)

@@ -96,6 +96,44 @@ def test_reward_roles_are_placed_as_the_llm_jobs() -> None:
     assert plan == {"actor": [[0], [1]], "rollout": [[2]], "reward": [[2]]}
 
 
+def test_reward_metrics_have_the_llm_jobs_names() -> None:
+    """Per-term means over the kept images, statuses of every image, the judge's parse rate and its agreement
+    with the pixel rule (verdict > 0 against rule > 0.5), from hand-made scores."""
+    from yatt_apps.runtime.t2i_rewards import agreement_sums, reward_means, reward_sums
+
+    scored = {
+        "statuses": ["ok", "error", "ok"],
+        "sample_components": [
+            {"colour_position": 0.9, "genrm": 1.0, "genrm/parsed": 1.0},
+            {"genrm": -1.0, "genrm/parsed": 0.5},
+            {"colour_position": 0.2, "genrm": 1.0, "genrm/parsed": 0.5},
+        ],
+        "judgements": 6,
+        "unparsed": 2,
+    }
+    specs = [RewardSpec(kind="colour_position"), RewardSpec(kind="genrm", weight=0.1)]
+    kept = [0, 2]
+    sums = reward_sums(scored, kept, prefix="val/") | agreement_sums(
+        specs, [scored["sample_components"][i] for i in kept], prefix="val/"
+    )
+    assert reward_means(sums, 2.0, prefix="val/") == pytest.approx(
+        {
+            "val/reward/colour_position_mean": 0.55,
+            "val/reward/genrm_mean": 1.0,
+            "val/reward/genrm/parsed_mean": 0.75,
+            "val/reward_status/ok": 2.0,
+            "val/reward_status/error": 1.0,
+            "val/reward_status/parse_error": 0.0,
+            "val/reward_status/timeout": 0.0,
+            "val/judge/parse_rate": 4 / 6,
+            "val/judge/judgements": 6.0,
+            "val/judge/agreement": 0.5,  # image 0 agrees (yes, 0.9), image 2 does not (yes, 0.2)
+        },
+        abs=1e-12,
+    )
+    assert agreement_sums(specs[:1], scored["sample_components"]) == {}
+
+
 def test_validation_images_reach_an_offline_wandb_run(tmp_path, monkeypatch, wandb_records) -> None:
     """log.wandb=true: controller 0's grids go to a W&B run of their own (`<name>-images`, grouped with the
     driver's run under the run folder's name), one image per evaluated step, finished at the last."""

@@ -101,8 +101,11 @@ def tiny_cpu_t2i() -> T2iConfig:
     """`yatt grpo-t2i` on the embedded colour/position task: a tiny SD3-style pipeline (16x16 images, 4 latent
     channels, a 2-layer DiT of width 64, a 2-layer CLIP text encoder, a VAE pretrained for 200 steps on
     two-colour images), 6 SDE steps at eta 1, 8 prompts x 8 images per step over two controllers, constant
-    lr 3e-3, clip 0.2, no KL; validation on 32 prompts (each colour x side pair twice) every 5 steps.
-    Measured: see README (Text-to-image GRPO)."""
+    lr 3e-3, clip 0.2, no KL; validation on 32 prompts (each colour x side pair twice) every 5 steps. One
+    reward term, the pixel rule (weight 1), in the `reward` role beside each engine: the tiny image reward
+    model and VLM judge are built untrained, so on this task they would only add noise to the advantages
+    (and the judge ~1 s a step); add them with `rewards:` and `judge:` (README). Measured: see README
+    (Text-to-image GRPO)."""
     return T2iConfig(
         model=ModelSpec(),  # launch's placeholder tokenizer model: the policy is t2i.path's pipeline
         judge=None,  # a VLM judge: judge=ModelSpec(arch="qwen2_vl") and a rewards term of kind genrm
@@ -263,26 +266,6 @@ def _advantages(cfg: T2iConfig, rewards: Any, group_ids: Any) -> Any:
     return adv[:, 0]
 
 
-def reward_names(cfg: T2iConfig) -> tuple[str, str]:
-    """(the judge term's name, the pixel rule's name), "" where the config has none: the judge's agreement
-    with the rule is reported where both score."""
-    judge = next((s.name or s.kind for s in cfg.rewards if s.kind == "genrm"), "")
-    rule = next((s.name or s.kind for s in cfg.rewards if s.kind == "colour_position"), "")
-    return judge, rule
-
-
-def agreement_sums(cfg: T2iConfig, components: list[dict[str, float]], prefix: str = "") -> dict[str, float]:
-    """Images where the judge's verdict (> 0: "matches") and the pixel rule (> 0.5: the named colour
-    dominates the named half) both scored, and those where they agree (`judge/agreement`, as the LLM jobs'
-    judge against math_verify)."""
-    judge, rule = reward_names(cfg)
-    if not (judge and rule):
-        return {}
-    both = [c for c in components if judge in c and rule in c]
-    agree = sum((c[judge] > 0) == (c[rule] > 0.5) for c in both)
-    return {f"{prefix}judge/agree": float(agree), f"{prefix}judge/compared": float(len(both))}
-
-
 class T2iStep:
     """The step function every controller runs (`t2i_step`), holding controller 0's image writers."""
 
@@ -298,7 +281,7 @@ class T2iStep:
 def _validate(ctx: StepContext, cfg: T2iConfig, images: ValidationImages) -> dict[str, float]:
     """This controller's share of the validation prompts, fixed seeds, scored by the reward service: sums
     under val/; controller 0's images to every sink."""
-    from yatt_apps.runtime.t2i_rewards import reward_sums, rollout_and_score
+    from yatt_apps.runtime.t2i_rewards import agreement_sums, reward_sums, rollout_and_score
 
     prompts = val_prompts(cfg)
     mine = list(range(ctx.rank, len(prompts), ctx.world_size))
@@ -313,7 +296,7 @@ def _validate(ctx: StepContext, cfg: T2iConfig, images: ValidationImages) -> dic
         "val/reward_sum": float(sum(scored["scores"][i] for i in kept)),
         "val/count": float(len(kept)),
         **reward_sums(scored, kept, prefix="val/"),
-        **agreement_sums(cfg, [scored["sample_components"][i] for i in kept], prefix="val/"),
+        **agreement_sums(cfg.rewards, [scored["sample_components"][i] for i in kept], prefix="val/"),
     }
 
 
@@ -324,7 +307,7 @@ def t2i_step(
     import torch
 
     from yatt_apps.runtime.step_metrics import evaluates
-    from yatt_apps.runtime.t2i_rewards import reward_sums, rollout_and_score
+    from yatt_apps.runtime.t2i_rewards import agreement_sums, reward_sums, rollout_and_score
 
     sums: dict[str, float] = {}
     if evaluates(ctx.step, cfg.run.num_steps, cfg.run.eval_every):
@@ -364,7 +347,7 @@ def t2i_step(
         "images_per_s": len(prompts) / max(stream["rollout_s"], 1e-9),
         **{f"stream/{k}": v for k, v in stream.items()},
         **reward_sums(scored, kept),
-        **agreement_sums(cfg, [scored["sample_components"][i] for i in kept]),
+        **agreement_sums(cfg.rewards, [scored["sample_components"][i] for i in kept]),
     }
     return _means(ctx.all_reduce(sums), stats, ctx.world_size)
 
@@ -389,11 +372,6 @@ def _means(total: dict[str, float], stats: dict[str, float], world_size: int) ->
             if k.startswith("stream/")
         },
     }
-    for prefix in ("", "val/"):
-        if total.get(f"{prefix}judge/compared"):
-            metrics[f"{prefix}judge/agreement"] = (
-                total[f"{prefix}judge/agree"] / total[f"{prefix}judge/compared"]
-            )
     if total.get("val/count"):
         metrics["val/reward"] = total["val/reward_sum"] / total["val/count"]
         metrics |= reward_means(total, total["val/count"], prefix="val/")

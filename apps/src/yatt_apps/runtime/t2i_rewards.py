@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from yatt_controller.controller import StepContext
 
-__all__ = ["T2IRewardWorker", "reward_means", "reward_sums", "rollout_and_score"]
+__all__ = ["T2IRewardWorker", "agreement_sums", "reward_means", "reward_sums", "rollout_and_score"]
 
 STATUSES = ("ok", "parse_error", "timeout", "error")
 
@@ -192,10 +192,23 @@ def reward_sums(scored: dict[str, Any], kept: list[int], prefix: str = "") -> di
     return sums
 
 
+def agreement_sums(specs: Any, components: list[dict[str, float]], prefix: str = "") -> dict[str, float]:
+    """Over images where the judge's verdict (> 0: "matches") and the pixel rule (> 0.5: the named colour
+    dominates the named half) both scored: how many, and how many agree (`judge/agreement`, as the LLM
+    jobs' judge against math_verify). `specs`: the config's reward terms; {} without both."""
+    judge = next((s.name or s.kind for s in specs if s.kind == "genrm"), "")
+    rule = next((s.name or s.kind for s in specs if s.kind == "colour_position"), "")
+    if not (judge and rule):
+        return {}
+    both = [c for c in components if judge in c and rule in c]
+    agree = sum((c[judge] > 0) == (c[rule] > 0.5) for c in both)
+    return {f"{prefix}judge/agree": float(agree), f"{prefix}judge/compared": float(len(both))}
+
+
 def reward_means(total: dict[str, float], count: float, prefix: str = "") -> dict[str, float]:
     """From all-reduced sums over `count` kept images: `reward/<name>_mean` per term (the judge's mean vote
     in [-1, 1] under its name, its parsed fraction under `<name>/parsed_mean`), `reward_status/<s>` counts,
-    and `judge/parse_rate` (verdicts stated over verdicts sampled), the LLM jobs' names."""
+    `judge/parse_rate` (verdicts stated over verdicts sampled) and `judge/agreement`, the LLM jobs' names."""
     out: dict[str, float] = {}
     for key, value in total.items():
         if not key.startswith(prefix):
@@ -209,4 +222,6 @@ def reward_means(total: dict[str, float], count: float, prefix: str = "") -> dic
         judged = total[f"{prefix}judge/judgements"]
         out[f"{prefix}judge/parse_rate"] = 1.0 - total[f"{prefix}judge/unparsed"] / judged
         out[f"{prefix}judge/judgements"] = judged
+    if total.get(f"{prefix}judge/compared"):
+        out[f"{prefix}judge/agreement"] = total[f"{prefix}judge/agree"] / total[f"{prefix}judge/compared"]
     return out

@@ -1,8 +1,8 @@
 """`yatt grpo-t2i`'s benchmark: the embedded default (`tiny_cpu_t2i`: a tiny SD3-style pipeline learning the
 colour/position task) through the real job (`yatt_apps.runtime.launch.run_job`, one local Ray session).
 
-- `t2i.reward_rise`: the validation rule reward (32 prompts: each colour x side pair twice, fixed seeds,
-  evaluated before the step's update)
+- `t2i.reward_rise`: the validation pixel-rule reward (`val/reward/colour_position_mean`, scored by the job's
+  reward role; 32 prompts: each colour x side pair twice, fixed seeds, evaluated before the step's update)
   at the last evaluated step minus step 0's; issue 30's target is >= 0.1 in the quick run.
 - `t2i.images_per_s`: images the engines sampled per second of rollout (summed over the controllers' engines,
   which run side by side), the median over the run's steps.
@@ -62,7 +62,8 @@ def main() -> None:
         controller=counted,
     )
     rows, result, seconds = _run(cfg, "parallel")
-    evaluated = [r for r in rows if "val/reward" in r]
+    rule = "val/reward/colour_position_mean"  # the pixel rule's term (the default's only reward)
+    evaluated = [r for r in rows if rule in r]
     single_steps = 3
     single = msgspec.structs.replace(
         cfg,
@@ -71,9 +72,9 @@ def main() -> None:
     )
     _, single_result, single_seconds = _run(single, "single")
     out = {
-        "t2i.reward_rise": evaluated[-1]["val/reward"] - evaluated[0]["val/reward"],
-        "t2i.val_reward_first": evaluated[0]["val/reward"],
-        "t2i.val_reward_last": evaluated[-1]["val/reward"],
+        "t2i.reward_rise": evaluated[-1][rule] - evaluated[0][rule],
+        "t2i.val_reward_first": evaluated[0][rule],
+        "t2i.val_reward_last": evaluated[-1][rule],
         "t2i.val_reward_steps": [r["step"] for r in evaluated],
         "t2i.train_reward_first3": statistics.mean(r["reward/mean"] for r in rows[:3]),
         "t2i.train_reward_last3": statistics.mean(r["reward/mean"] for r in rows[-3:]),

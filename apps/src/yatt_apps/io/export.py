@@ -11,6 +11,11 @@ wrote them), and writes an HF folder with `save_hf`: config, safetensors weights
 (and the image processor of a VLM), LoRA merged into the base weights. `yatt merge` and
 `AutoModelForCausalLM.from_pretrained` read it like any HF folder.
 
+A text-to-image run (`yatt grpo-t2i`, `app: grpo-t2i` in its config.yaml) exports as a diffusers folder
+instead (`export_t2i`): the run's initial pipeline (`t2i.path`, RUN_DIR/models/t2i for the tiny one) with the
+checkpoint's transformer weights, written by yatt-rollout's `save_t2i`: the folder the run writes to
+RUN_DIR/final at its last step, from any checkpoint.
+
 `save_hf` is also what a run uses to write `RUN_DIR/final` from the live learner at the end.
 
 `--adapter` (a LoRA run only) writes the adapter alone, in peft's format (`adapter_config.json`,
@@ -224,6 +229,10 @@ def export_checkpoint(
     run_dir, out = Path(run_dir), Path(out)
     if out.exists():
         raise ValueError(f"--out {out} already exists; choose a new directory")
+    if run_config(run_dir).app == T2I_APP:
+        if adapter:
+            raise ValueError(f"--adapter: {run_dir} is a text-to-image run (no LoRA); export it without")
+        return export_t2i(run_dir, step, out)
     if adapter and not run_config(run_dir).learner.lora_rank:
         raise ValueError(f"--adapter: {run_dir} is not a LoRA run (learner.lora_rank = 0); export it without")
     ckpt, found = find_checkpoint(run_dir, step)
@@ -234,6 +243,49 @@ def export_checkpoint(
         return {**record, "adapter": True, "lora_merged": False}
     save_hf(model, policy_dir(run_dir, run_config(run_dir)), out)
     return {**record, "lora_merged": hasattr(model, "peft_config")}
+
+
+T2I_APP = "grpo-t2i"  # a run of this app exports as a diffusers folder
+
+
+def t2i_pipeline_dir(run_dir: Path, cfg: Any) -> Path:
+    """The t2i run's initial pipeline folder: `t2i.path` as the run recorded it, or RUN_DIR/models/t2i (the
+    tiny pipeline's place) when the run folder was moved since."""
+    recorded = Path(cfg.t2i.path) if cfg.t2i.path else run_dir / "models" / "t2i"
+    if (recorded / "model_index.json").is_file():
+        return recorded
+    inside = run_dir / "models" / "t2i"
+    if (inside / "model_index.json").is_file():
+        return inside
+    raise ValueError(
+        f"{run_dir}: the run's pipeline folder {recorded} (t2i.path) is not a diffusers folder (no model_index.json)"
+    )
+
+
+def export_t2i(run_dir: Path, step: int | None, out: Path) -> dict[str, Any]:
+    """A t2i run's checkpoint of `step` (None: the newest complete one) as a diffusers folder `out`: the
+    run's pipeline with the learner's transformer weights (data-parallel rank 0's blob: every rank holds
+    them whole), written atomically by `save_t2i`."""
+    import torch
+    from yatt_algos.learner.checkpoint import check_learner_state
+    from yatt_rollout.diffusion_models import load_t2i, save_t2i
+
+    pipeline = t2i_pipeline_dir(run_dir, run_config(run_dir))
+    ckpt, found = find_checkpoint(run_dir, step)
+    blob = ckpt / LEARNER_BLOB
+    if not blob.is_file():
+        raise ValueError(f"{ckpt}: no {LEARNER_BLOB} (the learner's state); files: {sorted(_names(ckpt))}")
+    state = torch.load(blob, map_location="cpu", weights_only=True)
+    check_learner_state(state)
+    policy = load_t2i(pipeline)
+    try:
+        policy.transformer.load_state_dict(state["model"])
+    except RuntimeError as err:
+        raise ValueError(
+            f"{blob}: the learner's weights do not fit the run's pipeline {pipeline}: {err}"
+        ) from None
+    save_t2i(policy, out)
+    return {"out": str(out), "step": found, "checkpoint": str(ckpt), "format": "diffusers"}
 
 
 def save_adapter(model: Any, out: Path) -> Path:
@@ -252,6 +304,7 @@ def save_adapter(model: Any, out: Path) -> Path:
 def main(args: argparse.Namespace) -> int:
     record = export_checkpoint(args.run_dir, args.step, args.out, adapter=args.adapter)
     if not args.json:
-        print(f"exported step {record['step']} of {args.run_dir} to {record['out']}")
+        kind = " (a diffusers folder)" if record.get("format") == "diffusers" else ""
+        print(f"exported step {record['step']} of {args.run_dir} to {record['out']}{kind}")
     print(json.dumps(record))
     return 0

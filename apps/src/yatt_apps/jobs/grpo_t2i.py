@@ -2,17 +2,24 @@
 
 Each controller takes its shard of the step's prompts, asks the diffusion engine (`T2IRolloutWorker`) for
 `sampling.n` images per prompt, each sampled with the SDE (noise level `t2i.eta`) from its own seed, and gets
-back the images and the trained steps' latents and log-probabilities; scores every image with the pixel rule
-of the embedded task (`yatt_multimodal.image_rules`: the named colour in the named half); takes group
-advantages over each prompt's images with the configured estimator (`algo.adv_estimator`, default GRPO);
-and its learner rank (`T2ILearnerWorker`) takes the clipped GRPO step on each trained denoising step
+back the images and the trained steps' latents and log-probabilities, chunk by chunk; each chunk's images go
+to the reward service (`T2IRewardWorker`, `runtime/t2i_rewards.py`) while later chunks are sampled. The
+reward is the LLM jobs' weighted sum over `rewards:` (same config shape), with image kinds: the pixel rule of
+the embedded task (`colour_position`: the named colour in the named half), the CLIP-style Bradley-Terry image
+reward model (`image_rm`) and the VLM judge on prompt-image consistency (`genrm`, with `judge:` a Qwen2-VL
+model: K verdicts, statuses and parse counts). The reward role is placed as the LLM jobs' (`policy_roles`):
+`reward` on the rollout engines' devices, or `genrm` on its own with a judge. Then group advantages over each
+prompt's images with the configured estimator (`algo.adv_estimator`, default GRPO), and the learner rank
+(`T2ILearnerWorker`) takes the clipped GRPO step on each trained denoising step
 (`yatt_algos.learner.diffusion`); then the weights go to the engines. Images and latents travel between a
 controller and its workers only: in parallel mode no image passes through the driver.
 
 Every `run.eval_every` steps and at the last, before the step's update: the validation prompts are sampled
-with fixed seeds and scored (`val/reward`, summed over controllers), and controller 0 writes a grid of its
-validation images to RUN_DIR/images/step-NNNNNN.png, so the change is visible. On the last step the trained
-pipeline is written to RUN_DIR/final as a diffusers folder (`load_t2i` or diffusers' SD3 loaders read it).
+with fixed seeds and scored by the reward service (`val/reward` and `val/reward/<term>_mean`, over every
+controller), and controller 0 writes a grid of its validation images to RUN_DIR/images/step-NNNNNN.png, to
+TensorBoard and, with `log.wandb`, to W&B (`runtime/t2i_images.py`). On the last step the trained pipeline is
+written to RUN_DIR/final as a diffusers folder (`load_t2i` or diffusers' SD3 loaders read it); `yatt export`
+writes one from any checkpoint.
 
 Data: `data.train` (jsonl or parquet, one prompt per row under `data.prompt_key`) or, when empty, the
 embedded task's prompts ("a red square on the left"); every prompt must name a colour and a side (the rule
@@ -21,7 +28,6 @@ reward's task), checked row by row before anything starts.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import shutil
 import uuid
@@ -30,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 from yatt_algos.types import AlgoConfig, OptimConfig
+from yatt_multimodal.types import RewardSpec
 from yatt_rollout.types import SamplingParams
 
 from yatt_apps.config import ControllerSpec, DataSpec, ModelSpec, RunConfig, RunSpec, _Config
@@ -42,6 +49,8 @@ if TYPE_CHECKING:
     from yatt_controller.runner import Services
     from yatt_controller.worker_group import HostPool
     from yatt_placement.types import PlacementPlan, RoleSpec
+
+    from yatt_apps.runtime.t2i_images import ValidationImages
 
 VAL_SEED = 10_000  # validation prompts and their noise: the run's seed + this
 TINY_FORMAT = 2  # bump when the tiny pipeline's build changes: its cache key includes it
@@ -61,6 +70,7 @@ class T2iSpec(_Config, frozen=True, kw_only=True):
     images_dir: str = ""  # where validation grids go; "": RUN_DIR/images (set by prepare)
     final_dir: str = ""  # the trained pipeline (diffusers folder) at the last step; "": RUN_DIR/final
     tensorboard_dir: str = ""  # where validation images go as TensorBoard images; "": RUN_DIR/tb (the run's)
+    wandb_dir: str = ""  # with log.wandb: where the validation images' W&B run writes; "": RUN_DIR
     tiny_hidden_size: int = 64  # the tiny DiT's width
     tiny_num_layers: int = 2  # the tiny DiT's joint transformer blocks
     tiny_vae_steps: int = 200  # the tiny VAE's autoencoder pretraining on two-colour images (0: random)
@@ -91,12 +101,16 @@ def tiny_cpu_t2i() -> T2iConfig:
     """`yatt grpo-t2i` on the embedded colour/position task: a tiny SD3-style pipeline (16x16 images, 4 latent
     channels, a 2-layer DiT of width 64, a 2-layer CLIP text encoder, a VAE pretrained for 200 steps on
     two-colour images), 6 SDE steps at eta 1, 8 prompts x 8 images per step over two controllers, constant
-    lr 3e-3, clip 0.2, no KL; validation on 32 prompts (each colour x side pair twice) every 5 steps.
-    Measured: see README (Text-to-image GRPO)."""
+    lr 3e-3, clip 0.2, no KL; validation on 32 prompts (each colour x side pair twice) every 5 steps. One
+    reward term, the pixel rule (weight 1), in the `reward` role beside each engine: the tiny image reward
+    model and VLM judge are built untrained, so on this task they would only add noise to the advantages
+    (and the judge ~1 s a step); add them with `rewards:` and `judge:` (README). Measured: see README
+    (Text-to-image GRPO)."""
     return T2iConfig(
         model=ModelSpec(),  # launch's placeholder tokenizer model: the policy is t2i.path's pipeline
-        judge=None,
-        rewards=[],
+        judge=None,  # a VLM judge: judge=ModelSpec(arch="qwen2_vl") and a rewards term of kind genrm
+        # the pixel rule drives learning; the tiny image RM and judge are random (no signal on this task)
+        rewards=[RewardSpec(kind="colour_position", weight=1.0)],
         run=RunSpec(name="t2i-tiny", num_steps=60, prompts_per_step=8, eval_every=5),
         data=DataSpec(num_train_rows=512, num_val_rows=32),
         sampling=SamplingParams(n=8),
@@ -223,8 +237,14 @@ def prepare(cfg: T2iConfig, run_dir: Path) -> T2iConfig:
     images = Path(spec.images_dir).resolve() if spec.images_dir else run_dir / "images"
     final = Path(spec.final_dir).resolve() if spec.final_dir else run_dir / "final"
     tb = Path(spec.tensorboard_dir).resolve() if spec.tensorboard_dir else run_dir / "tb"
+    wandb_dir = Path(spec.wandb_dir).resolve() if spec.wandb_dir else run_dir.resolve()
     spec = msgspec.structs.replace(
-        spec, path=str(folder), images_dir=str(images), final_dir=str(final), tensorboard_dir=str(tb)
+        spec,
+        path=str(folder),
+        images_dir=str(images),
+        final_dir=str(final),
+        tensorboard_dir=str(tb),
+        wandb_dir=str(wandb_dir),
     )
     cfg = msgspec.structs.replace(cfg, t2i=spec)
     val_prompts(cfg)  # a bad validation row fails here, before anything starts
@@ -234,106 +254,83 @@ def prepare(cfg: T2iConfig, run_dir: Path) -> T2iConfig:
 # ---- the step ----------------------------------------------------------------------------------------------
 
 
-def _rollout(ctx: StepContext, prompts: list[str], seeds: list[int]) -> dict[str, Any]:
-    return ctx.get(ctx.services["rollout"].call_one("generate", prompts, seeds))
-
-
-def _rewards(prompts: list[str], images: Any) -> Any:
-    """The rule reward of each image [B] (a prompt naming no colour and side was refused when read)."""
-    import torch
-    from yatt_multimodal.image_rules import colour_position_score, parse_colour_prompt
-
-    return torch.tensor(
-        [
-            colour_position_score(image, *parse_colour_prompt(p))
-            for p, image in zip(prompts, images, strict=True)
-        ]
-    )
-
-
-def _advantages(cfg: T2iConfig, rewards: Any, group_size: int) -> Any:
-    """Group advantages [B] with the configured estimator (each image one 'token')."""
+def _advantages(cfg: T2iConfig, rewards: Any, group_ids: Any) -> Any:
+    """Group advantages [B] with the configured estimator (each image one 'token'); `group_ids` [B] the
+    prompt of each kept image."""
     import torch
     from yatt_algos.advantages import compute_advantages
 
-    ids = torch.arange(len(rewards) // group_size).repeat_interleave(group_size)
     adv, _ = compute_advantages(
-        rewards[:, None].float(), torch.ones(len(rewards), 1), cfg.algo, group_ids=ids
+        rewards[:, None].float(), torch.ones(len(rewards), 1), cfg.algo, group_ids=group_ids
     )
     return adv[:, 0]
 
 
-def write_grid(images: Any, path: Path) -> Path:
-    """A PNG of `images` [N, H, W, 3] uint8 in rows of up to 8 (atomic: tmp + rename)."""
-    import numpy as np
-    from PIL import Image
+class T2iStep:
+    """The step function every controller runs (`t2i_step`), holding controller 0's image writers."""
 
-    n, h, w, _ = images.shape
-    cols = min(n, 8)
-    rows = -(-n // cols)
-    grid = np.full((rows * h, cols * w, 3), 255, dtype=np.uint8)
-    for i, image in enumerate(images):
-        r, c = divmod(i, cols)
-        grid[r * h : (r + 1) * h, c * w : (c + 1) * w] = image
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    Image.fromarray(grid).resize((cols * w * 4, rows * h * 4), Image.Resampling.NEAREST).save(
-        tmp, format="PNG"
-    )
-    tmp.replace(path)
-    return path
+    def __init__(self, cfg: T2iConfig) -> None:
+        from yatt_apps.runtime.t2i_images import ValidationImages
+
+        self.cfg, self.images = cfg, ValidationImages(cfg)
+
+    def __call__(self, ctx: StepContext, rows: list[PromptRow]) -> dict[str, float]:
+        return t2i_step(ctx, rows, cfg=self.cfg, images=self.images)
 
 
-@functools.cache
-def _image_writer(folder: str) -> Any:
-    """Controller 0's TensorBoard writer of validation images, one per process, beside the driver's scalars
-    in the same folder (its own event file: TensorBoard reads every file there)."""
-    from torch.utils.tensorboard import SummaryWriter
+def _validate(ctx: StepContext, cfg: T2iConfig, images: ValidationImages) -> dict[str, float]:
+    """This controller's share of the validation prompts, fixed seeds, scored by the reward service: sums
+    under val/; controller 0's images to every sink."""
+    from yatt_apps.runtime.t2i_rewards import agreement_sums, reward_sums, rollout_and_score
 
-    return SummaryWriter(folder, filename_suffix=".t2i-images")
-
-
-def _validate(ctx: StepContext, cfg: T2iConfig) -> dict[str, float]:
-    """This controller's share of the validation prompts, fixed seeds: reward sums; controller 0's grid."""
     prompts = val_prompts(cfg)
     mine = list(range(ctx.rank, len(prompts), ctx.world_size))
     if not mine:
         return {"val/reward_sum": 0.0, "val/count": 0.0}
     seeds = [cfg.run.seed + VAL_SEED + i for i in mine]
-    out = _rollout(ctx, [prompts[i] for i in mine], seeds)
-    rewards = _rewards([prompts[i] for i in mine], out["images"])
+    out, scored = rollout_and_score(ctx, [prompts[i] for i in mine], seeds, f"val-s{ctx.step}-c{ctx.rank}")
     if ctx.rank == 0:
-        write_grid(out["images"][:16], Path(cfg.t2i.images_dir) / f"step-{ctx.step:06d}.png")
-        writer = _image_writer(cfg.t2i.tensorboard_dir)
-        writer.add_images("val/images", out["images"][:16], ctx.step, dataformats="NHWC")
-        writer.flush()
-    return {"val/reward_sum": float(rewards.sum()), "val/count": float(len(mine))}
+        images.write(out["images"][:16], ctx.step, last=ctx.step == cfg.run.num_steps - 1)
+    kept = [i for i, k in enumerate(scored["keep"]) if k]
+    return {
+        "val/reward_sum": float(sum(scored["scores"][i] for i in kept)),
+        "val/count": float(len(kept)),
+        **reward_sums(scored, kept, prefix="val/"),
+        **agreement_sums(cfg.rewards, [scored["sample_components"][i] for i in kept], prefix="val/"),
+    }
 
 
-def t2i_step(ctx: StepContext, rows: list[PromptRow], *, cfg: T2iConfig) -> dict[str, float]:
+def t2i_step(
+    ctx: StepContext, rows: list[PromptRow], *, cfg: T2iConfig, images: ValidationImages
+) -> dict[str, float]:
     """One GRPO step of this controller (module doc); metrics summed over controllers, then means."""
-    import time
+    import torch
 
     from yatt_apps.runtime.step_metrics import evaluates
+    from yatt_apps.runtime.t2i_rewards import agreement_sums, reward_sums, rollout_and_score
 
     sums: dict[str, float] = {}
     if evaluates(ctx.step, cfg.run.num_steps, cfg.run.eval_every):
         with ctx.phase("eval"):
-            sums |= _validate(ctx, cfg)
+            sums |= _validate(ctx, cfg, images)
     n = cfg.sampling.n
     prompts = [row.prompt for row in rows for _ in range(n)]
     base = sample_seed(cfg, ctx)
-    started = time.perf_counter()
-    with ctx.phase("rollout"):
-        out = _rollout(ctx, prompts, [base + i for i in range(len(prompts))])
-    seconds = time.perf_counter() - started
-    with ctx.phase("reward"):
-        rewards = _rewards(prompts, out["images"])
-        advantages = _advantages(cfg, rewards, n)
-    batch = {
-        k: out[k]
-        for k in ("latents", "next_latents", "old_logprobs", "sigmas", "next_sigmas", "embeds", "pooled")
-    }
+    with ctx.phase("rollout_reward"):  # each chunk's images scored while later chunks are sampled
+        out, scored = rollout_and_score(
+            ctx, prompts, [base + i for i in range(len(prompts))], f"s{ctx.step}-c{ctx.rank}"
+        )
+    with ctx.phase("advantages"):  # the failure policy's dropped images leave the batch
+        kept = [i for i, k in enumerate(scored["keep"]) if k]
+        if not kept:
+            raise ValueError(
+                f"step {ctx.step}: every image of controller {ctx.rank} failed its reward "
+                f"(statuses {sorted(set(scored['statuses']))}); see the reward terms' errors"
+            )
+        rewards = torch.tensor([scored["scores"][i] for i in kept])
+        advantages = _advantages(cfg, rewards, torch.tensor([i // n for i in kept]))
+    fields = ("latents", "next_latents", "old_logprobs", "sigmas", "next_sigmas", "embeds", "pooled")
+    batch = {k: out[k][kept] for k in fields}
     batch["advantages"] = advantages.numpy()
     with ctx.phase("train"):  # SPMD: every learner rank of this controller steps together
         stats = ctx.get(learner_of(ctx).shard_rows("update", batch))[0]
@@ -342,19 +339,42 @@ def t2i_step(ctx: StepContext, rows: list[PromptRow], *, cfg: T2iConfig) -> dict
     if ctx.step == cfg.run.num_steps - 1:
         with ctx.phase("export"):
             ctx.get(learner_of(ctx).broadcast("export", cfg.t2i.final_dir))
-    rate = len(prompts) / max(seconds, 1e-9)  # this controller's engine; the controllers' rates add up
-    sums |= {"reward_sum": float(rewards.sum()), "images": float(len(prompts)), "images_per_s": rate}
-    total = ctx.all_reduce(sums)
+    stream = scored["stream"]  # this controller's engines; the controllers' rates add up
+    sums |= {
+        "reward_sum": float(rewards.sum()),
+        "images": float(len(kept)),
+        "images_dropped": float(len(prompts) - len(kept)),
+        "images_per_s": len(prompts) / max(stream["rollout_s"], 1e-9),
+        **{f"stream/{k}": v for k, v in stream.items()},
+        **reward_sums(scored, kept),
+        **agreement_sums(cfg.rewards, [scored["sample_components"][i] for i in kept]),
+    }
+    return _means(ctx.all_reduce(sums), stats, ctx.world_size)
+
+
+def _means(total: dict[str, float], stats: dict[str, float], world_size: int) -> dict[str, float]:
+    """The step's metrics from the controllers' sums: reward means over the kept images, per-term and judge
+    figures (`t2i_rewards.reward_means`), validation figures over the validation images, the learner's."""
+    from yatt_apps.runtime.t2i_rewards import reward_means
+
     metrics = {
-        "reward/mean": total["reward_sum"] / total["images"],
+        "reward/mean": total["reward_sum"] / max(total["images"], 1.0),
+        "samples_dropped": total["images_dropped"],
         "t2i/images_per_s": total["images_per_s"],
         "train/loss": stats["loss"],
         "train/grad_norm": stats["grad_norm"],
         "train/lr": stats["lr"],
         "train/clip_frac": stats.get("clip_frac", 0.0),
+        **reward_means(total, total["images"]),
+        **{
+            "time/" + {"overlap_s": "rollout_reward_overlap_s"}.get(k[7:], k[7:]): v / max(world_size, 1)
+            for k, v in total.items()
+            if k.startswith("stream/")
+        },
     }
     if total.get("val/count"):
         metrics["val/reward"] = total["val/reward_sum"] / total["val/count"]
+        metrics |= reward_means(total, total["val/count"], prefix="val/")
     return metrics
 
 
@@ -369,13 +389,23 @@ def export(run: Any, cfg: T2iConfig) -> Path | None:
 
 def step_function(cfg: T2iConfig, policy_dir: str, val_rows: ValRows, plan: PlacementPlan) -> StepFn:
     check(cfg)
-    return functools.partial(t2i_step, cfg=cfg)
+    return T2iStep(cfg)
 
 
 def check(cfg: T2iConfig) -> None:
-    if cfg.judge is not None or cfg.rewards:
+    """Image rewards only (`image_reward_specs.check_image_specs`), a judge model exactly when a `genrm` term
+    reads it (served by the HF engine: it reads images), the diffusion learner's settings."""
+    from yatt_multimodal.image_reward_specs import check_image_specs
+
+    check_image_specs(cfg.rewards)
+    judged = any(spec.kind == "genrm" for spec in cfg.rewards)
+    if cfg.judge is not None and not judged:
         raise ValueError(
-            "grpo-t2i scores images with its pixel rule (the colour/position task): set judge to null and rewards to []"
+            "judge is set but no rewards term of kind 'genrm' uses it: add one, or set judge to null"
+        )
+    if cfg.judge is not None and cfg.judge.engine != "hf":
+        raise ValueError(
+            f"judge.engine={cfg.judge.engine!r}: grpo-t2i's VLM judge reads images through the HF engine; set it to 'hf'"
         )
     if cfg.learner.backend != "ddp" or cfg.model.tensor_parallel > 1 or cfg.model.pipeline_parallel > 1:
         raise ValueError(
@@ -388,18 +418,21 @@ def check(cfg: T2iConfig) -> None:
 
 
 def roles(cfg: T2iConfig) -> list[RoleSpec]:
-    """The trained policy (actor) and its diffusion engine (rollout), placed as the LLM jobs' policy."""
-    return [r for r in policy_roles(cfg) if r.role in ("actor", "rollout")]
+    """The LLM jobs' roles (`policy_roles`): the trained policy (actor), its diffusion engine (rollout) and
+    the reward service: `genrm` on devices of its own with a judge model, else `reward` on the rollout's."""
+    return policy_roles(cfg)
 
 
 def build(
     pool: HostPool, *, cfg: T2iConfig, policy_dir: str, judge_dir: str, plan: PlacementPlan
 ) -> Services:
-    """The learner ranks and the engines, with the weight sync between them."""
+    """The learner ranks, the engines with the weight sync between them, and the reward service."""
     from yatt_controller.runner import Services
     from yatt_controller.sync import WeightSync
     from yatt_controller.worker_group import WorkerGroup
 
+    from yatt_apps.runtime.job import reward_role
+    from yatt_apps.runtime.t2i_rewards import T2IRewardWorker
     from yatt_apps.runtime.t2i_workers import T2ILearnerWorker, T2IRolloutWorker
 
     key = f"yatt-t2i-{uuid.uuid4().hex}"  # this attempt's learner rendezvous
@@ -414,8 +447,18 @@ def build(
         kwargs={"shared_device": plan.shares_device("rollout", "actor")},
         pass_worker_info=True,
     )
+    role = reward_role(cfg)
+    reward = WorkerGroup.create(
+        pool,
+        role,
+        T2IRewardWorker,
+        args=(cfg, judge_dir),
+        kwargs={"shared_device": plan.shares_device(role, "actor")},
+        pass_worker_info=True,
+    )
     sync = WeightSync(actor, [rollout], mode="auto", backend="auto")
-    return Services(groups={"actor": actor, "rollout": rollout}, learner="actor", weight_sync=sync)
+    groups = {"actor": actor, "rollout": rollout, "reward": reward}
+    return Services(groups=groups, learner="actor", weight_sync=sync)
 
 
 JOB = JobDef(

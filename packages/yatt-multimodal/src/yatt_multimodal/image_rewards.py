@@ -20,7 +20,16 @@ import torch
 
 from yatt_multimodal.types import Reward, RewardRequest
 
-__all__ = ["ImageRewardModel", "bradley_terry_loss", "consistency_requests", "tiny_image_reward_model"]
+__all__ = [
+    "ImageRewardModel",
+    "bradley_terry_loss",
+    "consistency_requests",
+    "load_image_reward_model",
+    "save_image_reward_model",
+    "tiny_image_reward_model",
+]
+
+RM_FILES = ("clip", "tokenizer", "head.safetensors")  # a saved reward model's folder
 
 CONSISTENCY_QUESTION = "Does the image match the description: {prompt}? Answer Yes or No."
 
@@ -115,6 +124,41 @@ def tiny_image_reward_model(
         CLIPConfig(text_config=text.to_dict(), vision_config=vision.to_dict(), projection_dim=width)
     )
     return ImageRewardModel(clip, tokenizer)
+
+
+def save_image_reward_model(model: ImageRewardModel, folder: str | Path) -> Path:
+    """`folder` holding `model`: clip/ (the CLIPModel's save_pretrained), tokenizer/, head.safetensors.
+    Written to FOLDER.tmp and renamed, so a half-written folder is never loaded."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    out = Path(folder)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.clip.save_pretrained(tmp / "clip")
+    model.tokenizer.save_pretrained(tmp / "tokenizer")
+    save_file({k: v.contiguous() for k, v in model.head.state_dict().items()}, tmp / "head.safetensors")
+    tmp.rename(out)
+    return out
+
+
+def load_image_reward_model(folder: str | Path) -> ImageRewardModel:
+    """The reward model `save_image_reward_model` wrote to `folder` (local files only); a ValueError naming
+    the folder and what it lacks otherwise."""
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer, CLIPModel
+
+    root = Path(folder)
+    missing = [name for name in RM_FILES if not (root / name).exists()]
+    if missing:
+        raise ValueError(
+            f"{root} is not a saved image reward model (save_image_reward_model): it lacks {missing}"
+        )
+    clip = CLIPModel.from_pretrained(root / "clip", local_files_only=True)
+    model = ImageRewardModel(clip, AutoTokenizer.from_pretrained(root / "tokenizer", local_files_only=True))
+    model.head.load_state_dict(load_file(root / "head.safetensors"))
+    return model.eval()
 
 
 def consistency_requests(

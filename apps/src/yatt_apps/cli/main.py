@@ -57,7 +57,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     ),
     "export": (
         "write a run's trained policy (newest checkpoint, or --step N) as an HF folder, LoRA merged "
-        "(--adapter: a LoRA run's adapter alone, peft's format)",
+        "(--adapter: a LoRA run's adapter alone, peft's format); a grpo-t2i run's as a diffusers folder",
         "yatt_apps.io.export:main",
         "plain",
     ),

@@ -18,6 +18,8 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any
 
+from yatt_apps.runtime.workers import RewardWorker, build_engine, scored, set_threads
+
 if TYPE_CHECKING:
     from yatt_controller.controller import StepContext
 
@@ -46,7 +48,6 @@ def _judge(cfg: Any, judge_dir: str, shared_device: bool) -> dict[str, Any]:
     from yatt_multimodal.vlm import QwenVLCodec
 
     from yatt_apps.io.models import is_vlm, load_image_processor, load_tokenizer
-    from yatt_apps.runtime.workers import build_engine
 
     spec = cfg.judge
     if not is_vlm(judge_dir):
@@ -67,15 +68,14 @@ def _judge(cfg: Any, judge_dir: str, shared_device: bool) -> dict[str, Any]:
     return {"engine": engine, "codec": QwenVLCodec(tok), "seed": cfg.run.seed + 1}
 
 
-class T2IRewardWorker:
-    """The weighted image rewards of `cfg.rewards` (module doc); the judge's engine lives in this process."""
+class T2IRewardWorker(RewardWorker):
+    """The weighted image rewards of `cfg.rewards` (module doc); the judge's engine lives in this process.
+    Sleeps and wakes as the LLM jobs' `RewardWorker`."""
 
     def __init__(
         self, cfg: Any, judge_dir: str = "", *, shared_device: bool = True, worker_info: Any = None
     ) -> None:
         from yatt_multimodal.image_reward_specs import CombinedImageReward, build_image_reward
-
-        from yatt_apps.runtime.workers import set_threads
 
         set_threads(cfg)
         self.engine = self.reward = None
@@ -86,11 +86,9 @@ class T2IRewardWorker:
         terms = [(s.weight, build_image_reward(s, **_resources(cfg, s, judge))) for s in cfg.rewards]
         self.reward = CombinedImageReward(terms)
 
-    def score(self, prompts: list[str], images: Any, tag: str) -> dict[str, Any]:
-        """Per image: the combined score after the failure policy, keep, status, and each term's score
-        (`sample_components`, terms that scored ok); `judgements` / `unparsed`: the judge's verdicts sampled
-        and those that stated none (0 without a judge)."""
-        from yatt_multimodal.rewards import resolve_failures
+    def score(self, prompts: list[str], images: Any, tag: str) -> dict[str, Any]:  # type: ignore[override]
+        """`RewardWorker.score`'s lists for each image, and `judgements` / `unparsed`: the judge's verdicts
+        sampled and those that stated none (0 without a judge)."""
         from yatt_multimodal.types import RewardRequest
 
         if self.reward is None:  # a TP peer: dispatch returns the replica's first worker's answer
@@ -99,23 +97,11 @@ class T2IRewardWorker:
             RewardRequest(request_id=f"{tag}-{i}", prompt=p, response="") for i, p in enumerate(prompts)
         ]
         batch = asyncio.run(self.reward.score(requests, images))
-        resolved = resolve_failures(batch, self.reward.failure_policy)
         return {
-            "scores": resolved.scores,
-            "keep": resolved.keep,
-            "statuses": [r.status for r in batch.rewards],
-            "sample_components": [dict(r.components) for r in batch.rewards],
+            **scored(batch, self.reward.failure_policy),
             "judgements": batch.metrics.num_judgements,
             "unparsed": batch.metrics.num_unparsed_judgements,
         }
-
-    def sleep(self, level: int = 1) -> None:
-        if self.engine is not None:
-            self.engine.sleep(level)
-
-    def wake_up(self) -> None:
-        if self.engine is not None:
-            self.engine.wake_up()
 
     def close(self) -> None:
         if self.reward is not None:

@@ -487,15 +487,20 @@ class RewardWorker:
             self.engine.wake_up()
 
     def score(self, requests: list) -> dict[str, Any]:
-        from yatt_multimodal.rewards import resolve_failures
-
         if self.reward is None:  # a TP peer: dispatch returns the replica's first worker's answer
             return {}
-        batch = asyncio.run(self.reward.score(requests))
-        resolved = resolve_failures(batch, self.reward.failure_policy)
-        return {
-            "scores": resolved.scores,
-            "keep": resolved.keep,
-            "statuses": [r.status for r in batch.rewards],
-            "sample_components": [dict(r.components) for r in batch.rewards],
-        }
+        return scored(asyncio.run(self.reward.score(requests)), self.reward.failure_policy)
+
+
+def scored(batch: Any, failure_policy: Any) -> dict[str, Any]:
+    """A reward worker's answer, plain data: per sample the score after the failure policy, keep, status and
+    each term's score (`sample_components`: the terms that scored ok)."""
+    from yatt_multimodal.rewards import resolve_failures
+
+    resolved = resolve_failures(batch, failure_policy)
+    return {
+        "scores": resolved.scores,
+        "keep": resolved.keep,
+        "statuses": [r.status for r in batch.rewards],
+        "sample_components": [dict(r.components) for r in batch.rewards],
+    }

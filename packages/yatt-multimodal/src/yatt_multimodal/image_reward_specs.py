@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 import msgspec
 
+from yatt_multimodal.reward_specs import need
 from yatt_multimodal.rewards import CombinedReward, RewardBatch, count_statuses
 from yatt_multimodal.types import JudgeSpec, OnFailure, Reward, RewardRequest, RewardSpec
 
@@ -165,15 +166,6 @@ class CombinedImageReward:
                 close()
 
 
-def _need(spec: RewardSpec, resources: dict[str, Any], *names: str) -> list[Any]:
-    missing = [n for n in names if resources.get(n) is None]
-    if missing:
-        raise ValueError(
-            f"image RewardSpec kind {spec.kind!r} ({spec.name or spec.kind}) needs {', '.join(missing)}=..."
-        )
-    return [resources[n] for n in names]
-
-
 def _pixel_rule(spec: RewardSpec, resources: dict[str, Any]) -> ImageRewardFunction:
     if spec.options:
         raise ValueError(
@@ -183,14 +175,14 @@ def _pixel_rule(spec: RewardSpec, resources: dict[str, Any]) -> ImageRewardFunct
 
 
 def _image_rm(spec: RewardSpec, resources: dict[str, Any]) -> ImageRewardFunction:
-    (model,) = _need(spec, resources, "image_rm")
+    (model,) = need(spec, resources, "image_rm")
     return RewardModelTerm(model, spec.name or spec.kind, int(spec.options.get("batch_size", 64)))
 
 
 def _judge(spec: RewardSpec, resources: dict[str, Any]) -> ImageRewardFunction:
     from yatt_multimodal.genrm import GenRMJudge
 
-    engine, codec = _need(spec, resources, "engine", "codec")
+    engine, codec = need(spec, resources, "engine", "codec")
     judge = GenRMJudge(
         engine, codec, spec.judge or JudgeSpec(), name=spec.name or "genrm", seed=resources.get("seed")
     )

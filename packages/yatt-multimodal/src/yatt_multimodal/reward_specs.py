@@ -18,7 +18,9 @@ from yatt_multimodal.rules import RULES, build_rule
 from yatt_multimodal.types import JudgeSpec, RewardSpec
 
 
-def _need(spec: RewardSpec, resources: dict[str, Any], *names: str) -> list[Any]:
+def need(spec: RewardSpec, resources: dict[str, Any], *names: str) -> list[Any]:
+    """The `resources` a term of kind `spec.kind` is built from, in `names` order; a ValueError naming the
+    missing ones (the image terms of `image_reward_specs` use it too)."""
     missing = [n for n in names if resources.get(n) is None]
     if missing:
         raise ValueError(
@@ -30,7 +32,7 @@ def _need(spec: RewardSpec, resources: dict[str, Any], *names: str) -> list[Any]
 def _genrm(spec: RewardSpec, resources: dict[str, Any]) -> RewardFunction:
     from yatt_multimodal.genrm import GenRMJudge
 
-    engine, codec = _need(spec, resources, "engine", "codec")
+    engine, codec = need(spec, resources, "engine", "codec")
     judge = spec.judge or JudgeSpec()
     return GenRMJudge(
         engine,
@@ -45,7 +47,7 @@ def _genrm(spec: RewardSpec, resources: dict[str, Any]) -> RewardFunction:
 def _reward_model(spec: RewardSpec, resources: dict[str, Any]) -> RewardFunction:
     from yatt_multimodal.reward_model import SequenceClassifierReward
 
-    model, tokenizer = _need(spec, resources, "rm_model", "rm_tokenizer")
+    model, tokenizer = need(spec, resources, "rm_model", "rm_tokenizer")
     unknown = sorted(set(spec.options) - {"batch_size", "max_length", "sigmoid"})
     if unknown:
         raise ValueError(f"RewardSpec.options for 'reward_model': unknown {unknown}")

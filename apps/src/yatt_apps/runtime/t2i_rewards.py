@@ -78,34 +78,35 @@ class T2IRewardWorker(RewardWorker):
         from yatt_multimodal.image_reward_specs import CombinedImageReward, build_image_reward
 
         set_threads(cfg)
-        self.engine = self.reward = None
+        self.engine = None
+        self.image_reward: CombinedImageReward | None = None
         if worker_info is not None and worker_info.tp_rank > 0:
             return  # a judge over k devices lives in its replica's first worker (as RewardWorker)
         judge = _judge(cfg, judge_dir, shared_device) if judge_dir else {}
         self.engine = judge.get("engine")
         terms = [(s.weight, build_image_reward(s, **_resources(cfg, s, judge))) for s in cfg.rewards]
-        self.reward = CombinedImageReward(terms)
+        self.image_reward = CombinedImageReward(terms)
 
     def score(self, prompts: list[str], images: Any, tag: str) -> dict[str, Any]:  # type: ignore[override]
         """`RewardWorker.score`'s lists for each image, and `judgements` / `unparsed`: the judge's verdicts
         sampled and those that stated none (0 without a judge)."""
         from yatt_multimodal.types import RewardRequest
 
-        if self.reward is None:  # a TP peer: dispatch returns the replica's first worker's answer
+        if self.image_reward is None:  # a TP peer: dispatch returns the replica's first worker's answer
             return {}
         requests = [
             RewardRequest(request_id=f"{tag}-{i}", prompt=p, response="") for i, p in enumerate(prompts)
         ]
-        batch = asyncio.run(self.reward.score(requests, images))
+        batch = asyncio.run(self.image_reward.score(requests, images))
         return {
-            **scored(batch, self.reward.failure_policy),
+            **scored(batch, self.image_reward.failure_policy),
             "judgements": batch.metrics.num_judgements,
             "unparsed": batch.metrics.num_unparsed_judgements,
         }
 
     def close(self) -> None:
-        if self.reward is not None:
-            self.reward.close()
+        if self.image_reward is not None:
+            self.image_reward.close()
 
 
 def _join(parts: list[dict[str, Any]]) -> dict[str, Any]:

@@ -36,6 +36,7 @@ import json
 import os
 import statistics
 import time
+from pathlib import Path
 
 import msgspec
 from yatt_placement.planner import lay_out, plan
@@ -182,14 +183,19 @@ def live_config(mode: str, num_steps: int, rollout_replicas: int = 0):
 
 
 class LoadSampler:
-    """The other work on the machine while a run goes, sampled every 0.5 s from /proc: how many process groups
-    (sched_autogroup sessions; the kernel shares the cores between them first) outside this process tree had a
-    runnable thread. The simulator's `background_load`. Our own Ray workers descend from this process."""
+    """The other work on the machine while a run's steps go, sampled every 0.5 s from /proc: how many process
+    groups (sched_autogroup sessions; the kernel shares the cores between them first) outside this process
+    tree had a runnable thread. The simulator's `background_load`. Our own Ray workers descend from this
+    process. `mean` is over the samples taken after the run's first step was logged (`metrics`, the run's
+    metrics.jsonl, has a line): the steps the figures come from, not the start-up before them (most of a
+    short run's wall time, and its load is not theirs); over every sample when fewer than two were taken then."""
 
-    def __init__(self) -> None:
+    def __init__(self, metrics: Path | None = None) -> None:
         import threading
 
+        self.metrics = metrics
         self.samples: list[int] = []
+        self.stepping: list[int] = []  # the samples taken once the first step was logged
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
@@ -203,11 +209,15 @@ class LoadSampler:
 
     @property
     def mean(self) -> float:
-        return statistics.mean(self.samples) if self.samples else 0.0
+        samples = self.stepping if len(self.stepping) >= 2 else self.samples
+        return statistics.mean(samples) if samples else 0.0
 
     def _loop(self) -> None:
         while not self._stop.wait(0.5):
-            self.samples.append(self.busy_groups())
+            busy = self.busy_groups()
+            self.samples.append(busy)
+            if self.metrics is not None and self.metrics.exists() and self.metrics.stat().st_size:
+                self.stepping.append(busy)
 
     @staticmethod
     def busy_groups() -> int:
@@ -269,7 +279,7 @@ def live_runs(num_steps: int, keep: str = "") -> dict:
             for name, mode, rollout in runs:
                 # dynamic runs longer: two moves, each landing a few steps after its decision, then steady steps
                 cfg = live_config(mode, num_steps + (10 if mode == "dynamic" else 0), rollout)
-                with LoadSampler() as load:
+                with LoadSampler(Path(root) / name / "metrics.jsonl") as load:
                     summary = run_job(cfg, Path(root) / name, JOB)
                 lines = (Path(root) / name / "metrics.jsonl").read_text().splitlines()
                 placement = Path(root) / name / "placement.jsonl"

@@ -100,7 +100,9 @@ class PlacementConfig(_Config, frozen=True, kw_only=True):
     rollout_replicas: int = 0
     # measured device-seconds per role and step (a `JobProfile`): the planner sizes the split from it
     profile: dict[str, float] = {}
-    replan: ReplanConfig = ReplanConfig()  # dynamic: when a measured imbalance moves devices
+    # dynamic: when a measured imbalance moves devices; every move is verified by the step times after it (and
+    # undone when they are no better): busy time alone misleads where logical devices share cores
+    replan: ReplanConfig = ReplanConfig(verify_steps=2)
 
     def __post_init__(self) -> None:
         if self.sleep_level not in (0, 1, 2):

@@ -222,7 +222,7 @@ def test_a_live_move_gives_the_next_steps_a_new_rollout_replica_with_current_wei
     realized = realize_mod.realize(start, cpus_per_device=0.5)
     calls: list[tuple[int, dict[str, float]]] = []
 
-    def replan(step: int, busy_s: dict[str, float]):
+    def replan(step: int, busy_s: dict[str, float], step_s: float):
         calls.append((step, busy_s))
         return moved if step == 0 else None
 

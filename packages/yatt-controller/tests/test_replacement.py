@@ -325,7 +325,7 @@ def test_a_live_move_and_a_repair_are_one_replacement_operation(disaggregated, t
         dataset=lambda: list(range(64)),
         batch_size=8,
         num_steps=num_steps,
-        replan=lambda step, busy: moved if step == 0 else None,
+        replan=lambda step, busy, step_s: moved if step == 0 else None,
     )
     realized = realize_mod.realize(plan([[1]]), cpus_per_device=0.5)
     spec = ControllerSpec(mode="single", heartbeat_interval_s=0.25, hang_timeout_s=60.0, on_failure="fail")

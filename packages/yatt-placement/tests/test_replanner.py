@@ -184,3 +184,45 @@ def test_live_busy_figures_move_toward_the_judge_with_the_default_settings():
     assert reasons[0] == "warm-up step: its calls pay one-time costs (compile, allocation)"
     assert reasons[1] == "genrm over rollout by 0.901 for 1/2 steps"
     assert reasons[-1] == "rollout has 1 devices: cannot give 1 and keep a replica"
+
+
+def _verified(start: int, step_times: dict[int, float]):
+    """A re-planner verifying its moves over 2 steps, fed a linear workload's busy times (rollout 60, judge
+    180 device-s) but the step time of each layout from `step_times` (rollout devices -> seconds)."""
+    config = ReplanConfig(ema_decay=0.0, warmup_steps=0, verify_steps=2)
+    replanner = DynamicReplanner(CLUSTER, ROLES, _partial(start), config)
+    moves = []
+    for step in range(16):
+        busy = _stats(step, replanner.plan, {"rollout": 60.0, "judge": 180.0})
+        stats = PhaseStats(
+            step=step,
+            step_time_s=step_times[replanner.devices("rollout")],
+            busy_s=busy.busy_s,
+            num_devices=busy.num_devices,
+        )
+        if replanner.observe(stats) is not None:
+            moves.append((step, replanner.devices("rollout"), replanner.plan.version))
+    return replanner, moves
+
+
+def test_a_move_that_does_not_pay_is_undone_and_not_tried_again():
+    # Busy time says: give the judge 2 of rollout's 6 devices (as in the converging test). The step time says
+    # it did not pay (100 s before, 99 s after: not 5% better). Move at step 1, cooldown at 2, trial at 3-4:
+    # undone at step 4 (back to 6), cooldown at 5; from then on the same move is refused.
+    replanner, moves = _verified(6, {6: 100.0, 4: 99.0, 2: 80.0})
+    assert moves == [(1, 4, 1), (4, 6, 2)]
+    assert replanner.plan.roles[1].replicas == [[0], [1], [2], [3], [4], [5]]
+    assert (
+        replanner.last_reason
+        == "moving 2 devices rollout -> judge was tried from this layout and did not pay"
+    )
+    undo = "the move to actor 8 / rollout 4 / judge 4 did not pay: step 99 s over 2 steps vs 100 s before it"
+    assert replanner.plan.reason.startswith(undo + " (needed < 95 s): back to actor 8 / rollout 6 / judge 2")
+
+
+def test_a_move_that_pays_is_kept_and_the_next_follows_its_trial():
+    # 100 s -> 60 s: paid; the streak ran through the trial, so the next move comes at its last step (4), as
+    # without verification; 60 -> 40 s pays too, and the split is balanced (30 s each).
+    replanner, moves = _verified(6, {6: 100.0, 4: 60.0, 2: 40.0})
+    assert moves == [(1, 4, 1), (4, 2, 2)]
+    assert replanner.last_reason == "gap 0.000 <= threshold 0.1"

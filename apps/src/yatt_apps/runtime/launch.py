@@ -73,10 +73,11 @@ def placement_plan(cfg: RunConfig, job: JobDef) -> PlacementPlan:
 
 def replan_hook(
     cfg: RunConfig, job: JobDef, plan: PlacementPlan, log_path: Path | None = None
-) -> Callable[[int, dict[str, float]], PlacementPlan | None] | None:
+) -> Callable[[int, dict[str, float], float], PlacementPlan | None] | None:
     """Dynamic placement: the driver's per-step hook. It turns the hosts' measured busy seconds (device-seconds
     per role over the reading's window, yatt_controller.replan) into `PhaseStats` (mean busy seconds per device
-    of each movable role) for `DynamicReplanner`, and returns the new plan it decides (applied by the runtime
+    of each movable role, and the step's wall seconds: how the re-planner verifies that a move paid) for
+    `DynamicReplanner`, and returns the new plan it decides (applied by the runtime
     at the next weight-sync boundary), else None. A step without a usable reading of its own (`{}`) is not
     observed. With `log_path` (RUN_DIR/placement.jsonl), every step is appended as one JSON line: the step,
     each movable role's busy seconds per device and devices, whether it moved, and why (or why not): what a
@@ -88,12 +89,12 @@ def replan_hook(
 
     planner = DynamicReplanner(cfg.placement.cluster, job.roles(cfg), plan, cfg.placement.replan)
 
-    def replan(step: int, busy: dict[str, float]) -> PlacementPlan | None:
+    def replan(step: int, busy: dict[str, float], step_s: float) -> PlacementPlan | None:
         devices = {key: planner.devices(key) for key in planner.movable()}
         per_device = {key: busy.get(key, 0.0) / n for key, n in devices.items()}
         new = None
         if busy:
-            step_time = max(max(per_device.values(), default=0.0), 1e-6)
+            step_time = max(step_s, max(per_device.values(), default=0.0), 1e-6)
             stats = PhaseStats(step=step, step_time_s=step_time, busy_s=per_device, num_devices=devices)
             new = planner.observe(stats)
             reason = planner.last_reason
@@ -102,6 +103,7 @@ def replan_hook(
         if log_path is not None:
             record = {
                 "step": step,
+                "step_s": step_s,
                 "busy_s_per_device": per_device if busy else {},
                 "devices": devices,
                 "moved": new is not None,

@@ -131,7 +131,7 @@ class Attempt:
     def _take(self, reports: list) -> None:
         for report in reports:
             if self.log.take(report) and self.replanner is not None and self.roster is not None:
-                self.replanner.after_step(report.step, self.roster)
+                self.replanner.after_step(report.step, self.roster, report.timings_s.get("step", 0.0))
 
     def _refresh_roster(self) -> None:
         """The newest roster version: hosts replacements started join the driver's pool (pinged, torn down)."""

@@ -1,5 +1,5 @@
 """Live re-placement, the driver's side: after every completed step, each role's busy seconds since the
-previous usable reading go to the job's `replan(step, busy_s)` hook; a plan it returns (same roles, other
+previous usable reading and the step's wall seconds go to the job's `replan(step, busy_s, step_s)` hook; a plan it returns (same roles, other
 replica lists) is checked against the running plan and the roster (only replaceable groups may move) and
 posted to the run's `RosterBook`. Rank 0 applies it at the start of a later step (`replicas.Replacements
 .start_step`), through the same `replace_replicas` that repairs dead replicas.
@@ -71,7 +71,7 @@ class Replanner:
 
     def __init__(
         self,
-        hook: Callable[[int, dict[str, float]], Any],
+        hook: Callable[[int, dict[str, float], float], Any],
         plan: Any,
         book: Any,
         pool: HostPool,
@@ -82,14 +82,15 @@ class Replanner:
         self._moves_seen = 0  # live moves the roster held at the last call
         self._hold_through: float | None = None  # readings through this step are dropped (inf: not landed)
 
-    def after_step(self, step: int, roster: Roster) -> None:
-        """Fresh busy counters from every host, the hook, and a validated plan posted for the controllers."""
+    def after_step(self, step: int, roster: Roster, step_s: float) -> None:
+        """Fresh busy counters from every host, the hook (with `step_s`, the step's wall seconds as its
+        report gives them), and a validated plan posted for the controllers."""
         try:
             beats = ray.get([r.handle.ping.remote() for r in list(self.pool.hosts.values())], timeout=60)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             return  # a dead or stuck host: the health monitor reports it; no re-plan on partial counters
         busy = self.readings.read(busy_totals(beats), self.clock(), usable=self._usable(step, roster))
-        plan = self.hook(step, busy)
+        plan = self.hook(step, busy, step_s)
         if plan is not None and changed_roles(self.current, plan, roster):
             ray.get(self.book.post.remote(plan))
             self.current = plan

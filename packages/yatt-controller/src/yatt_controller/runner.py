@@ -54,7 +54,7 @@ class Job:
     # live re-placement: called in the driver after every completed step with the step and each role's busy
     # seconds since the previous call; returns None or a new PlacementPlan (same roles, other replicas),
     # applied by the controllers at the start of a later step (replan.py, replace.py)
-    replan: Callable[[int, dict[str, float]], Any | None] | None = None
+    replan: Callable[[int, dict[str, float], float], Any | None] | None = None
     # the push that gives the engines the learner's weights when an attempt starts (fresh or resumed), called
     # on every controller together with its StepContext and the version the engines get (e.g. streamed one
     # bucket at a time, every learner rank gathering together); None: rank 0 pushes what the weight sync reads

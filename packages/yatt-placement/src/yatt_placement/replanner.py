@@ -17,6 +17,14 @@ when all of these hold:
 Then the plan is re-laid out (`version` + 1, `reason` set), the EMAs are rescaled to the prediction, and the
 next `cooldown` steps are ignored (they may still run under the old plan until the weight-sync boundary).
 
+6. verification: busy time predicts a move's payoff, the step time measures it. Busy seconds can mislead:
+   where logical devices share physical units (4 on 2 CPU cores), a role's calls look long because they wait
+   for a core, and giving it more devices buys it no core. So the `verify_steps` steps after a move's cooldown
+   are its trial: when their median step time (`PhaseStats.step_time_s`) is not below the step time before the
+   move by `min_gain`, the move is undone (the previous plan again, `reason` saying why) and never proposed
+   from that layout again. Meanwhile rules 1-3 accumulate as usual, so a move that paid is followed at once
+   by the next one when it is due.
+
 Why it does not oscillate: with exact stats, rule 3 alone forbids an immediate reversal (after lo -> hi
 passed it, both roles' predicted times are below (1 - min_gain) x busy_hi, and the reverse move predicts
 busy_hi again). Noisy stats can fake a payoff, so rule 5 makes every reversal need a strictly larger gap than
@@ -27,6 +35,7 @@ growing, still gets its reversal.
 from __future__ import annotations
 
 import math
+import statistics
 
 from yatt_placement.memory import check_memory
 from yatt_placement.planner import lay_out, role_key
@@ -55,6 +64,8 @@ class DynamicReplanner:
         self._warmup = self.config.warmup_steps
         self._last_move: tuple[str, str] | None = None  # (donor, receiver) of the latest move
         self._last_gap = 0.0  # the gap that triggered it
+        self._trial: _Trial | None = None  # the latest move while its payoff is measured
+        self._refuted: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()  # (devices before, after) moves
 
     def movable(self) -> list[str]:
         """Role keys that hold part of the cluster (and so can give or take devices)."""
@@ -85,6 +96,12 @@ class DynamicReplanner:
             self._cooldown -= 1
             self.last_reason = "cooling down after a move"
             return None
+        if self._trial is not None:
+            self._trial.after.append(stats.step_time_s)
+            if len(self._trial.after) >= self.config.verify_steps:
+                trial, self._trial = self._trial, None
+                if not trial.paid(self.config.min_gain):
+                    return self._undo(trial)
         lo = min(keys, key=lambda k: self._busy[k])
         hi = max(keys, key=lambda k: self._busy[k])
         gap = 1.0 - self._busy[lo] / self._busy[hi] if self._busy[hi] > 0 else 0.0
@@ -101,6 +118,10 @@ class DynamicReplanner:
             return None
         self._streak = self._streak + 1 if self._pair == (lo, hi) else 1
         self._pair = (lo, hi)
+        if self._trial is not None:  # the latest move's trial runs: no other move before its verdict
+            done, total = len(self._trial.after), self.config.verify_steps
+            self.last_reason = f"measuring the latest move's payoff: {done}/{total} steps"
+            return None
         if self._streak < self.config.patience:
             self.last_reason = f"{hi} over {lo} by {gap:.3f} for {self._streak}/{self.config.patience} steps"
             return None
@@ -135,8 +156,11 @@ class DynamicReplanner:
         before, after = max(self._busy.values()), max(predicted.values())
         if after > before * (1 - self.config.min_gain):
             return f"moving {chunk} devices {lo} -> {hi} predicts {after:.4g} s vs {before:.4g} s"
-        counts = {role_key(p): sum(len(r) for r in p.replicas) for p in self.plan.roles}
+        counts = self.counts()
+        before = tuple(counts.values())
         counts[lo], counts[hi] = d_lo - chunk, d_hi + chunk
+        if (before, tuple(counts.values())) in self._refuted:
+            return f"moving {chunk} devices {lo} -> {hi} was tried from this layout and did not pay"
         try:
             new = lay_out(self.cluster, self.roles, self.plan.mode, counts)
             check_memory(new, self.cluster, self.roles)
@@ -144,9 +168,34 @@ class DynamicReplanner:
             return f"moving {chunk} devices {lo} -> {hi} is infeasible: {error}"
         return new, predicted
 
+    def counts(self) -> dict[str, int]:
+        """Devices of every role of the current plan, in plan order."""
+        return {role_key(p): sum(len(r) for r in p.replicas) for p in self.plan.roles}
+
+    def _undo(self, trial: _Trial) -> PlacementPlan:
+        """The plan before `trial`'s move again (version + 1), its busy EMAs restored; that move refuted."""
+        after = self.counts()
+        self._refuted.add((tuple(trial.counts.values()), tuple(after.values())))
+        new = lay_out(self.cluster, self.roles, self.plan.mode, trial.counts)
+        new.version = self.plan.version + 1
+        measured = statistics.median(trial.after)
+        new.reason = (
+            f"the move to {_layout(after)} did not pay: step {measured:.4g} s over {len(trial.after)} steps vs "
+            f"{trial.before_s:.4g} s before it (needed < {(1 - self.config.min_gain) * trial.before_s:.4g} s): "
+            f"back to {_layout(trial.counts)}, and that move is not tried again from there"
+        )
+        self.plan, self._busy = new, dict(trial.busy)
+        self._step_time = trial.before_s
+        self._pair, self._streak, self._cooldown = None, 0, self.config.cooldown
+        self._last_move, self._last_gap = None, 0.0
+        self.last_reason = new.reason
+        return new
+
     def _apply(
         self, lo: str, hi: str, gap: float, new: PlacementPlan, predicted: dict[str, float]
     ) -> PlacementPlan:
+        if self.config.verify_steps:
+            self._trial = _Trial(self.counts(), dict(self._busy), self._step_time)
         new.version = self.plan.version + 1
         moved = self.devices(lo) - sum(len(r) for p in new.roles if role_key(p) == lo for r in p.replicas)
         new.reason = (
@@ -160,3 +209,20 @@ class DynamicReplanner:
         self._last_move, self._last_gap = (lo, hi), gap
         self.last_reason = new.reason
         return new
+
+
+class _Trial:
+    """A move under trial: the layout and busy EMAs before it, the step time before it and the steps after."""
+
+    def __init__(self, counts: dict[str, int], busy: dict[str, float], before_s: float) -> None:
+        self.counts, self.busy, self.before_s = counts, busy, before_s
+        self.after: list[float] = []
+
+    def paid(self, min_gain: float) -> bool:
+        """Whether the median step after the move is below the step before it by `min_gain`."""
+        measured = statistics.median(self.after)
+        return measured < (1 - min_gain) * self.before_s
+
+
+def _layout(counts: dict[str, int]) -> str:
+    return " / ".join(f"{key} {n}" for key, n in counts.items())

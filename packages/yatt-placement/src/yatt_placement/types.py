@@ -214,6 +214,11 @@ class ReplanConfig(_Config, frozen=True, kw_only=True):
     # steps ignored at the start: their calls pay one-time costs (engine compile, allocator warm-up, the
     # first batch's padding caches), many times a steady step's busy time on small models
     warmup_steps: int = 1
+    # steps after a move's cooldown whose median step time must beat the step time before it by min_gain, or
+    # the move is undone and not tried again from that layout (0: moves are not verified). For workloads whose
+    # step time holds still over a few steps; one that drifts faster (lengths growing several % per step)
+    # would see a move that paid as one that did not
+    verify_steps: int = 0
 
     def __post_init__(self) -> None:
         if not 0 < self.gap_threshold < 1:
@@ -228,3 +233,5 @@ class ReplanConfig(_Config, frozen=True, kw_only=True):
             raise ValueError(f"ReplanConfig.cooldown must be >= 0, got {self.cooldown}")
         if self.warmup_steps < 0:
             raise ValueError(f"ReplanConfig.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.verify_steps < 0:
+            raise ValueError(f"ReplanConfig.verify_steps must be >= 0, got {self.verify_steps}")

@@ -157,9 +157,9 @@ class DynamicReplanner:
         if after > before * (1 - self.config.min_gain):
             return f"moving {chunk} devices {lo} -> {hi} predicts {after:.4g} s vs {before:.4g} s"
         counts = self.counts()
-        before = tuple(counts.values())
+        layout = tuple(counts.values())
         counts[lo], counts[hi] = d_lo - chunk, d_hi + chunk
-        if (before, tuple(counts.values())) in self._refuted:
+        if (layout, tuple(counts.values())) in self._refuted:
             return f"moving {chunk} devices {lo} -> {hi} was tried from this layout and did not pay"
         try:
             new = lay_out(self.cluster, self.roles, self.plan.mode, counts)

@@ -535,10 +535,13 @@ def tiny_cpu_agent() -> RunConfig:
     """Agentic GRPO (`yatt grpo --preset tiny_cpu_agent`): "347 * 86 =" (`yatt_rollout.tool_tasks.MultiplyEnv`),
     out of a tiny model's reach without its calculator, within it with. The calculator's schema is in the
     prompt (the chat template's tools support). The policy is warm-started by a multi-turn SFT on the
-    environment's demonstrations (some with the tool, some answered directly, some with a wrong first call
-    corrected: `rollout.sft_steps`), so it knows the format but calls the tool only part of the time; GRPO
-    on the exact answer (math_verify) teaches it when to call. Validation runs with the tools and without
-    (`val/accuracy`, `val/accuracy_no_tools`)."""
+    environment's demonstrations (some with the tool, some answered directly with a guess, some with a wrong
+    first call corrected: `rollout.sft_steps`; the demonstrator mostly calls for multipliers >= 50 only), so
+    it knows the format and copies results but calls the tool only for part of the prompts; GRPO on the
+    exact answer (math_verify) teaches it to call for the others. Validation runs with the tools and without
+    (`val/accuracy`, `val/accuracy_no_tools`). Measured (seed 0, 800 SFT steps, 20 GRPO steps):
+    val/accuracy 0.44 at step 0 (greedy calls on the b >= 50 half only), 0.75 at step 19; without the
+    tools 0.0 at both."""
     base = _tiny_base()
     return msgspec.structs.replace(
         base,
@@ -557,7 +560,7 @@ def tiny_cpu_agent() -> RunConfig:
         judge=None,
         rewards=[RewardSpec(kind="math_verify", weight=1.0)],
         data=DataSpec(num_train_rows=512, num_val_rows=64, max_prompt_tokens=256),
-        rollout=RolloutSpec(env="multiply", max_turns=3, sft_steps=400, sft_demos=1024, tools_in_prompt=True),
+        rollout=RolloutSpec(env="multiply", max_turns=3, sft_steps=800, sft_demos=1024, tools_in_prompt=True),
         sampling=msgspec.structs.replace(base.sampling, n=8, max_new_tokens=32),
         algo=msgspec.structs.replace(base.algo, num_updates_per_batch=1),
         optim=msgspec.structs.replace(base.optim, lr=1e-3),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from yatt_rollout.sandbox_cgroup import CgroupLayout, _cgroup_mounts, _own_paths
+from yatt_rollout.sandbox_cgroup import CgroupLayout, SandboxCgroup, _cgroup_mounts, _own_paths
 
 MOUNTINFO = """\
 25 30 0:22 / /sys/fs/cgroup rw,nosuid - tmpfs tmpfs rw,mode=755
@@ -86,3 +86,11 @@ def test_no_cgroup_anywhere_leaves_the_rlimits(tmp_path):
     assert layout.parents == {}
     group = layout.create("call", memory_bytes=1, max_processes=1)
     assert (group.controllers, group.procs_files(), group.oom_kills()) == ((), [], 0)
+
+
+def test_refused_forks_are_read_from_pids_events(tmp_path):
+    group = SandboxCgroup()
+    assert group.process_limit_hits() == 0  # no pids cgroup: nothing counts them
+    _files(tmp_path / "call", pids_events="max 7\n")
+    group.add("pids", 1, str(tmp_path / "call"))
+    assert group.process_limit_hits() == 7

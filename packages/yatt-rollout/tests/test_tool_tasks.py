@@ -12,7 +12,14 @@ import pytest
 from yatt_rollout.agent import AgentDriver, TurnCodec
 from yatt_rollout.env import ENVIRONMENTS, parse_tool_calls, tool_schemas
 from yatt_rollout.tiny import LEGACY_CHAT_TEMPLATE, train_tokenizer
-from yatt_rollout.tool_tasks import DEMO_MIX, DigitSumEnv, MultiplyEnv, WithoutTools, tool_call_text
+from yatt_rollout.tool_tasks import (
+    EASY_MIX,
+    HARD_MIX,
+    DigitSumEnv,
+    MultiplyEnv,
+    WithoutTools,
+    tool_call_text,
+)
 from yatt_rollout.types import Action, GenerateRequest, Message, Prompt, SamplingParams, ToolCall
 
 CORPUS = [json.dumps(d) for d in MultiplyEnv.demonstrations(MultiplyEnv.rows(40, 0), 0)]
@@ -112,9 +119,30 @@ def test_multiply_env_scores_and_corrects():
     # the wrong first call's error is the environment's own message, then the right call, then the answer
     assert [m["role"] for m in demo] == ["user", "assistant", "tool", "assistant", "tool", "assistant"]
     assert demo[2]["content"].startswith("error: ") and demo[4]["content"] == "29842"
-    kinds = [len(d["messages"]) for d in MultiplyEnv.demonstrations(MultiplyEnv.rows(400, 1), 1)]
-    shares = [kinds.count(n) / 400 for n in (4, 2, 6)]  # tool, direct, corrected
-    assert all(abs(s - w) < 0.07 for s, w in zip(shares, DEMO_MIX, strict=True)), shares
+
+
+def test_multiply_demonstrations_call_mostly_for_large_multipliers_and_guess_otherwise():
+    rows = MultiplyEnv.rows(800, 1)
+    demos = MultiplyEnv.demonstrations(rows, 1)
+    for large, mix in ((True, HARD_MIX), (False, EASY_MIX)):
+        kinds = [
+            len(d["messages"])
+            for r, d in zip(rows, demos, strict=True)
+            if (int(r["prompt"][6:8]) >= 50) == large
+        ]
+        shares = [kinds.count(n) / len(kinds) for n in (4, 2, 6)]  # tool, direct, corrected
+        assert all(abs(s - w) < 0.07 for s, w in zip(shares, mix, strict=True)), (large, shares)
+    # a direct answer is a guess with the answer's digit count, not the answer (a model without the tool)
+    direct = [
+        (r, d["messages"][1]["content"]) for r, d in zip(rows, demos, strict=True) if len(d["messages"]) == 2
+    ]
+    guesses = [c.removeprefix("The answer is ").removesuffix(".") for _, c in direct]
+    assert all(len(g) == len(r["answer"]) and g.isdigit() for (r, _), g in zip(direct, guesses, strict=True))
+    assert sum(g == r["answer"] for (r, _), g in zip(direct, guesses, strict=True)) <= 1
+    # after a call, the answer is the tool's result as it came back
+    called = [d["messages"] for d in demos if len(d["messages"]) >= 4]
+    assert all(m[-1]["content"] == m[-2]["content"] for m in called)
+    assert MultiplyEnv.demonstrations(rows[:20], 1) == demos[:20]  # seeded
 
 
 def test_digit_sum_env_runs_the_sandbox():

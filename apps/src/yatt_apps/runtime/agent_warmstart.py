@@ -23,7 +23,7 @@ import msgspec
 
 from yatt_apps.config import RunConfig
 
-FORMAT_VERSION = 1  # bump when the data or training below changes: the cache key includes it
+FORMAT_VERSION = 2  # bump when the data or training below changes: the cache key includes it
 TASK_SEED = 30_000  # the demonstrations' rows, apart from the run's train (seed) and val (seed + 10_000)
 
 

@@ -17,8 +17,9 @@ asks for `containment="none"`. The package README lists what this guarantees and
 folder, the network cut by a namespace where allowed (else a socket patch), the same rlimits and limits on
 CPU, wall time and output, but the host's files, processes and Unix sockets within its reach.
 
-Statuses: ok, timeout (wall or CPU), memory (MemoryError or the tree's OOM kill), crash (an uncaught exception
-or a fatal signal), output_limit, network (an uncaught network error), malformed (the code does not compile).
+Statuses: ok, timeout (wall or CPU), memory (MemoryError or the tree's OOM kill), processes (a fork or spawn
+failed at the process limit and the code failed: a fork bomb), crash (an uncaught exception or a fatal signal),
+output_limit, network (an uncaught network error), malformed (the code does not compile).
 """
 
 from __future__ import annotations
@@ -43,7 +44,13 @@ from yatt_rollout.sandbox_root import RootLayoutError, root_entries, tmp_is_scra
 from yatt_rollout.types import SandboxResult, ToolStatus
 
 # exit codes of the runner for failures it classifies itself (sandbox_runner.py)
-_EXIT_STATUS: dict[int, ToolStatus] = {91: "memory", 92: "malformed", 93: "network", 94: "output_limit"}
+_EXIT_STATUS: dict[int, ToolStatus] = {
+    91: "memory",
+    92: "malformed",
+    93: "network",
+    94: "output_limit",
+    95: "processes",
+}
 _HERE = Path(__file__).parent
 # per-call uids and gids are drawn from here: far above any real account's id
 UID_BASE, UID_SPAN = 0x60000000, 1 << 24
@@ -117,7 +124,7 @@ def _run_contained(root: Path, code: str, limits: SandboxLimits, interpreter: st
     argv = [sys.executable, "-I", "-S", str(_HERE / "sandbox_child.py"), msgspec.json.encode(spec).decode()]
     try:
         returncode, timed_out, wall = _launch(root, argv, limits.wall_s)
-        oom_kills = cgroup.oom_kills()
+        oom_kills, process_limit_hits = cgroup.oom_kills(), cgroup.process_limit_hits()
     finally:
         cgroup.kill_all_and_remove()
     status_text = (root / "status").read_text() if (root / "status").is_file() else ""
@@ -136,7 +143,7 @@ def _run_contained(root: Path, code: str, limits: SandboxLimits, interpreter: st
         raise SandboxUnavailable(f"the sandbox's launcher failed (exit {returncode}): {tail}")
     elif oom_kills:
         returncode = -signal.SIGKILL  # the OOM kill took the init (and so the namespace)
-    return _result(root, limits, returncode, timed_out, wall, "namespace", oom_kills)
+    return _result(root, limits, returncode, timed_out, wall, "namespace", oom_kills, process_limit_hits)
 
 
 def _spec(
@@ -286,13 +293,16 @@ def _result(
     wall: float,
     isolation: str,
     oom_kills: int,
+    process_limit_hits: int = 0,
 ) -> SandboxResult:
     stdout, stderr = (_read(root / name, limits.output_bytes) for name in ("stdout", "stderr"))
-    status = _status(returncode, timed_out, root, limits, oom_kills)
+    status = _status(returncode, timed_out, root, limits, oom_kills, process_limit_hits)
     if timed_out:
         stderr += f"\nkilled: ran past the {limits.wall_s:g} s wall-time limit"
     elif status == "memory" and returncode == -signal.SIGKILL:
         stderr += f"\nkilled: the process tree went past its {limits.memory_bytes} byte memory limit"
+    elif status == "processes":
+        stderr += f"\nrefused: a new process past the tree's limit of {limits.max_processes} processes"
     return SandboxResult(
         status=status,
         stdout=stdout,
@@ -303,13 +313,19 @@ def _result(
     )
 
 
-def _status(code: int, timed_out: bool, root: Path, limits: SandboxLimits, oom_kills: int) -> ToolStatus:
+def _status(
+    code: int, timed_out: bool, root: Path, limits: SandboxLimits, oom_kills: int, process_limit_hits: int
+) -> ToolStatus:
     if timed_out:
         return "timeout"
     if code == -signal.SIGKILL and oom_kills:
         return "memory"  # the tree's OOM kill took the code's own process
     if code in (-signal.SIGXCPU, -signal.SIGKILL):
         return "timeout"  # RLIMIT_CPU's SIGXCPU / SIGKILL
+    if process_limit_hits and code in (1, 94, 95):
+        return (
+            "processes"  # it failed after forks failed at pids.max (a fork bomb's copies may fill the output)
+        )
     if code in _EXIT_STATUS:
         return _EXIT_STATUS[code]
     if any((root / name).stat().st_size >= limits.output_bytes for name in ("stdout", "stderr")):

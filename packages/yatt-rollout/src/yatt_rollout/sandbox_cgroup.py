@@ -11,7 +11,8 @@ which the call got). The layout takes its mount points as arguments, so a test c
 
 Limits written: v2 `memory.max`, `memory.swap.max = 0`, `pids.max`; v1 `memory.limit_in_bytes` (and
 `memory.memsw.limit_in_bytes` where swap accounting exists), `pids.max`. The kernel's OOM killer then kills
-inside the tree only; `oom_kills()` reads how often (v2 `memory.events`, v1 `memory.oom_control`).
+inside the tree only; `oom_kills()` reads how often (v2 `memory.events`, v1 `memory.oom_control`), and
+`process_limit_hits()` how many forks failed at `pids.max` (`pids.events`, v1 and v2).
 """
 
 from __future__ import annotations
@@ -104,6 +105,18 @@ class SandboxCgroup:
             for line in (Path(folder) / name).read_text().splitlines():
                 key, _, value = line.partition(" ")
                 if key == "oom_kill":
+                    return int(value)
+        return 0
+
+    def process_limit_hits(self) -> int:
+        """How many forks inside the tree failed at its process limit (`pids.events`' "max"; 0 without a
+        pids cgroup)."""
+        if "pids" not in self.folders:
+            return 0
+        with contextlib.suppress(OSError, ValueError):
+            for line in (Path(self.folders["pids"][1]) / "pids.events").read_text().splitlines():
+                key, _, value = line.partition(" ")
+                if key == "max":
                     return int(value)
         return 0
 

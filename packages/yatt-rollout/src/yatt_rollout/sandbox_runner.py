@@ -4,7 +4,9 @@
 visible). It reads the code from an inherited fd, sets RLIMIT_CPU (SIGXCPU, then SIGKILL one second later),
 RLIMIT_AS (allocations fail: MemoryError), RLIMIT_FSIZE (stdout and stderr are files: writing past the cap
 fails with EFBIG) and no core files, runs the code and exits with a code that says how it ended:
-91 memory, 92 malformed, 93 network, 94 output_limit (0 ok, 1 an uncaught exception).
+91 memory, 92 malformed, 93 network, 94 output_limit, 95 processes (an uncaught EAGAIN from fork or
+spawn: the process limit; one line, not a traceback, since every copy of a fork bomb ends this way)
+(0 ok, 1 an uncaught exception).
 
 ISOLATE: 0 the call is already contained (its own network namespace); 1 `unshare(CLONE_NEWUSER|CLONE_NEWNET)`
 or `CLONE_NEWNET` here, else the socket patch; 2 the socket patch only (Python code only, not C extensions).
@@ -93,6 +95,10 @@ except SystemExit as err:
     status = 0 if err.code in (None, 0) else 1
 except MemoryError:
     status = 91
+except BlockingIOError as err:  # EAGAIN from fork/spawn: the process limit (RLIMIT_NPROC or pids.max)
+    status = 95 if err.errno == errno.EAGAIN else 1
+    with contextlib.suppress(BaseException):
+        sys.stderr.write(f"{type(err).__name__}: {err}\n" if status == 95 else traceback.format_exc())
 except BaseException as err:
     if isinstance(err, OSError) and err.errno == errno.EFBIG:
         status = 94

@@ -11,9 +11,12 @@ Each declares its tools once (`tools`, the `ToolSpec`s that the prompt renders a
 draws its own rows (`rows(n, seed)`: dicts with "prompt" and "answer") and writes demonstrations for a
 multi-turn SFT warm start (`demonstrations(rows, seed)`: TRL's chat format, `{"messages": [...], "tools":
 [...]}` with `tool_calls` and `tool` messages). A demonstration's tool messages are the environment's own
-replies to its calls, so the warm start, the prompt and the rollout agree token for token. The mix: some
-rows solved with the tool, some answered without it (the answer written directly), some with a wrong first
-call (an unknown tool name or a broken argument) that the tool's error message corrects.
+replies to its calls, so the warm start, the prompt and the rollout agree token for token. The mix
+(`demo_mix(row)`): some rows solved with the tool, some answered without it (a guess, as a model without
+the tool writes one), some with a wrong first call (an unknown tool name or a broken argument) that the
+tool's error message corrects. `MultiplyEnv`'s demonstrator is an imperfect teacher: it mostly calls for
+multipliers of 50 and more and mostly guesses below, so the warm-started policy knows the format and
+copies results but calls only for part of the prompts; RL teaches it to call for the others.
 
 `WithoutTools(env)` withholds an environment's tools: the prompt lists none and every call is answered with
 an error (counted as `unknown_tool`); the final answer is scored as usual (validation "with tools withheld").
@@ -31,11 +34,16 @@ from yatt_rollout.env import ToolEnvironment, parse_tool_calls, register, tool_s
 from yatt_rollout.tools import calculator_tool, evaluate_arithmetic, format_number, python_tool
 from yatt_rollout.types import Action, Message, Observation, StepResult, ToolSpec
 
-# the demonstration mix: with the tool, answered directly, a wrong first call then corrected. Answered
-# directly more often than not in the data; the hidden-128 tiny policy, after 400 steps, calls on about half
-# of its sampled turns and copies the result right about half the time (with 0.2 + 0.1 or 0.25 + 0.1
-# calling, it had not learned to copy the result by 400-500 steps): RL sharpens both.
+# the demonstration mix: (with the tool, answered directly, a wrong first call then corrected). DEMO_MIX is
+# the default (`FinalAnswerEnv.demo_mix`); MultiplyEnv draws from HARD_MIX for multipliers >= 50 and EASY_MIX
+# below (57 % of its demonstrations call). Measured (tiny_cpu_agent, hidden 128, 800 SFT steps, seed 0):
+# the greedy policy calls on every b >= 50 prompt and on none below, copies the result right 82 % of the
+# time (val/accuracy 0.44), and samples a call on ~15 % of the b < 50 prompts, which GRPO turns into calls.
+# With one mix for every row, greedy decoding called on all prompts or on none; with right direct answers
+# the policy learned to estimate the product instead of copying the tool's result (2 % copied at 800 steps).
 DEMO_MIX = (0.3, 0.6, 0.1)
+HARD_MIX = (0.6, 0.15, 0.25)
+EASY_MIX = (0.1, 0.85, 0.05)
 
 
 def last_integer(text: str) -> str:
@@ -47,8 +55,9 @@ def last_integer(text: str) -> str:
 class FinalAnswerEnv(ToolEnvironment):
     """A `ToolEnvironment` whose first turn without calls is the answer: reward 1.0 when its last integer
     is the row's answer (or, for a row with only a prompt, `answer_of(prompt)`), and the episode ends.
-    Demonstrations answer directly as `ANSWER` says (one opening: the choice to call is the first token
-    of the turn) and after a tool result with the number alone (the copy a small model learns first)."""
+    Demonstrations answer directly as `ANSWER` says with a `guess` (one opening: the choice to call is the
+    first token of the turn) and after a tool result with the number alone (the copy a small model learns
+    first)."""
 
     ANSWER = "The answer is {}."
 
@@ -79,12 +88,19 @@ class FinalAnswerEnv(ToolEnvironment):
             text = tool_call_text(call)
             result = self.step(Action(text=text, tool_calls=parse_tool_calls(text)[0]))
             messages += [{"role": m.role, "content": m.content} for m in result.observation.messages]
-        final = str(row["answer"]) if calls else self.ANSWER.format(row["answer"])
+        final = str(row["answer"]) if calls else self.ANSWER.format(self.guess(row, rng))
         messages.append({"role": "assistant", "content": final})
         return messages
 
     def right_arguments(self, row: Mapping[str, Any]) -> dict[str, Any]:
         raise NotImplementedError
+
+    def guess(self, row: Mapping[str, Any], rng: random.Random) -> str:
+        """A direct answer as a model without the tool writes it: a number with as many digits as the
+        answer, almost never the answer. (Right direct answers would teach the tiny model to estimate the
+        product from the prompt, which then competes with copying the tool's result after a call.)"""
+        digits = len(str(row["answer"]).lstrip("-"))
+        return str(rng.randint(10 ** (digits - 1), 10**digits - 1))
 
     def wrong_call(self, row: Mapping[str, Any], rng: random.Random) -> dict[str, Any]:
         """A first call that fails: a tool name that does not exist, or the argument under a wrong key."""
@@ -93,14 +109,18 @@ class FinalAnswerEnv(ToolEnvironment):
             return self.call(right, name=self.tools[0].name[:4])
         return self.call({"input": next(iter(right.values()))})
 
+    def demo_mix(self, row: Mapping[str, Any]) -> tuple[float, float, float]:
+        """The weights of ("tool", "direct", "corrected") for a demonstration of `row`."""
+        return DEMO_MIX
+
     @classmethod
     def demonstrations(cls, rows: Sequence[Mapping[str, Any]], seed: int) -> list[dict[str, Any]]:
-        """TRL-format SFT rows (`messages`, `tools`) for `rows`, their kinds drawn by `DEMO_MIX`."""
+        """TRL-format SFT rows (`messages`, `tools`) for `rows`, their kinds drawn by `demo_mix(row)`."""
         rng = random.Random(seed)
         out = []
         for row in rows:
             env = cls()  # type: ignore[call-arg]  # a concrete task (a registry factory) takes no arguments
-            kind = rng.choices(("tool", "direct", "corrected"), weights=DEMO_MIX)[0]
+            kind = rng.choices(("tool", "direct", "corrected"), weights=env.demo_mix(row))[0]
             out.append({"messages": env.demonstration(row, kind, rng), "tools": tool_schemas(env.tools)})
         return out
 
@@ -125,6 +145,12 @@ class MultiplyEnv(FinalAnswerEnv):
 
     def right_arguments(self, row: Mapping[str, Any]) -> dict[str, Any]:
         return {"expression": str(row["prompt"]).rstrip("=").strip()}
+
+    def demo_mix(self, row: Mapping[str, Any]) -> tuple[float, float, float]:
+        """The demonstrator calls the calculator mostly for multipliers of 50 and more (`HARD_MIX`) and
+        mostly guesses below (`EASY_MIX`), though it cannot multiply those either."""
+        multiplier = int(str(row["prompt"]).split("*")[1].strip().rstrip("=").strip())
+        return HARD_MIX if multiplier >= 50 else EASY_MIX
 
     @staticmethod
     def rows(n: int, seed: int) -> list[dict[str, str]]:

@@ -227,12 +227,22 @@ class ReplicaLoad(_Wire, kw_only=True):
 # ---- multi-turn environments and tools (yatt_rollout.env, .agent, .sandbox, .tools) -------------------------
 
 ToolStatus = Literal[
-    "ok", "timeout", "memory", "crash", "output_limit", "network", "malformed", "unknown_tool", "error"
+    "ok",
+    "timeout",
+    "memory",
+    "processes",
+    "crash",
+    "output_limit",
+    "network",
+    "malformed",
+    "unknown_tool",
+    "error",
 ]
 # every kind of failed tool call, in a fixed order (metrics keys must agree across controllers)
 TOOL_ERROR_KINDS: tuple[str, ...] = (
     "timeout",
     "memory",
+    "processes",
     "crash",
     "output_limit",
     "network",

@@ -214,11 +214,12 @@ class ReplanConfig(_Config, frozen=True, kw_only=True):
     # steps ignored at the start: their calls pay one-time costs (engine compile, allocator warm-up, the
     # first batch's padding caches), many times a steady step's busy time on small models
     warmup_steps: int = 1
-    # steps after a move's cooldown whose median step time must beat the step time before it by min_gain, or
-    # the move is undone and not tried again from that layout (0: moves are not verified). For workloads whose
-    # step time holds still over a few steps; one that drifts faster (lengths growing several % per step)
-    # would see a move that paid as one that did not
+    # steps after a move's cooldown whose median step time, when more than verify_tolerance above the step time
+    # before the move, undoes it (and it is not tried again from that layout); 0: moves are not verified. For
+    # workloads whose step time holds still over a few steps: one that drifts faster (lengths growing several %
+    # per step) would blame a move for the drift
     verify_steps: int = 0
+    verify_tolerance: float = 0.1
 
     def __post_init__(self) -> None:
         if not 0 < self.gap_threshold < 1:
@@ -235,3 +236,5 @@ class ReplanConfig(_Config, frozen=True, kw_only=True):
             raise ValueError(f"ReplanConfig.warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.verify_steps < 0:
             raise ValueError(f"ReplanConfig.verify_steps must be >= 0, got {self.verify_steps}")
+        if not self.verify_tolerance >= 0:
+            raise ValueError(f"ReplanConfig.verify_tolerance must be >= 0, got {self.verify_tolerance}")

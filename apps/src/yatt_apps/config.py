@@ -100,8 +100,8 @@ class PlacementConfig(_Config, frozen=True, kw_only=True):
     rollout_replicas: int = 0
     # measured device-seconds per role and step (a `JobProfile`): the planner sizes the split from it
     profile: dict[str, float] = {}
-    # dynamic: when a measured imbalance moves devices; every move is verified by the step times after it (and
-    # undone when they are no better): busy time alone misleads where logical devices share cores
+    # dynamic: when a measured imbalance moves devices; every move is checked by the step times after it (and
+    # undone when they are more than 10% slower): busy time alone can mislead where logical devices share cores
     replan: ReplanConfig = ReplanConfig(verify_steps=2)
 
     def __post_init__(self) -> None:

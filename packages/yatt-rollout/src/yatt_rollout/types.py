@@ -8,7 +8,7 @@ Raw pixels and bulk tensors never travel inline: media go by `MediaRef`, weights
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
-from typing import Literal, Protocol, runtime_checkable
+from typing import Literal, Protocol, get_args, runtime_checkable
 
 import msgspec
 from msgspec import UNSET, UnsetType
@@ -239,17 +239,7 @@ ToolStatus = Literal[
     "error",
 ]
 # every kind of failed tool call, in a fixed order (metrics keys must agree across controllers)
-TOOL_ERROR_KINDS: tuple[str, ...] = (
-    "timeout",
-    "memory",
-    "processes",
-    "crash",
-    "output_limit",
-    "network",
-    "malformed",
-    "unknown_tool",
-    "error",
-)
+TOOL_ERROR_KINDS: tuple[str, ...] = tuple(status for status in get_args(ToolStatus) if status != "ok")
 StopReason = Literal["done", "max_turns", "max_length", "error"]
 
 

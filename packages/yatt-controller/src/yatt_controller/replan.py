@@ -1,7 +1,7 @@
 """Live re-placement, the driver's side: after every completed step, each role's busy seconds since the
-previous usable reading and the step's wall seconds go to the job's `replan(step, busy_s, step_s)` hook; a plan it returns (same roles, other
-replica lists) is checked against the running plan and the roster (only replaceable groups may move) and
-posted to the run's `RosterBook`. Rank 0 applies it at the start of a later step (`replicas.Replacements
+previous usable reading and the step's wall seconds go to the job's `replan(step, busy_s, step_s)` hook; a
+plan it returns (same roles, other replica lists) is checked against the running plan and the roster (only
+replaceable groups may move) and posted to the run's `RosterBook`. Rank 0 applies it at the start of a later step (`replicas.Replacements
 .start_step`), through the same `replace_replicas` that repairs dead replicas.
 
 Hosts count busy seconds per hosted role on every call (`Heartbeat.busy_s`); `BusyReadings` turns those

@@ -51,8 +51,8 @@ class Job:
     checkpoint_dir: str | None = None
     # called in the driver, once per step, when every controller's report of that step has arrived
     on_step: Callable[[int, list[StepReport]], None] | None = None
-    # live re-placement: called in the driver after every completed step with the step and each role's busy
-    # seconds since the previous call; returns None or a new PlacementPlan (same roles, other replicas),
+    # live re-placement: called in the driver after every completed step with the step, each role's busy
+    # seconds since the previous call and the step's wall seconds; returns None or a new PlacementPlan (same roles, other replicas),
     # applied by the controllers at the start of a later step (replan.py, replace.py)
     replan: Callable[[int, dict[str, float], float], Any | None] | None = None
     # the push that gives the engines the learner's weights when an attempt starts (fresh or resumed), called

@@ -78,8 +78,7 @@ class DynamicReplanner:
         ]
 
     def devices(self, key: str) -> int:
-        placement = next(p for p in self.plan.roles if role_key(p) == key)
-        return sum(len(replica) for replica in placement.replicas)
+        return self.counts()[key]
 
     def observe(self, stats: PhaseStats) -> PlacementPlan | None:
         """Record one step; return the new plan (with its `reason`) when a move is due, else None (and

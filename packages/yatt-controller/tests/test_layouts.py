@@ -63,6 +63,51 @@ def test_shard_rows_reaches_every_learner_rank_in_single_mode(session):
             assert s.metrics[f"rank{r}_first"] == p.metrics[f"rank{r}_first"]
 
 
+class Handshake:
+    """Test double: its constructor writes `mine` and then waits up to 20 s for `theirs`; raises if it never
+    appears. Two groups of it, each waiting for the other's file, exist only if they are built at once."""
+
+    def __init__(self, mine: str, theirs: str) -> None:
+        import time
+        from pathlib import Path
+
+        Path(mine).touch()
+        deadline = time.monotonic() + 20
+        while not Path(theirs).exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{theirs} never appeared")
+            time.sleep(0.05)
+
+
+class FailsToStart:
+    def __init__(self) -> None:
+        raise RuntimeError("no device memory left (test double)")
+
+
+def test_groups_created_without_waiting_start_at_once_and_ready_raises_their_failure(session, tmp_path):
+    realized = _realize(
+        RolePlacement(role="actor", replicas=[[0]]),
+        RolePlacement(role="rollout", replicas=[[1]]),
+        RolePlacement(role="reward", replicas=[[2]]),
+        num_devices=3,
+    )
+    pool = HostPool(realized)
+    a, b = str(tmp_path / "actor"), str(tmp_path / "rollout")
+    try:
+        # each constructor waits for the other's: created one after the other (wait=True) the first would
+        # time out; created without waiting both are under way at once
+        actor = WorkerGroup.create(pool, "actor", Handshake, args=(a, b), wait=False)
+        rollout = WorkerGroup.create(pool, "rollout", Handshake, args=(b, a), wait=False)
+        assert actor.ready() is actor and rollout.ready() is rollout
+        assert actor.ready() is actor  # nothing left to wait for
+        broken = WorkerGroup.create(pool, "reward", FailsToStart, wait=False)
+        with pytest.raises(Exception, match="no device memory left"):
+            broken.ready()
+    finally:
+        pool.shutdown()
+        realize_mod.release(realized)
+
+
 WEIGHT_BYTES = 64 * 32 * 4 + 32 * 4 + 16 * 2  # WeightsDouble: float32 w and b, float16 h
 
 

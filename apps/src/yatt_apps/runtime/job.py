@@ -109,7 +109,9 @@ def build_services(
     returns the names of those every checkpoint holds. `rollout_cls` replaces the rollout worker class (a
     RolloutWorker subclass; default RolloutWorker, or AgentRolloutWorker with `rollout.env`); `actor_cls` the
     learner's (a PolicyWorker subclass; default PolicyWorker). Each engine
-    learns from `plan` whether the learner shares its devices (vLLM then takes a part of the memory)."""
+    learns from `plan` whether the learner shares its devices (vLLM then takes a part of the memory). Groups
+    on devices of their own start at the same time (a learner loads while an engine starts); a group whose
+    devices hold an earlier one waits for it, so one host process never builds two roles at once."""
     from yatt_controller.runner import Services
     from yatt_controller.sync import WeightSync
     from yatt_controller.worker_group import WorkerGroup
@@ -117,13 +119,21 @@ def build_services(
     from yatt_apps.runtime.workers import PolicyWorker, RewardWorker, RolloutWorker
 
     key = f"yatt-actor-{uuid.uuid4().hex}"  # this attempt's learner rendezvous (a restart gets a new one)
-    actor = WorkerGroup.create(
+    starting: dict[str, WorkerGroup] = {}
+
+    def after_sharers(role: str) -> None:  # the groups on `role`'s devices exist before it is created there
+        for other, group in starting.items():
+            if plan.shares_device(role, other):
+                group.ready()
+
+    actor = starting["actor"] = WorkerGroup.create(
         pool,
         "actor",
         actor_cls or PolicyWorker,
         args=(cfg, policy_dir, key),
         pass_worker_info=True,
         lock="learner",
+        wait=False,
     )
     if rollout_cls is None:
         rollout_cls = RolloutWorker
@@ -131,15 +141,18 @@ def build_services(
         from yatt_apps.runtime.agent import AgentRolloutWorker
 
         rollout_cls = AgentRolloutWorker
-    rollout = WorkerGroup.create(
+    after_sharers("rollout")
+    rollout = starting["rollout"] = WorkerGroup.create(
         pool,
         "rollout",
         rollout_cls,
         args=(cfg, policy_dir),
         kwargs={"shared_device": plan.shares_device("rollout", "actor")},
         pass_worker_info=True,
+        wait=False,
     )
     cls = reward_cls or RewardWorker
+    after_sharers(reward_role(cfg))
     reward = WorkerGroup.create(
         pool,
         reward_role(cfg),
@@ -147,7 +160,10 @@ def build_services(
         args=reward_args or (cfg, judge_dir),
         kwargs={"shared_device": plan.shares_device(reward_role(cfg), "actor")},
         pass_worker_info=cls is RewardWorker,
+        wait=False,
     )
+    for group in (actor, rollout, reward):
+        group.ready()
     groups = {"actor": actor, "rollout": rollout, "reward": reward}
     stateful = tuple(extra(pool, groups)) if extra is not None else ()
     sync = WeightSync(actor, [rollout], mode="auto", backend="auto")  # NCCL where the workers have CUDA

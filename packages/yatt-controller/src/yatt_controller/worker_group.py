@@ -289,6 +289,7 @@ class WorkerGroup:
             raise ValueError(f"WorkerGroup {role!r} needs at least one worker")
         self.role, self.name, self.max_inflight, self.spawn = role, name, max_inflight, spawn
         self.key = f"{role}:{name}" if name else role  # its workers' hosted key (also its busy-time key)
+        self._starting: list = []  # the creation calls `ready` waits for (`create(..., wait=False)`)
         self.traffic = dispatch.Traffic(max_inflight)
         self.rebind(workers)
 
@@ -316,10 +317,15 @@ class WorkerGroup:
         max_inflight: int = 8,
         pass_worker_info: bool = False,
         lock: str = "host",
+        wait: bool = True,
     ) -> WorkerGroup:
         """Instantiate `hosted(*args, **kwargs)` on every device of every replica the plan gives `role`. Calls
         of roles in one `lock` group on a host run one at a time; groups run concurrently: give learners that
-        block in collectives their own group ("learner"), keep engines in the default one."""
+        block in collectives their own group ("learner"), keep engines in the default one.
+
+        `wait=False` returns once the objects are asked for, before they exist: groups on disjoint devices
+        then start (load models, start engines) at the same time. Call `ready()` before the group's first
+        call, and before creating another group on any of its devices (its hosts' processes are shared)."""
         if not inspect.isclass(hosted):
             raise ValueError(f"WorkerGroup.create needs a class to host, got {hosted!r}")
         placement = next((p for p in pool.realized.plan.roles if p.role == role and p.name == name), None)
@@ -331,8 +337,15 @@ class WorkerGroup:
             made, refs = start_replica(pool, spawn, role, name, replica, dp_rank, len(placement.replicas))
             workers += made
             created += refs
-        ray.get(created)  # all at once: hosted classes may rendezvous with each other in __init__
-        return cls(role, name, workers, max_inflight, spawn)
+        group = cls(role, name, workers, max_inflight, spawn)
+        group._starting = created  # all at once: hosted classes may rendezvous with each other in __init__
+        return group.ready() if wait else group
+
+    def ready(self) -> WorkerGroup:
+        """This group, once every hosted object of `create(..., wait=False)` exists; a failed one raises."""
+        starting, self._starting = self._starting, []
+        ray.get(starting)
+        return self
 
     @property
     def dp_size(self) -> int:

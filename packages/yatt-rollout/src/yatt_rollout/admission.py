@@ -87,3 +87,34 @@ def carry(seg: list[Any], rows: LiveRows, step: int) -> list[Any]:
     for row, t, lp in zip(running, tokens, logprobs, strict=True):
         row.tokens, row.logprobs = row.tokens + t, row.logprobs + lp
     return running
+
+
+def join(
+    engine: Any,
+    seg: list[Any],
+    rows: LiveRows,
+    step: int,
+    new: list[Any],
+    state: tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor],
+) -> tuple[list[Any], LiveRows, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Start a new segment of `engine`'s running batch with the `new` rows joined, before the sampling of the
+    segment's step `step`. `state`: the running rows' KV cache, attention mask, positions and next-token
+    logits. The running rows keep their tokens so far (`carry`), their KV cache and their seeded generators;
+    the new rows are prefilled alone and their cache merged after the running rows' (`merge`). Returns the
+    segment's rows, LiveRows, prompt ids and mask (the contexts a partial update re-prefills), attention
+    mask, positions and next-token logits."""
+    cache, mask, pos, logits = state
+    running = carry(seg, rows, step)
+    new_ids, new_mask, _ = engine._left_pad(new)
+    out, new_cache, new_mask, new_pos, _ = engine._prefill(new, new_ids, new_mask)
+    mask = merge(cache, mask, new_cache, new_mask)
+    seg = running + new
+    prompt_ids, prompt_mask, budget = engine._left_pad(seg)
+    gens = rows.gens  # the running rows' seeded streams go on where they were
+    rows = LiveRows.build(seg, budget, engine.eos_ids, engine.vocab_size, engine.device)
+    rows.gens[: len(gens)] = gens
+    engine.stats["admissions"] += 1
+    engine.stats["admitted_rows"] += len(new)
+    engine.stats["rows"] += len(new)
+    pos = torch.cat([pos, new_pos])
+    return seg, rows, prompt_ids, prompt_mask, mask, pos, torch.cat([logits, out.logits[:, -1]])

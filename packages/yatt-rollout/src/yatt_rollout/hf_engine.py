@@ -469,7 +469,7 @@ class HFEngine:
         (with an MoE recorder: all at the end, with their routes). A row that stops leaves the batch (its KV
         cache rows too), so the others run at their own size. A partial weight update taken at a step is
         appended to `switches` and the running rows are prefilled again under it. Rows queued meanwhile join
-        between two steps (`_join`); `batch` (the caller's list) gains them.
+        between two steps (`admission.join`); `batch` (the caller's list) gains them.
 
         Tokens and logprobs stay on the device while a row runs; per step the host reads one flag (did any
         row end?) and, on the steps where rows end, which ones and their tokens. With an MoE model the
@@ -502,8 +502,8 @@ class HFEngine:
                     for row in new:
                         row.start = base + step
                     batch += new
-                    seg, rows, prompt_ids, prompt_mask, mask, pos, logits = self._join(
-                        seg, rows, step, new, cache, mask, pos, logits
+                    seg, rows, prompt_ids, prompt_mask, mask, pos, logits = admission.join(
+                        self, seg, rows, step, new, (cache, mask, pos, logits)
                     )
                     base, step = base + step, 0
             lg = logits.float()  # [L, V]
@@ -540,37 +540,6 @@ class HFEngine:
             experts = routes.rows(prompt_lens, [len(tokens) for tokens, _, _ in results])
             for row, result, route in zip(seg, results, experts, strict=True):
                 self._complete(row, result, switches, route)
-
-    def _join(
-        self,
-        seg: list[_Row],
-        rows: LiveRows,
-        step: int,
-        new: list[_Row],
-        cache: Any,
-        mask: torch.Tensor,
-        pos: torch.Tensor,
-        logits: torch.Tensor,
-    ) -> tuple[list[_Row], LiveRows, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Start a new segment of the running batch with the `new` rows joined (before the sampling of the
-        segment's step `step`): the running rows keep their tokens so far (`_Row.tokens`), their KV cache and
-        their seeded generators; the new rows are prefilled alone and their cache merged after the running
-        rows' (`admission.merge`). Returns the segment's rows, LiveRows, prompt ids and mask (the contexts a
-        partial update re-prefills), attention mask, positions and next-token logits."""
-        running = admission.carry(seg, rows, step)
-        new_ids, new_mask, _ = self._left_pad(new)
-        out, new_cache, new_mask, new_pos, _ = self._prefill(new, new_ids, new_mask)
-        mask = admission.merge(cache, mask, new_cache, new_mask)
-        seg = running + new
-        prompt_ids, prompt_mask, budget = self._left_pad(seg)
-        gens = rows.gens  # the running rows' seeded streams go on where they were
-        rows = LiveRows.build(seg, budget, self.eos_ids, self.vocab_size, self.device)
-        rows.gens[: len(gens)] = gens
-        self.stats["admissions"] += 1
-        self.stats["admitted_rows"] += len(new)
-        self.stats["rows"] += len(new)
-        pos = torch.cat([pos, new_pos])
-        return seg, rows, prompt_ids, prompt_mask, mask, pos, torch.cat([logits, out.logits[:, -1]])
 
     def _prefill(self, batch: list[_Row], input_ids: torch.Tensor, mask: torch.Tensor) -> tuple:
         """One forward over left-padded `input_ids` [L, T]: (output, KV cache, mask, last positions [L, 1],

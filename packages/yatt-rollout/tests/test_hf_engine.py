@@ -230,6 +230,38 @@ def test_seeded_rows_sample_the_same_tokens_with_or_without_a_join(engine, tok):
     assert answered == ["sj"] and [c.token_ids for c in together] == [c.token_ids for c in alone]
 
 
+def test_rows_queued_while_an_update_waits_are_not_joined(model, tok):
+    """A weight update (not partial) waits for the running batch to end: rows queued meanwhile join no
+    more (the batch would never end under a steady stream of turns), they wait and decode under the new
+    weights."""
+    import threading
+
+    eng = HFEngine(model, tok, max_batch_size=8)
+    forwards, loader, late = [0], [], []
+
+    def hook(*_):
+        forwards[0] += 1
+        if forwards[0] == 3:  # the long batch decodes: an update arrives and waits for it
+            state = list(model.state_dict().items())
+            loader.append(threading.Thread(target=eng.load_weights, args=(state, 9)))
+            loader[0].start()
+            while not eng._waiting:  # the updating thread is waiting for the batch (the worker is here)
+                loader[0].join(0.001)
+        if forwards[0] == 5:
+            late.extend(eng.submit([_req("late", tok.encode("2"), temperature=0, max_new_tokens=3)]))
+
+    handle = eng.model.register_forward_hook(hook)
+    try:
+        long = eng.submit([_req("long", tok.encode("1 +"), temperature=0, max_new_tokens=20)])[0].result()[0]
+        after = late[0].result()[0]
+        loader[0].join()
+    finally:
+        handle.remove()
+        eng.close()
+    assert (long.policy_version, after.policy_version, eng.stats["admitted_rows"]) == (0, 9, 0)
+    assert list(eng.recent_batches) == [["long"], ["late"]]
+
+
 def test_constrained_rows_wait_for_the_next_batch(engine, tok):
     """A constrained row (allowed ids) queued during a batch is not joined into it: it is answered after the
     batch, in a batch of its own."""

@@ -349,7 +349,9 @@ class HFEngine:
             self._drain()  # everything that arrived meanwhile joins this batch, up to the limit
             batch, self._pending = self._pending[: self.max_batch_size], self._pending[self.max_batch_size :]
             with self._cv:
-                while self._asleep or self.slots.missing:  # rows queued before a sleep wait for weights
+                # rows queued before a sleep wait for weights; a caller waiting for the engine to be idle (an
+                # update, a sleep) goes before the next batch, as it went before joins into the last one
+                while self._asleep or self.slots.missing or self._waiting:
                     self._cv.wait()
                 self._busy = True
                 version = self._version

@@ -7,14 +7,19 @@
   `agent.tool_success_end` the share of the last step's tool calls that ran without error. Targets (issue
   31): acc_end - acc_start >= 0.15, acc_end - acc_no_tools_end >= 0.3.
 - `agent.batched_speedup`: the warm-started policy's greedy episodes on the HF engine, all episodes of a
-  batch decoded together (`AgentDriver.run` on every request: one `generate` per turn for every live
-  episode) vs one episode at a time; greedy, so both give the same trajectories (checked). Target >= 2.
+  batch decoded together (`AgentDriver.run` on every request: each episode advancing on its own, its turns
+  joining the HF engine's running batch) vs one episode at a time; greedy, so both give the same
+  trajectories (checked). Target >= 2.
+- `agent.continuous_vs_turn_sync`: the same episodes with a tool that sleeps a random 0-50 ms per step with
+  tool calls (seeded by the prompt), wall time of the turn-synchronous driver (`continuous=False`: one
+  `generate` per turn over every live episode, every tool step before the next turn) over the default one
+  (each episode's next turn submitted as soon as its tool returns); same trajectories (checked).
 
     python benchmarks/bench_agent.py --quick
 
-The warm start is cached (~/.cache/yatt/models, `agent-KEY`); a cold cache adds it to the wall time (800 SFT
-steps: about 9 minutes on two loaded cores; `agent.seconds` includes it). The last printed line is one JSON
-object.
+The warm start is shipped with yatt-apps (`runtime.shipped`) and copied into the cache (~/.cache/yatt/models,
+`agent-KEY`) on first use; only a recipe that misses the shipped one trains it (800 SFT steps: about 8
+minutes on two loaded cores; `agent.seconds` then includes it). The last printed line is one JSON object.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import tempfile
 import time
 from pathlib import Path
@@ -98,6 +104,69 @@ def batched_speedup(policy: str, num_episodes: int) -> dict:
     }
 
 
+class SleepyTool:
+    """`MultiplyEnv` whose steps with tool calls first sleep a random 0-50 ms (a slow tool), seeded by the
+    episode's prompt so both drivers see the same delays."""
+
+    def __init__(self) -> None:
+        from yatt_rollout.tool_tasks import MultiplyEnv
+
+        self.env = MultiplyEnv()
+        self.tools = self.env.tools
+        self.rng = random.Random(0)
+
+    def reset(self, row: dict):
+        self.rng = random.Random(row["prompt"])
+        return self.env.reset(row)
+
+    def step(self, action):
+        if action.tool_calls:
+            time.sleep(self.rng.uniform(0.0, 0.05))
+        return self.env.step(action)
+
+
+def continuous_vs_turn_sync(policy: str, num_episodes: int) -> dict:
+    """Wall time of the turn-synchronous driver over the continuous one on the same greedy episodes with a
+    slow tool (`SleepyTool`), same trajectories."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from yatt_rollout.agent import AgentDriver
+    from yatt_rollout.hf_engine import HFEngine
+    from yatt_rollout.tool_tasks import MultiplyEnv
+    from yatt_rollout.types import GenerateRequest, Prompt, SamplingParams
+
+    tok = AutoTokenizer.from_pretrained(policy)
+    model = AutoModelForCausalLM.from_pretrained(policy).float().eval()
+    engine = HFEngine(model, tok, max_batch_size=num_episodes, seed=0)
+    limits = {"max_turns": 3, "max_total_tokens": 512}
+    drivers = {
+        mode: AgentDriver(engine, tok, SleepyTool, continuous=mode == "continuous", **limits)
+        for mode in ("continuous", "turn_sync")
+    }
+    rows = MultiplyEnv.rows(num_episodes, seed=98)
+    greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=32)
+    reqs = [
+        GenerateRequest(request_id=f"s{i}", prompt=Prompt(token_ids=[]), sampling=greedy)
+        for i in range(num_episodes)
+    ]
+    seconds, out = {}, {}
+    try:
+        drivers["continuous"].run(reqs[:2], rows[:2])  # warm-up
+        for mode, driver in drivers.items():
+            started = time.perf_counter()
+            out[mode] = driver.run(reqs, rows)
+            seconds[mode] = time.perf_counter() - started
+    finally:
+        engine.close()
+    pairs = zip(out["continuous"], out["turn_sync"], strict=True)
+    return {
+        "agent.continuous_vs_turn_sync": seconds["turn_sync"] / seconds["continuous"],
+        "agent.continuous_seconds": seconds["continuous"],
+        "agent.turn_sync_seconds": seconds["turn_sync"],
+        "agent.continuous_same_trajectories": all(a.token_ids == b.token_ids for a, b in pairs),
+        "agent.tool_calls_slow_tool": sum(t.tool_calls for t in out["continuous"]),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -107,6 +176,7 @@ def main() -> None:
     load = os.getloadavg()[0]
     figures, policy = learning(args.quick)
     figures |= batched_speedup(policy, 32 if args.quick else 64)
+    figures |= continuous_vs_turn_sync(policy, 32 if args.quick else 64)
     figures["load_start"], figures["load_end"] = load, os.getloadavg()[0]
     print(json.dumps(figures))
 

@@ -64,3 +64,50 @@ def test_a_run_copies_the_shipped_model_instead_of_training(tmp_path, monkeypatc
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) and not any(
         p.name.startswith(".") or ".tmp" in p.name for p in (tmp_path / "cache").iterdir()
     )
+
+
+AGENT_STEPS = 6  # the agent warm start's first steps retrained (batches of 32 conversations: seconds)
+
+
+def test_the_agent_presets_warm_start_is_shipped_and_reproduced():
+    """`tiny_cpu_agent`'s multi-turn SFT warm start is shipped under the current recipe's key (a changed
+    recipe without `python -m yatt_apps.runtime.shipped agent` fails here), and a fresh tokenizer and model
+    trained by the project's own code give its first recorded losses."""
+    from yatt_apps.config import tiny_cpu_agent
+    from yatt_apps.runtime import agent_warmstart
+    from yatt_apps.runtime.agent import resolve_env
+    from yatt_rollout.env import ENVIRONMENTS
+
+    cfg = tiny_cpu_agent()
+    folder = shipped.find_agent(cfg)
+    assert folder is not None, "no shipped agent warm start: run python -m yatt_apps.runtime.shipped agent"
+    report = json.loads((folder / "warm_start.json").read_text())
+    assert (report["kind"], report["ship_key"], report["steps"], len(report["losses"])) == (
+        "agent",
+        agent_warmstart.ship_key(cfg),
+        cfg.rollout.sft_steps,
+        cfg.rollout.sft_steps,
+    )
+    assert report["losses"][-1] < report["losses"][0] / 4  # it learned
+    model, tok, examples = agent_warmstart.fresh(cfg, ENVIRONMENTS[resolve_env(cfg.rollout.env)])
+    assert tok.get_vocab() == load_tokenizer(str(folder)).get_vocab()  # the same trained tokenizer
+    losses = agent_warmstart.sft(model, examples, tok.pad_token_id, cfg, stop=AGENT_STEPS)
+    assert losses == pytest.approx(report["losses"][:AGENT_STEPS], rel=1e-3)
+
+
+def test_an_agent_run_copies_the_shipped_warm_start(tmp_path, monkeypatch, capsys):
+    """`agent_warmstart.warm_started` with an empty cache copies the shipped folder (no training, no
+    warm-starting message) into the cache under its versioned key."""
+    from yatt_apps.config import tiny_cpu_agent
+    from yatt_apps.runtime import agent_warmstart
+    from yatt_apps.runtime.agent import resolve_env
+    from yatt_rollout.env import ENVIRONMENTS
+
+    monkeypatch.setenv("YATT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("YATT_NO_SHIPPED", raising=False)
+    cfg = tiny_cpu_agent()
+    path = agent_warmstart.warm_started(cfg, ENVIRONMENTS[resolve_env(cfg.rollout.env)])
+    folder = shipped.find_agent(cfg)
+    assert folder is not None and path == tmp_path / "cache" / f"agent-{agent_warmstart.cache_key(cfg)}"
+    assert (path / "model.safetensors").read_bytes() == (folder / "model.safetensors").read_bytes()
+    assert "warm-starting" not in capsys.readouterr().err

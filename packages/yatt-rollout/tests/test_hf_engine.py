@@ -159,30 +159,125 @@ def test_bad_requests_fail_alone(engine, tok):
     assert all(by_id[r].finish_reason == "error" and by_id[r].token_ids == [] for r in by_id if r != "ok")
 
 
-def test_requests_arriving_during_a_batch_join_the_next(engine, tok):
+def _submit_at_forward(engine, k, requests):
+    """Submit `requests` from inside the engine's k-th forward from now (so they are queued while a batch
+    decodes, at a known step); returns (hook handle, their futures' list, answered request ids in order)."""
+    forwards, futures, answered = [0], [], []
+
+    def hook(*_):
+        forwards[0] += 1
+        if forwards[0] == k:
+            futures.extend(engine.submit(requests))
+            for req, fut in zip(requests, futures, strict=True):
+                fut.add_done_callback(lambda _, rid=req.request_id: answered.append(rid))
+
+    return engine.model.register_forward_hook(hook), futures, answered
+
+
+def _alone(model, tok, prompt, n):
+    ref = model.generate(
+        torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=tok.eos_token_id
+    )
+    return ref[0, len(prompt) :].tolist()
+
+
+def test_a_request_queued_during_a_long_batch_joins_it_and_is_answered_first(engine, model, tok):
+    """Continuous batching: rows queued while a batch decodes join it at the next step (only they are
+    prefilled) and are answered when they end, long before the batch's long row; every row's greedy tokens
+    are those it gets decoded alone (the running row's too: the merged KV cache changes nothing for it)."""
+    later = [
+        _req("b", tok.encode("2"), temperature=0, max_new_tokens=4),
+        _req("c", tok.encode("12 + 7 ="), temperature=0, max_new_tokens=5),
+    ]
+    start = dict(engine.stats)
+    hook, futures, answered = _submit_at_forward(engine, 3, later)  # the prefill, then 2 decode steps
+    try:
+        first = engine.submit([_req("long", tok.encode("1 +"), temperature=0, max_new_tokens=40)])
+        first[0].add_done_callback(lambda _: answered.append("long"))
+        long = first[0].result()[0]
+        b, c = (f.result()[0] for f in futures)
+    finally:
+        hook.remove()
+    assert answered == ["b", "c", "long"]
+    assert engine.stats["batches"] == start["batches"] + 1 and list(engine.recent_batches)[-1] == ["long"]
+    assert (engine.stats["admissions"], engine.stats["admitted_rows"]) == (
+        start["admissions"] + 1,
+        start["admitted_rows"] + 2,
+    )
+    assert len(long.token_ids) == 40 and long.token_ids == _alone(model, tok, tok.encode("1 +"), 40)
+    assert b.token_ids == _alone(model, tok, tok.encode("2"), 4)
+    assert c.token_ids == _alone(model, tok, tok.encode("12 + 7 ="), 5)
+    torch.testing.assert_close(
+        torch.tensor(c.logprobs),
+        _forward_logprobs(model, tok.encode("12 + 7 ="), c.token_ids),
+        atol=1e-4,
+        rtol=1e-4,
+    )
+    assert long.version_runs == [(0, 40)] and c.version_runs == [(0, 5)]
+
+
+def test_seeded_rows_sample_the_same_tokens_with_or_without_a_join(engine, tok):
+    """A seeded row's stream goes on across a join, and a joined seeded row draws from its own: both sample
+    exactly what they sample alone."""
+    long = _req("sl", tok.encode("1 +"), temperature=1.0, max_new_tokens=30, seed=11)
+    joined = _req("sj", tok.encode("3"), temperature=1.0, max_new_tokens=6, seed=12, n=2)
+    alone = engine.generate([long]) + engine.generate([joined])
+    hook, futures, answered = _submit_at_forward(engine, 4, [joined])
+    try:
+        together = engine.submit([long])[0].result() + futures[0].result()
+    finally:
+        hook.remove()
+    assert answered == ["sj"] and [c.token_ids for c in together] == [c.token_ids for c in alone]
+
+
+def test_rows_queued_while_an_update_waits_are_not_joined(model, tok):
+    """A weight update (not partial) waits for the running batch to end: rows queued meanwhile join no
+    more (the batch would never end under a steady stream of turns), they wait and decode under the new
+    weights."""
     import threading
 
-    started = threading.Event()
-    original = engine._decode
+    eng = HFEngine(model, tok, max_batch_size=8)
+    forwards, loader, late = [0], [], []
 
-    def observed(batch, switches):  # the real decode, with a signal that the first batch is running
-        started.set()
-        return original(batch, switches)
+    def hook(*_):
+        forwards[0] += 1
+        if forwards[0] == 3:  # the long batch decodes: an update arrives and waits for it
+            state = list(model.state_dict().items())
+            loader.append(threading.Thread(target=eng.load_weights, args=(state, 9)))
+            loader[0].start()
+            while not eng._waiting:  # the updating thread is waiting for the batch (the worker is here)
+                loader[0].join(0.001)
+        if forwards[0] == 5:
+            late.extend(eng.submit([_req("late", tok.encode("2"), temperature=0, max_new_tokens=3)]))
 
-    engine._decode = observed
+    handle = eng.model.register_forward_hook(hook)
     try:
-        start = engine.stats["batches"]
-        first = engine.submit([_req("long", tok.encode("1 +"), temperature=0, max_new_tokens=40)])
-        started.wait()
-        later = engine.submit(
-            [_req("b", tok.encode("2"), max_new_tokens=4), _req("c", tok.encode("3"), max_new_tokens=4)]
-        )
-        results = [f.result() for f in first + later]
+        long = eng.submit([_req("long", tok.encode("1 +"), temperature=0, max_new_tokens=20)])[0].result()[0]
+        after = late[0].result()[0]
+        loader[0].join()
     finally:
-        engine._decode = original
-    assert engine.stats["batches"] == start + 2
-    assert list(engine.recent_batches)[-2:] == [["long"], ["b", "c"]]
-    assert [len(r[0].token_ids) > 0 for r in results] == [True, True, True]
+        handle.remove()
+        eng.close()
+    assert (long.policy_version, after.policy_version, eng.stats["admitted_rows"]) == (0, 9, 0)
+    assert list(eng.recent_batches) == [["long"], ["late"]]
+
+
+def test_constrained_rows_wait_for_the_next_batch(engine, tok):
+    """A constrained row (allowed ids) queued during a batch is not joined into it: it is answered after the
+    batch, in a batch of its own."""
+    start = dict(engine.stats)
+    allowed = _req("a", tok.encode("2"), temperature=0, max_new_tokens=3, allowed_token_ids=[5, 6])
+    hook, futures, answered = _submit_at_forward(engine, 3, [allowed])
+    try:
+        first = engine.submit([_req("long2", tok.encode("1 +"), temperature=0, max_new_tokens=20)])
+        first[0].add_done_callback(lambda _: answered.append("long2"))
+        first[0].result()
+        out = futures[0].result()[0]
+    finally:
+        hook.remove()
+    assert answered == ["long2", "a"] and set(out.token_ids) <= {5, 6} and len(out.token_ids) == 3
+    assert engine.stats["admitted_rows"] == start["admitted_rows"]
+    assert list(engine.recent_batches)[-2:] == [["long2"], ["a"]]
 
 
 def test_stream_yields_every_completion(engine, tok):

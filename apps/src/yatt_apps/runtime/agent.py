@@ -132,10 +132,16 @@ class AgentRolloutWorker(RolloutWorker):
         super().__init__(cfg, model_dir, shared_device=shared_device, worker_info=worker_info)
         tok = load_tokenizer(model_dir, trust_remote_code=cfg.model.trust_remote_code)
         factory = ENVIRONMENTS[resolve_env(cfg.rollout.env)]
-        limits = {"max_turns": cfg.rollout.max_turns, "max_total_tokens": _context(self.engine)}
-        self.driver = AgentDriver(self.engine, tok, factory, **limits)
+        # each episode advances on its own (`AgentDriver`'s continuous mode): its next turn joins the engine's
+        # running batch as soon as its tools return
+        turns, context = cfg.rollout.max_turns, _context(self.engine)
+        self.driver = AgentDriver(self.engine, tok, factory, max_turns=turns, max_total_tokens=context)
         self.without_tools = AgentDriver(
-            self.engine, tok, lambda: tool_tasks.WithoutTools(factory()), **limits
+            self.engine,
+            tok,
+            lambda: tool_tasks.WithoutTools(factory()),
+            max_turns=turns,
+            max_total_tokens=context,
         )
 
     def generate(self, requests: list) -> list:

@@ -8,7 +8,8 @@ conversations with tool calls, tool results and direct answers), laid out exactl
 (`TurnCodec.conversation_ids`: the prompt with its tools, the model's turns, the environment's replies) with
 the loss on the model's turns only, so RL starts from a policy that knows the format. The result is cached
 like the other warm starts (`warmstart.cache_root()`, `agent-KEY`, written atomically) and the run uses it
-as `model.path`.
+as `model.path`. The `tiny_cpu_agent` preset's warm start is shipped in the package (`runtime.shipped`,
+`agent-SHIPKEY`: SHIPKEY is KEY without the package versions) and copied into the cache instead of trained.
 """
 
 from __future__ import annotations
@@ -72,22 +73,42 @@ def corpus(demos: list[dict[str, Any]], tok: Any) -> list[str]:
     return [tok.apply_chat_template(d["messages"], tools=d["tools"], tokenize=False) for d in demos]
 
 
-def cache_key(cfg: RunConfig) -> str:
-    from importlib.metadata import version
-
+def _recipe(cfg: RunConfig) -> list[Any]:
+    """What the warm-started weights depend on, apart from the package versions."""
     from yatt_apps.runtime.warmstart import SERVING_FIELDS
 
     shaping = {k: v for k, v in msgspec.to_builtins(cfg.model).items() if k not in SERVING_FIELDS}
     spec = [cfg.rollout.env, cfg.rollout.sft_steps, cfg.rollout.sft_demos, FORMAT_VERSION, TASK_SEED]
+    return [shaping, spec]
+
+
+def cache_key(cfg: RunConfig) -> str:
+    """The cache folder's key: the recipe and the package versions."""
+    from importlib.metadata import version
+
     versions = [version(p) for p in ("yatt-apps", "yatt-rollout", "transformers", "torch")]
-    return hashlib.sha256(msgspec.json.encode([shaping, spec, versions])).hexdigest()[:16]
+    return hashlib.sha256(msgspec.json.encode([*_recipe(cfg), versions])).hexdigest()[:16]
+
+
+def ship_key(cfg: RunConfig) -> str:
+    """The shipped folder's key (`shipped.find_agent`): the recipe only, so a release that leaves it alone
+    keeps the shipped warm start."""
+    return hashlib.sha256(msgspec.json.encode(_recipe(cfg))).hexdigest()[:16]
 
 
 def warm_started(cfg: RunConfig, factory: Any) -> Path:
-    """The cached warm-started policy folder, built (tokenizer, model, SFT) the first time."""
-    from yatt_apps.runtime.warmstart import cache_root, store_model
+    """The cached warm-started policy folder: copied from the package's shipped one when its recipe matches
+    (unless YATT_NO_SHIPPED is set), else built (tokenizer, model, SFT) the first time."""
+    import os
+    import shutil
+
+    from yatt_apps.runtime import shipped
+    from yatt_apps.runtime.warmstart import cache_root, store, store_model
 
     cached = cache_root() / f"agent-{cache_key(cfg)}"
+    source = None if os.environ.get("YATT_NO_SHIPPED") else shipped.find_agent(cfg)
+    if source is not None and not (cached / "config.json").is_file():  # the package's own copy: no training
+        store(cached, lambda tmp: shutil.copytree(source, tmp))
     if (cached / "config.json").is_file():
         return cached
     print(
@@ -97,6 +118,7 @@ def warm_started(cfg: RunConfig, factory: Any) -> Path:
         flush=True,
     )
     model, tok, report = build(cfg, factory)
+    report["kind"], report["ship_key"] = "agent", ship_key(cfg)  # its name if shipped (`shipped.rebuild`)
     store_model(cached, model, tok, report)  # atomic; a concurrent run's own folder never collides with ours
     return cached
 
@@ -104,15 +126,8 @@ def warm_started(cfg: RunConfig, factory: Any) -> Path:
 def build(cfg: RunConfig, factory: Any) -> tuple[Any, Any, dict[str, Any]]:
     """(model, tokenizer, report) of the tiny policy after `rollout.sft_steps` steps on the demonstrations."""
     import torch
-    from yatt_rollout.tiny import train_tokenizer
 
-    from yatt_apps.io.models import tiny_text_model
-    from yatt_apps.io.sft_data import encode_conversation
-
-    demos = demonstrations(cfg, factory)
-    text = corpus(demos, train_tokenizer(["x"], vocab_size=300))  # the template needs no trained vocab
-    model, tok = tiny_text_model(cfg.model, text)
-    examples = [encode_conversation(tok, d["messages"], d["tools"]) for d in demos]
+    model, tok, examples = fresh(cfg, factory)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -123,10 +138,30 @@ def build(cfg: RunConfig, factory: Any) -> tuple[Any, Any, dict[str, Any]]:
     return model, tok, {"steps": cfg.rollout.sft_steps, "losses": losses, "longest_example": longest}
 
 
-def sft(model: Any, examples: list[tuple[list[int], list[int]]], pad_id: int, cfg: RunConfig) -> list[float]:
+def fresh(cfg: RunConfig, factory: Any) -> tuple[Any, Any, list[tuple[list[int], list[int]]]]:
+    """(model, tokenizer, examples) before the SFT: a tokenizer trained on the demonstrations as the chat
+    template renders them, a fresh tiny model, and each demonstration's (ids, loss mask)."""
+    from yatt_rollout.tiny import train_tokenizer
+
+    from yatt_apps.io.models import tiny_text_model
+    from yatt_apps.io.sft_data import encode_conversation
+
+    demos = demonstrations(cfg, factory)
+    text = corpus(demos, train_tokenizer(["x"], vocab_size=300))  # the template needs no trained vocab
+    model, tok = tiny_text_model(cfg.model, text)
+    return model, tok, [encode_conversation(tok, d["messages"], d["tools"]) for d in demos]
+
+
+def sft(
+    model: Any,
+    examples: list[tuple[list[int], list[int]]],
+    pad_id: int,
+    cfg: RunConfig,
+    stop: int | None = None,
+) -> list[float]:
     """Plain-torch SFT of the model's turns (`warmstart.sft_steps` on (ids, loss mask) pairs): AdamW at
     `model.warm_start_lr`, warmup over the first tenth, `model.warm_start_batch_size` examples a step,
-    clipping at 1.0."""
+    clipping at 1.0. `stop`: only the first `stop` steps of that schedule (`test_shipped`'s check)."""
     import torch
 
     from yatt_apps.io.sft_data import pad_masked
@@ -141,6 +176,7 @@ def sft(model: Any, examples: list[tuple[list[int], list[int]]], pad_id: int, cf
         lr=cfg.model.warm_start_lr,
         batch_size=cfg.model.warm_start_batch_size,
         seed=cfg.model.seed,
-        desc="warm start (agent)",
+        desc="warm start (agent)" if stop is None else "",
+        stop=stop,
         pad=pad_masked,
     )

@@ -1,8 +1,17 @@
 """The multi-turn driver: episodes of model turns and environment replies on one token sequence.
 
-Token-in/token-out. Each turn, `AgentDriver.run` sends the current token ids of ALL active episodes to the
-engine in one `generate` call (so the engine batches turns of different samples), appends each episode's
-generated ids as they came, then the environment's reply tokenised on its own as a delta: the reply messages
+Episodes batched across turns. `AgentDriver.run` advances every episode on its own thread: when an
+episode's turn completes, its environment step (tool calls, possibly slow) runs there and its next turn is
+submitted at once, while the engine keeps decoding the other episodes' turns (HFEngine joins a turn submitted
+mid-batch into the running batch; vLLM admits it into its running batch), so a slow tool or a long turn holds
+back only its own episode. Threads rather than coroutines over `engine.stream`: each episode blocks in the
+engine's thread-safe `generate`, and vLLM's `stream` would wait on asyncio's default executor (a few
+threads on a small machine), which would run only that many episodes at a time. `continuous=False` keeps
+the turn-synchronous driver (one `generate` per turn over every live episode), and an engine without
+`stream` (a test double) gets it too.
+
+Token-in/token-out. Each turn appends the episode's generated ids as they came, then the environment's
+reply tokenised on its own as a delta: the reply messages
 are rendered by the chat template after a fixed stand-in conversation and the text after the stand-in's
 end-of-turn token is tokenised once. Earlier turns are never re-rendered or re-tokenised, so a thinking
 template that strips earlier `<think>` blocks cannot change what the model saw, and the training sequence is
@@ -18,8 +27,10 @@ environment says done, after `max_turns` model turns, or when the next turn or r
 from __future__ import annotations
 
 import json
+import threading
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -44,6 +55,10 @@ from yatt_rollout.types import (
     ToolCall,
     ToolSpec,
     Trajectory,
+)
+
+MAX_EPISODE_THREADS = (
+    1024  # episodes advancing at once (more wait for a thread; each mostly waits on the engine)
 )
 
 # the stand-in conversation after which an environment reply is rendered (its content never reaches a model)
@@ -217,7 +232,8 @@ class _Episode:
 
 
 class AgentDriver:
-    """Runs episodes of `env` (a registered name or a factory) against `engine` (any `Generator`)."""
+    """Runs episodes of `env` (a registered name or a factory) against `engine` (any `Generator`): each
+    episode on its own (`continuous`, with an engine that has `stream`), else turn by turn over all."""
 
     def __init__(
         self,
@@ -227,6 +243,7 @@ class AgentDriver:
         *,
         max_turns: int,
         max_total_tokens: int,
+        continuous: bool = True,
     ) -> None:
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
@@ -237,12 +254,24 @@ class AgentDriver:
         self.engine, self.codec = engine, TurnCodec(tokenizer)
         self.factory = ENVIRONMENTS[env] if isinstance(env, str) else env
         self.max_turns, self.max_total_tokens = max_turns, max_total_tokens
+        # episodes advance on their own threads only where the engine is a real one (its `generate` safe to
+        # call from many threads, as HFEngine's and VLLMEngine's are)
+        self.continuous = continuous and hasattr(engine, "stream")
+        self._codec_lock = threading.Lock()  # one tokenizer for every episode thread
 
     def run(self, requests: Sequence[GenerateRequest], rows: Sequence[Mapping[str, Any]]) -> list[Trajectory]:
         """`sampling.n` episodes per request, each with its own environment reset on the request's row.
         A request's `prompt.token_ids` is the prompt; empty, the reset observation (and the environment's
         tools) rendered by the chat template is. Trajectories come in request order, then sample index."""
         episodes = [ep for req, row in zip(requests, rows, strict=True) for ep in self._start(req, row)]
+        if self.continuous:
+            self._run_each(episodes)
+        else:
+            self._run_turns(episodes)
+        return [self._trajectory(ep) for ep in episodes]
+
+    def _run_turns(self, episodes: list[_Episode]) -> None:
+        """Turn-synchronous: one `generate` per turn over every live episode."""
         for turn in range(self.max_turns):
             active = [ep for ep in episodes if not ep.stop and self._has_room(ep)]
             if not active:
@@ -250,7 +279,27 @@ class AgentDriver:
             completions = self.engine.generate([self._turn_request(ep, turn) for ep in active])
             for ep, completion in zip(active, completions, strict=True):
                 self._advance(ep, completion, last_turn=turn == self.max_turns - 1)
-        return [self._trajectory(ep) for ep in episodes]
+
+    def _run_each(self, episodes: list[_Episode]) -> None:
+        """Every episode on its own thread: a turn, its environment step, the next turn at once."""
+        live = [ep for ep in episodes if not ep.stop]
+        if not live:
+            return
+        threads = min(len(live), MAX_EPISODE_THREADS)
+        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="yatt-episode") as pool:
+            list(pool.map(self._episode, live))
+
+    def _episode(self, ep: _Episode) -> None:
+        try:
+            for turn in range(self.max_turns):
+                if not self._has_room(ep):
+                    return
+                (completion,) = self.engine.generate([self._turn_request(ep, turn)])
+                self._advance(ep, completion, last_turn=turn == self.max_turns - 1)
+                if ep.stop:
+                    return
+        except Exception as err:  # an engine call that raised (not a failed request) ends only this episode
+            ep.stop, ep.error = "error", f"episode failed: {type(err).__name__}: {err}"
 
     def _start(self, req: GenerateRequest, row: Mapping[str, Any]) -> list[_Episode]:
         out = []
@@ -297,12 +346,14 @@ class AgentDriver:
         ep.turns += 1
         ep.version = c.policy_version if ep.version is None else min(ep.version, c.policy_version)
         cut_off = len(ep.ids) >= self.max_total_tokens  # the turn ran into the length limit
-        text = self.codec.tok.decode(c.token_ids, skip_special_tokens=True)
+        with self._codec_lock:
+            text = self.codec.tok.decode(c.token_ids, skip_special_tokens=True)
         calls, malformed = parse_tool_calls(text)
         try:
-            result = ep.env.step(Action(text=text, tool_calls=calls, malformed=malformed))
+            result = ep.env.step(Action(text=text, tool_calls=calls, malformed=malformed))  # on no lock
             ends = result.done or last_turn or cut_off
-            reply = [] if ends else self.codec.reply_ids(result.observation.messages)
+            with self._codec_lock:
+                reply = [] if ends else self.codec.reply_ids(result.observation.messages)
         except Exception as err:  # an environment bug ends its own episode, never the rollout
             ep.stop, ep.error = "error", f"environment step failed: {type(err).__name__}: {err}"
             return

@@ -2,9 +2,13 @@
 
 One worker thread owns the model. `submit` validates each request in the caller's thread (a bad request
 gets error completions at once and never reaches a batch), then queues its `n` sample rows; the worker
-takes up to `max_batch_size` rows per batch, so requests that arrive while a batch runs join the next one.
-A batch is one prefill over the left-padded prompts and one cached forward per new token; each row stops
-at its own eos/stop token or budget and then leaves the batch with its KV cache rows. Sampled tokens and
+takes up to `max_batch_size` rows per batch. A batch is one prefill over the left-padded prompts and one
+cached forward per new token; each row stops at its own eos/stop token or budget, leaves the batch with its
+KV cache rows, and its request's future is answered then (the other rows go on). Continuous batching
+(`admission.py`): rows queued while a batch runs join it between two decode steps, up to `max_batch_size`
+(only the new rows are prefilled; their KV cache is merged into the running one), so an agent's next turn
+never waits for a long batch. Constrained rows, and every row of a VLM or an MoE-routing engine, wait for
+the next batch instead. Sampled tokens and
 logprobs stay on the model's device until the batch ends (`live_rows.py`); constrained rows (`choices`,
 `allowed_token_ids`) walk a transition table there too (`constraints.py`). Sleep and wake wait for the
 running batch; so do weight updates, unless the engine is `partial`.
@@ -28,7 +32,6 @@ under the new weights (the routing that made the KV cache the later tokens read)
 from __future__ import annotations
 
 import contextlib
-import itertools
 import queue
 import threading
 from collections import deque
@@ -39,7 +42,7 @@ from typing import Any
 
 import torch
 
-from yatt_rollout import sampling
+from yatt_rollout import admission, sampling
 from yatt_rollout.adapters import AdapterMerger
 from yatt_rollout.buckets import bucket_tensors
 from yatt_rollout.constraints import Spec, choice_token_ids
@@ -68,6 +71,17 @@ class _Request:
 class _Row:
     request: _Request
     index: int  # sample index within the request, 0..n-1
+    # what the row generated before its batch's current segment (a segment ends at each admission)
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    start: int = (
+        0  # the batch's decode step that sampled the row's first token (its version runs count from it)
+    )
+
+    @property
+    def ids(self) -> list[int]:
+        """The row's context at the start of the current segment: prompt, then its tokens so far."""
+        return self.request.token_ids + self.tokens
 
 
 class HFEngine:
@@ -119,12 +133,21 @@ class HFEngine:
             recorder.close()
             recorder = None
         self.routing = recorder  # hooks on the MoE routers, or None
-        self.stats = {"batches": 0, "rows": 0, "generated_tokens": 0, "resumed_rows": 0}
+        # admitted_rows: rows that joined a running batch (continuous batching); admissions: the times they did
+        self.stats = {
+            "batches": 0,
+            "rows": 0,
+            "generated_tokens": 0,
+            "resumed_rows": 0,
+            "admitted_rows": 0,
+            "admissions": 0,
+        }
         self.recent_batches: deque[list[str]] = deque(maxlen=256)  # request ids of the latest batches
         self._default_gen = torch.Generator(self.device).manual_seed(seed)
         self._version = 0
         self._asleep = False
         self._busy = False
+        self._waiting = 0  # callers waiting for the running batch to end: no admission meanwhile
         self._swap: tuple[Sequence[tuple[str, torch.Tensor]], int] | None = None  # a partial update to apply
         self._cv = threading.Condition()
         self._rows: queue.SimpleQueue[list[_Row] | None] = queue.SimpleQueue()
@@ -193,8 +216,7 @@ class HFEngine:
                 if self._swap is not ticket:
                     return  # the worker loaded it between two steps
                 self._swap = None  # the batch ended first: load it here
-            while self._busy:
-                self._cv.wait()
+            self._wait_idle()
             self.slots.load(named)
             self.adapters.forget(name for name, _ in named)
             self._version = version
@@ -205,8 +227,9 @@ class HFEngine:
         base weights (W = W0 + scaling * B @ A) between batches; later batches report `version`. Returns the
         bytes received (the adapter's, not the model's)."""
         with self._cv:
-            while self._swap is not None or self._busy:
+            while self._swap is not None:
                 self._cv.wait()
+            self._wait_idle()
             received = self.adapters.apply(named, scaling)
             self._version = version
             self._cv.notify_all()
@@ -225,14 +248,22 @@ class HFEngine:
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
         with self._cv:
-            while self._busy:
-                self._cv.wait()
+            self._wait_idle()
             self._asleep = True
             if level == 2:
                 self.slots.discard()
             elif self.device.type != "cpu":
                 self.model.to("cpu")
             release_free_memory(self.device)
+
+    def _wait_idle(self) -> None:
+        """Wait (holding `_cv`) until no batch runs; the running one admits no more rows meanwhile."""
+        self._waiting += 1
+        try:
+            while self._busy:
+                self._cv.wait()
+        finally:
+            self._waiting -= 1
 
     def wake_up(self) -> None:
         """Serve again. After level 2, weights must still be loaded before `generate`."""
@@ -315,18 +346,12 @@ class HFEngine:
                 if rows is None:
                     return
                 self._pending += rows
-            while True:  # everything that arrived meanwhile joins this batch, up to the limit
-                try:
-                    more = self._rows.get_nowait()
-                except queue.Empty:
-                    break
-                if more is None:
-                    self._rows.put(None)
-                    break
-                self._pending += more
+            self._drain()  # everything that arrived meanwhile joins this batch, up to the limit
             batch, self._pending = self._pending[: self.max_batch_size], self._pending[self.max_batch_size :]
             with self._cv:
-                while self._asleep or self.slots.missing:  # rows queued before a sleep wait for weights
+                # rows queued before a sleep wait for weights; a caller waiting for the engine to be idle (an
+                # update, a sleep) goes before the next batch, as it went before joins into the last one
+                while self._asleep or self.slots.missing or self._waiting:
                     self._cv.wait()
                 self._busy = True
                 version = self._version
@@ -336,6 +361,31 @@ class HFEngine:
                 with self._cv:
                     self._busy = False
                     self._cv.notify_all()
+
+    def _drain(self) -> None:
+        """Move the queued rows to `_pending` (worker thread); a close (None) stays queued."""
+        while True:
+            try:
+                more = self._rows.get_nowait()
+            except queue.Empty:
+                return
+            if more is None:
+                self._rows.put(None)
+                return
+            self._pending += more
+
+    def _admit(self, room: int) -> list[_Row]:
+        """Up to `room` queued rows that may join the running batch now (`admission.admissible`), in queue
+        order; the others stay pending. None while a caller waits for the batch to end (sleep, an update)."""
+        if self._waiting or room <= 0:
+            return []
+        self._drain()
+        admitted: list[_Row] = []
+        rest: list[_Row] = []
+        for row in self._pending:
+            (admitted if len(admitted) < room and admission.admissible(row.request) else rest).append(row)
+        self._pending = rest
+        return admitted
 
     def _take_swap(self) -> int:
         """Apply the pending partial update (worker thread, between decode steps); its version."""
@@ -352,30 +402,40 @@ class HFEngine:
         self.recent_batches.append(sorted({row.request.req.request_id for row in batch}))
         self.stats["batches"] += 1
         self.stats["rows"] += len(batch)
-        switches = [(0, version)]  # (first step, version) of each policy the batch decoded under
+        switches = [(0, version)]  # (first decode step, version) of each policy the batch decoded under
+        rows = list(batch)  # every row of the batch, those admitted while it runs included
         try:
             with decode_attention(self.device):
-                results, routes = self._decode(batch, switches)
-        except Exception as err:  # a failing batch fails its own requests; the engine keeps serving
-            for row in batch:
-                message = f"{type(err).__name__}: {err}"
-                self._finish(row, error_completions(row.request.req, message, version)[row.index])
-            return
-        for i, (row, (tokens, logprobs, reason)) in enumerate(zip(batch, results, strict=True)):
-            self.stats["generated_tokens"] += len(tokens)
-            runs = _version_runs(switches, len(tokens))
-            self.stats["resumed_rows"] += len(runs) > 1
-            completion = Completion(
-                request_id=row.request.req.request_id,
-                index=row.index,
-                token_ids=tokens,
-                logprobs=logprobs if row.request.req.sampling.logprobs else [],
-                finish_reason=reason,
-                policy_version=runs[0][0] if runs else switches[-1][1],
-                version_runs=runs,
-                routed_experts=routes[i] if routes else None,
-            )
-            self._finish(row, completion)
+                self._decode(rows, switches)
+        except Exception as err:  # a failing batch fails its own unanswered rows; the engine keeps serving
+            message = f"{type(err).__name__}: {err}"
+            for row in rows:
+                if row.index not in row.request.done:
+                    self._finish(row, error_completions(row.request.req, message, version)[row.index])
+
+    def _complete(
+        self,
+        row: _Row,
+        segment: tuple[list[int], list[float], FinishReason],
+        switches: list[tuple[int, int]],
+        routes: RoutedExperts | None = None,
+    ) -> None:
+        """Answer a row that ended: its tokens of earlier segments, then those of `segment`."""
+        tokens, logprobs = row.tokens + segment[0], row.logprobs + segment[1]
+        self.stats["generated_tokens"] += len(tokens)
+        runs = _version_runs(switches, len(tokens), row.start)
+        self.stats["resumed_rows"] += len(runs) > 1
+        completion = Completion(
+            request_id=row.request.req.request_id,
+            index=row.index,
+            token_ids=tokens,
+            logprobs=logprobs if row.request.req.sampling.logprobs else [],
+            finish_reason=segment[2],
+            policy_version=runs[0][0] if runs else switches[-1][1],
+            version_runs=runs,
+            routed_experts=routes,
+        )
+        self._finish(row, completion)
 
     @staticmethod
     def _finish(row: _Row, completion: Completion) -> None:
@@ -388,55 +448,76 @@ class HFEngine:
                 req.future.set_result([req.done[i] for i in range(req.req.sampling.n)])
 
     def _left_pad(self, batch: list[_Row]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """input_ids [B, T] and attention mask [B, T], prompts right-aligned; each row's token budget."""
-        lengths = [len(row.request.token_ids) for row in batch]
+        """input_ids [B, T] and attention mask [B, T] of the rows' contexts (`_Row.ids`), right-aligned; each
+        row's token budget left."""
+        contexts = [row.ids for row in batch]
+        lengths = [len(ids) for ids in contexts]
         width = max(lengths)
         input_ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for i, row in enumerate(batch):
-            input_ids[i, width - lengths[i] :] = torch.tensor(row.request.token_ids)
+        for i, ids in enumerate(contexts):
+            input_ids[i, width - lengths[i] :] = torch.tensor(ids)
             mask[i, width - lengths[i] :] = 1
         # a row may not run past the model's context
         budget = [
-            min(r.request.req.sampling.max_new_tokens, self.max_context - n)
+            min(r.request.req.sampling.max_new_tokens - len(r.tokens), self.max_context - n)
             for r, n in zip(batch, lengths, strict=True)
         ]
         return input_ids.to(self.device), mask.to(self.device), budget
 
     @torch.inference_mode()
-    def _decode(
-        self, batch: list[_Row], switches: list[tuple[int, int]]
-    ) -> tuple[list[tuple[list[int], list[float], FinishReason]], list[RoutedExperts]]:
-        """Prefill the left-padded batch, then one cached step per token. A row that stops leaves the batch
-        (its KV cache rows too), so the others run at their own size. A partial weight update taken at a step
-        is appended to `switches` and the running rows are prefilled again under it.
+    def _decode(self, batch: list[_Row], switches: list[tuple[int, int]]) -> None:
+        """Prefill the left-padded batch, then one cached step per token; each row is answered when it ends
+        (with an MoE recorder: all at the end, with their routes). A row that stops leaves the batch (its KV
+        cache rows too), so the others run at their own size. A partial weight update taken at a step is
+        appended to `switches` and the running rows are prefilled again under it. Rows queued meanwhile join
+        between two steps (`admission.join`); `batch` (the caller's list) gains them.
 
-        Tokens and logprobs stay on the device until the batch ends (one transfer each); per step the host
-        reads one flag (did any row end?) and, on the steps where rows end, which ones. With an MoE model the
-        routers' choices of every forward go into a `RouteBuffer` (each row's `RoutedExperts`, else [])."""
-        prompt_ids, prompt_mask, budget = self._left_pad(batch)
-        rows = LiveRows.build(batch, budget, self.eos_ids, self.vocab_size, self.device)
+        Tokens and logprobs stay on the device while a row runs; per step the host reads one flag (did any
+        row end?) and, on the steps where rows end, which ones and their tokens. With an MoE model the
+        routers' choices of every forward go into a `RouteBuffer` (each row's `RoutedExperts`)."""
+        seg = list(batch)  # the current segment's rows, in LiveRows' batch order
+        prompt_ids, prompt_mask, budget = self._left_pad(seg)
+        rows = LiveRows.build(seg, budget, self.eos_ids, self.vocab_size, self.device)
         routes = None
         if self.routing is not None:
-            routes = RouteBuffer(self.routing, len(batch), prompt_ids.shape[1], max(budget), self.device)
-        out, cache, mask, pos, deltas = self._prefill(batch, prompt_ids, prompt_mask)
+            routes = RouteBuffer(self.routing, len(seg), prompt_ids.shape[1], max(budget), self.device)
+        out, cache, mask, pos, deltas = self._prefill(seg, prompt_ids, prompt_mask)
+        logits = out.logits[:, -1]
         if routes is not None:
             routes.prefill(rows.live, prompt_ids.shape[1])
-        for step in itertools.count():
+        joins = routes is None and deltas is None and admission.mergeable(cache)
+        base, step = 0, 0  # the batch's decode steps before this segment; this segment's step
+        while True:
             if self._swap is not None:  # partial: new weights, then the KV cache of the running rows again
-                switches.append((step, self._take_swap()))
+                switches.append((base + step, self._take_swap()))
                 live = rows.live
                 ids = torch.cat([prompt_ids[live], rows.tokens[live, :step]], dim=1)
                 m = torch.cat([prompt_mask[live], prompt_mask.new_ones((len(live), step))], dim=1)
-                out, cache, mask, pos, deltas = self._prefill([batch[i] for i in live.tolist()], ids, m)
+                out, cache, mask, pos, deltas = self._prefill([seg[i] for i in live.tolist()], ids, m)
+                logits = out.logits[:, -1]
                 if routes is not None:
                     routes.prefill(live, ids.shape[1])
-            logits = out.logits[:, -1].float()  # [L, V]
+            elif joins and step and rows.constraint is None:
+                new = self._admit(self.max_batch_size - len(rows.live))
+                if new:
+                    for row in new:
+                        row.start = base + step
+                    batch += new
+                    seg, rows, prompt_ids, prompt_mask, mask, pos, logits = admission.join(
+                        self, seg, rows, step, new, (cache, mask, pos, logits)
+                    )
+                    base, step = base + step, 0
+            lg = logits.float()  # [L, V]
             if rows.constraint is not None:  # logprobs below are then the constrained distribution's
-                logits = rows.constraint.mask(logits)
-            tokens = sampling.sample(logits, rows.params, rows.gens, self._default_gen)
-            keep = rows.record(step, tokens, sampling.raw_logprobs(logits, tokens))
+                lg = rows.constraint.mask(lg)
+            tokens = sampling.sample(lg, rows.params, rows.gens, self._default_gen)
+            before = rows.live
+            keep = rows.record(step, tokens, sampling.raw_logprobs(lg, tokens))
             if keep is not None:  # some rows ended: the rest go on with their own cache rows
+                if routes is None:  # answered now: an agent's next turn may join this very batch
+                    for i, result in admission.ended(rows, before, keep):
+                        self._complete(seg[i], result, switches)
                 if keep.numel() == 0:
                     break
                 cache.batch_select_indices(keep)
@@ -451,13 +532,16 @@ class HFEngine:
                 past_key_values=cache,
                 use_cache=True,
             )
+            logits = out.logits[:, -1]
             if routes is not None:
                 routes.step(rows.live, step)
-        results = rows.results()
-        if routes is None:
-            return results, []
-        prompt_lens = [len(row.request.token_ids) for row in batch]
-        return results, routes.rows(prompt_lens, [len(tokens) for tokens, _, _ in results])
+            step += 1
+        if routes is not None:  # MoE: every row at the end (no admission: `seg` is the whole batch)
+            results = rows.results()
+            prompt_lens = [len(row.request.token_ids) for row in seg]
+            experts = routes.rows(prompt_lens, [len(tokens) for tokens, _, _ in results])
+            for row, result, route in zip(seg, results, experts, strict=True):
+                self._complete(row, result, switches, route)
 
     def _prefill(self, batch: list[_Row], input_ids: torch.Tensor, mask: torch.Tensor) -> tuple:
         """One forward over left-padded `input_ids` [L, T]: (output, KV cache, mask, last positions [L, 1],
@@ -488,10 +572,14 @@ class HFEngine:
         return kwargs, deltas.reshape(-1, 1)
 
 
-def _version_runs(switches: list[tuple[int, int]], num_tokens: int) -> list[tuple[int, int]]:
-    """(version, tokens) runs of a row of `num_tokens` tokens, from the batch's (first step, version) switches."""
-    bounds = [start for start, _ in switches[1:]] + [num_tokens]
-    runs = [(v, min(end, num_tokens) - start) for (start, v), end in zip(switches, bounds, strict=True)]
+def _version_runs(switches: list[tuple[int, int]], num_tokens: int, start: int = 0) -> list[tuple[int, int]]:
+    """(version, tokens) runs of a row of `num_tokens` tokens whose first token was sampled at the batch's step
+    `start`, from the batch's (first step, version) switches."""
+    firsts = [(max(step - start, 0), v) for step, v in switches]  # in the row's own token count
+    bounds = [first for first, _ in firsts[1:]] + [num_tokens]
+    runs = [
+        (v, min(end, num_tokens) - min(s, num_tokens)) for (s, v), end in zip(firsts, bounds, strict=True)
+    ]
     return [(v, n) for v, n in runs if n > 0]
 
 

@@ -37,7 +37,7 @@ def mergeable(cache: Any) -> bool:
 
 
 def admissible(request: Any) -> bool:
-    """Whether a queued row of this `_Request` may join a running batch (unconstrained, text only)."""
+    """Whether a queued row of this `BatchRequest` may join a running batch (unconstrained, text only)."""
     return request.constraint is None and not request.vision
 
 

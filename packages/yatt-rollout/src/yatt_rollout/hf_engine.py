@@ -19,7 +19,7 @@ recomputed: one prefill of prompt + tokens so far under the new weights, so ever
 from the new policy given its whole context. Each completion's `version_runs` says which tokens each
 version made (its `policy_version` is the oldest).
 
-VLM prompts (the Qwen2-VL family): images from `Prompt.media` go through the image processor; the prompt's
+VLM prompts (the Qwen2-VL family, `hf_inputs.py`): images from `Prompt.media` go through the image processor; the prompt's
 `<|image_pad|>` placeholders are expanded to the image token count, `mm_token_type_ids` marks them, and
 M-RoPE positions come from the model's `get_rope_index` (prefill) plus its per-row deltas (decode).
 
@@ -37,7 +37,6 @@ import threading
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Future, InvalidStateError
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -45,43 +44,20 @@ import torch
 from yatt_rollout import admission, sampling
 from yatt_rollout.adapters import AdapterMerger
 from yatt_rollout.buckets import bucket_tensors
-from yatt_rollout.constraints import Spec, choice_token_ids
 from yatt_rollout.device import decode_attention, release_free_memory
+from yatt_rollout.hf_inputs import (
+    BatchRequest,
+    BatchRow,
+    mrope_step,
+    prefill_inputs,
+    request_constraint,
+    vision_inputs,
+)
 from yatt_rollout.live_rows import LiveRows
-from yatt_rollout.media import expand_image_tokens, load_image
 from yatt_rollout.requests import check_request, error_completions
 from yatt_rollout.routing import RouteBuffer, RoutingRecorder
 from yatt_rollout.types import Completion, FinishReason, GenerateRequest, RoutedExperts, WeightBucket
 from yatt_rollout.weights import WeightSlots
-
-
-@dataclass
-class _Request:
-    """A validated request: expanded token ids, its image tensors, and where its completions gather."""
-
-    req: GenerateRequest
-    token_ids: list[int]
-    vision: dict[str, torch.Tensor]  # pixel_values, image_grid_thw (empty for text prompts)
-    future: Future
-    constraint: Spec | None = None  # choices' token ids or allowed ids (constraints.py)
-    done: dict[int, Completion] = field(default_factory=dict)
-
-
-@dataclass
-class _Row:
-    request: _Request
-    index: int  # sample index within the request, 0..n-1
-    # what the row generated before its batch's current segment (a segment ends at each admission)
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    start: int = (
-        0  # the batch's decode step that sampled the row's first token (its version runs count from it)
-    )
-
-    @property
-    def ids(self) -> list[int]:
-        """The row's context at the start of the current segment: prompt, then its tokens so far."""
-        return self.request.token_ids + self.tokens
 
 
 class HFEngine:
@@ -150,8 +126,8 @@ class HFEngine:
         self._waiting = 0  # callers waiting for the running batch to end: no admission meanwhile
         self._swap: tuple[Sequence[tuple[str, torch.Tensor]], int] | None = None  # a partial update to apply
         self._cv = threading.Condition()
-        self._rows: queue.SimpleQueue[list[_Row] | None] = queue.SimpleQueue()
-        self._pending: list[_Row] = []
+        self._rows: queue.SimpleQueue[list[BatchRow] | None] = queue.SimpleQueue()
+        self._pending: list[BatchRow] = []
         # torch's intra-op thread count is per thread (OpenMP): the worker takes the builder's setting
         self._num_threads = torch.get_num_threads()
         self._worker = threading.Thread(target=self._serve, name="yatt-hf-engine", daemon=True)
@@ -194,7 +170,7 @@ class HFEngine:
             except ValueError as err:
                 fut.set_result(error_completions(req, str(err), self._version))
                 continue
-            rows += [_Row(prepared, i) for i in range(req.sampling.n)]
+            rows += [BatchRow(prepared, i) for i in range(req.sampling.n)]
         if rows:
             self._rows.put(rows)
         return futures
@@ -280,59 +256,16 @@ class HFEngine:
 
     # ---- requests ----------------------------------------------------------------------------------------
 
-    def _prepare(self, req: GenerateRequest, fut: Future) -> _Request:
+    def _prepare(self, req: GenerateRequest, fut: Future) -> BatchRequest:
         """Validate one request and load its images. ValueError names what is wrong."""
         check_request(req, vocab_size=self.vocab_size, max_context=self.max_context)
         ids = list(req.prompt.token_ids)
         vision: dict[str, Any] = {}
         if req.prompt.media:
-            ids, vision = self._vision_inputs(req, ids)
+            ids, vision = vision_inputs(req, ids, self.image_processor, self.image_token_id)
             check_request(req, vocab_size=self.vocab_size, max_context=self.max_context, num_tokens=len(ids))
-        return _Request(req, ids, vision, fut, self._constraint(req))
-
-    def _constraint(self, req: GenerateRequest) -> Spec | None:
-        """The request's choices as token ids (or its allowed ids); ValueError naming the field."""
-        s, rid = req.sampling, req.request_id
-        if s.allowed_token_ids:
-            bad = max(s.allowed_token_ids)
-            if bad >= self.vocab_size:
-                raise ValueError(
-                    f"request {rid}: sampling.allowed_token_ids has {bad}, outside the vocabulary [0, {self.vocab_size})"
-                )
-            return ("allowed", (tuple(sorted(set(s.allowed_token_ids))),))
-        if not s.choices:
-            return None
-        if self.tokenizer is None:
-            raise ValueError(f"request {rid}: sampling.choices needs a tokenizer; this HFEngine has none")
-        if not self.eos_ids:
-            raise ValueError(
-                f"request {rid}: sampling.choices needs an eos token to end a choice; the engine has none"
-            )
-        seqs = choice_token_ids(self.tokenizer, s.choices)
-        longest = max(map(len, seqs)) + 1
-        if s.max_new_tokens < longest:
-            raise ValueError(
-                f"request {rid}: sampling.max_new_tokens is {s.max_new_tokens}; the longest choice takes "
-                f"{longest} tokens with eos"
-            )
-        return ("choices", seqs)
-
-    def _vision_inputs(
-        self, req: GenerateRequest, ids: list[int]
-    ) -> tuple[list[int], dict[str, torch.Tensor]]:
-        if self.image_processor is None or self.image_token_id is None:
-            raise ValueError(
-                f"request {req.request_id}: prompt has media but the engine has no VLM and processor"
-            )
-        try:
-            images = [load_image(ref) for ref in req.prompt.media]  # names a missing or unreadable file
-            out = self.image_processor(images=images, return_tensors="pt")
-            merge = self.image_processor.merge_size**2
-            counts = [int(thw.prod()) // merge for thw in out["image_grid_thw"]]
-            ids = expand_image_tokens(ids, self.image_token_id, counts)
-        except ValueError as err:
-            raise ValueError(f"request {req.request_id}: {err}") from err
-        return ids, {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+        spec = request_constraint(req, self.tokenizer, self.eos_ids, self.vocab_size)
+        return BatchRequest(req, ids, vision, fut, spec)
 
     # ---- the worker ----------------------------------------------------------------------------------------
 
@@ -374,14 +307,14 @@ class HFEngine:
                 return
             self._pending += more
 
-    def _admit(self, room: int) -> list[_Row]:
+    def _admit(self, room: int) -> list[BatchRow]:
         """Up to `room` queued rows that may join the running batch now (`admission.admissible`), in queue
         order; the others stay pending. None while a caller waits for the batch to end (sleep, an update)."""
         if self._waiting or room <= 0:
             return []
         self._drain()
-        admitted: list[_Row] = []
-        rest: list[_Row] = []
+        admitted: list[BatchRow] = []
+        rest: list[BatchRow] = []
         for row in self._pending:
             (admitted if len(admitted) < room and admission.admissible(row.request) else rest).append(row)
         self._pending = rest
@@ -398,7 +331,7 @@ class HFEngine:
             self._cv.notify_all()
         return version
 
-    def _run(self, batch: list[_Row], version: int) -> None:
+    def _run(self, batch: list[BatchRow], version: int) -> None:
         self.recent_batches.append(sorted({row.request.req.request_id for row in batch}))
         self.stats["batches"] += 1
         self.stats["rows"] += len(batch)
@@ -415,7 +348,7 @@ class HFEngine:
 
     def _complete(
         self,
-        row: _Row,
+        row: BatchRow,
         segment: tuple[list[int], list[float], FinishReason],
         switches: list[tuple[int, int]],
         routes: RoutedExperts | None = None,
@@ -438,7 +371,7 @@ class HFEngine:
         self._finish(row, completion)
 
     @staticmethod
-    def _finish(row: _Row, completion: Completion) -> None:
+    def _finish(row: BatchRow, completion: Completion) -> None:
         req = row.request
         req.done[row.index] = completion
         if len(req.done) == req.req.sampling.n and not req.future.cancelled():
@@ -447,8 +380,8 @@ class HFEngine:
             ):  # cancelled meanwhile by its caller: nothing to deliver
                 req.future.set_result([req.done[i] for i in range(req.req.sampling.n)])
 
-    def _left_pad(self, batch: list[_Row]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """input_ids [B, T] and attention mask [B, T] of the rows' contexts (`_Row.ids`), right-aligned; each
+    def _left_pad(self, batch: list[BatchRow]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """input_ids [B, T] and attention mask [B, T] of the rows' contexts (`BatchRow.ids`), right-aligned; each
         row's token budget left."""
         contexts = [row.ids for row in batch]
         lengths = [len(ids) for ids in contexts]
@@ -466,7 +399,7 @@ class HFEngine:
         return input_ids.to(self.device), mask.to(self.device), budget
 
     @torch.inference_mode()
-    def _decode(self, batch: list[_Row], switches: list[tuple[int, int]]) -> None:
+    def _decode(self, batch: list[BatchRow], switches: list[tuple[int, int]]) -> None:
         """Prefill the left-padded batch, then one cached step per token; each row is answered when it ends
         (with an MoE recorder: all at the end, with their routes). A row that stops leaves the batch (its KV
         cache rows too), so the others run at their own size. A partial weight update taken at a step is
@@ -528,7 +461,7 @@ class HFEngine:
             out = self.model(
                 input_ids=tokens[:, None],
                 attention_mask=mask,
-                position_ids=pos if deltas is None else _mrope_step(pos, deltas),
+                position_ids=pos if deltas is None else mrope_step(pos, deltas),
                 past_key_values=cache,
                 use_cache=True,
             )
@@ -543,33 +476,14 @@ class HFEngine:
             for row, result, route in zip(seg, results, experts, strict=True):
                 self._complete(row, result, switches, route)
 
-    def _prefill(self, batch: list[_Row], input_ids: torch.Tensor, mask: torch.Tensor) -> tuple:
+    def _prefill(self, batch: list[BatchRow], input_ids: torch.Tensor, mask: torch.Tensor) -> tuple:
         """One forward over left-padded `input_ids` [L, T]: (output, KV cache, mask, last positions [L, 1],
         M-RoPE deltas or None)."""
         text_pos = (mask.cumsum(-1) - 1).clamp(min=0)  # [L, T]; padding positions are never attended
-        kwargs, deltas = self._prefill_inputs(batch, input_ids, mask, text_pos)
+        vision = [row.request.vision for row in batch if row.request.vision]
+        kwargs, deltas = prefill_inputs(self.model, self.image_token_id, vision, input_ids, mask, text_pos)
         out = self.model(input_ids=input_ids, attention_mask=mask, use_cache=True, logits_to_keep=1, **kwargs)
         return out, out.past_key_values, mask, text_pos[:, -1:], deltas
-
-    def _prefill_inputs(
-        self, batch: list[_Row], input_ids: torch.Tensor, mask: torch.Tensor, text_pos: torch.Tensor
-    ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
-        """Model kwargs of the prefill; for a VLM also the per-row M-RoPE deltas [B, 1] used when decoding."""
-        if self.image_token_id is None:
-            return {"position_ids": text_pos}, None
-        vision = [row.request.vision for row in batch if row.request.vision]
-        kwargs: dict[str, torch.Tensor] = {"mm_token_type_ids": (input_ids == self.image_token_id).long()}
-        if vision:
-            kwargs["pixel_values"] = torch.cat([v["pixel_values"] for v in vision]).to(self.device)
-            kwargs["image_grid_thw"] = torch.cat([v["image_grid_thw"] for v in vision]).to(self.device)
-        pos3, deltas = self.model.model.get_rope_index(
-            input_ids,
-            mm_token_type_ids=kwargs["mm_token_type_ids"],
-            image_grid_thw=kwargs.get("image_grid_thw"),
-            attention_mask=mask,
-        )
-        kwargs["position_ids"] = torch.cat([text_pos[None], pos3])  # [4, B, T]: text positions, then t/h/w
-        return kwargs, deltas.reshape(-1, 1)
 
 
 def _version_runs(switches: list[tuple[int, int]], num_tokens: int, start: int = 0) -> list[tuple[int, int]]:
@@ -581,12 +495,6 @@ def _version_runs(switches: list[tuple[int, int]], num_tokens: int, start: int =
         (v, min(end, num_tokens) - min(s, num_tokens)) for (s, v), end in zip(firsts, bounds, strict=True)
     ]
     return [(v, n) for v, n in runs if n > 0]
-
-
-def _mrope_step(pos: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
-    """Positions of a decode step for M-RoPE: [4, B, 1] = text position, then t/h/w = text + row delta."""
-    shifted = (pos + deltas.to(pos.device))[None].expand(3, -1, -1)
-    return torch.cat([pos[None], shifted])
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> list[int]:

@@ -102,7 +102,7 @@ class PlacementConfig(_Config, frozen=True, kw_only=True):
     profile: dict[str, float] = {}
     # dynamic: when a measured imbalance moves devices; every move is checked by the step times after it (and
     # undone when they are more than 10% slower): busy time alone can mislead where logical devices share cores
-    replan: ReplanConfig = ReplanConfig(verify_steps=2)
+    replan: ReplanConfig = ReplanConfig(verify_steps=3)
 
     def __post_init__(self) -> None:
         if self.sleep_level not in (0, 1, 2):

@@ -23,8 +23,8 @@ from a cluster.
    machine's cores, chunked engine calls streaming into the judge, the other load on the machine, sampled
    from /proc during each run), fitted to the live colocated run only; its error on partial and dynamic is
    `live.sim_vs_live_rel_error`. `--keep DIR` keeps the run folders (`yatt plan --calibrate DIR/colocated`).
-`--quick` takes about 5 minutes on an idle 2-core machine (the four live runs' start-up dominates), more when
-the machine is loaded. The last printed line is one JSON object.
+`--quick` takes 75-78 s on an idle 2-core machine (session 13; 126-234 s on the slower machine of session 12;
+the four live runs' start-up dominates), more when the machine is loaded. The last printed line is one JSON object.
 
     python benchmarks/bench_placement.py --quick
 """

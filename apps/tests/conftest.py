@@ -13,7 +13,8 @@ import pytest
 def _read(run: Path):
     """The records of an offline W&B run's .wandb file: a 7-byte header (":W&B", magic, version), then
     LevelDB-log framing (32 KiB blocks of chunks: crc32, little-endian length, type 1 full / 2 first /
-    3 middle / 4 last; a block tail under 7 bytes is padding), each record a protobuf `Record`."""
+    3 middle / 4 last; a block tail under 7 bytes is padding), each record a protobuf `Record`. Read while the
+    W&B service still appends, the records end at the last whole chunk."""
     from wandb.proto import wandb_internal_pb2
 
     (file,) = run.glob("run-*.wandb")
@@ -26,6 +27,8 @@ def _read(run: Path):
             pos += left
             continue
         length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        if pos + 7 + length > len(data):  # the service is still writing this chunk: the file ends before it
+            return
         chunk += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):

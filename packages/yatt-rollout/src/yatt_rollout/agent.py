@@ -57,9 +57,8 @@ from yatt_rollout.types import (
     Trajectory,
 )
 
-MAX_EPISODE_THREADS = (
-    1024  # episodes advancing at once (more wait for a thread; each mostly waits on the engine)
-)
+# episodes advancing at once (more wait for a thread; each mostly waits on the engine)
+MAX_EPISODE_THREADS = 1024
 
 # the stand-in conversation after which an environment reply is rendered (its content never reaches a model)
 _STAND_IN = [

@@ -37,9 +37,8 @@ class BatchRow:
     # what the row generated before its batch's current segment (a segment ends at each admission)
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    start: int = (
-        0  # the batch's decode step that sampled the row's first token (its version runs count from it)
-    )
+    # the batch's decode step that sampled the row's first token (its version runs count from it)
+    start: int = 0
 
     @property
     def ids(self) -> list[int]:

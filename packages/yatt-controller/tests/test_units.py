@@ -14,6 +14,7 @@ from yatt_controller.collective import Collective, reduce_dicts
 from yatt_controller.data import ShardSampler
 from yatt_controller.dispatch import route, shard_rows, split_evenly, split_rows
 from yatt_controller.ledger import SCALAR_BYTES, ByteLedger, payload_nbytes
+from yatt_controller.reports import ReportLog
 from yatt_controller.sync import StaleSampleError, check_versions
 from yatt_controller.types import StepReport
 
@@ -160,6 +161,33 @@ def test_payload_nbytes_counts_payload_not_structure():
     ledger.count_sent(b"x" * 50)
     ledger.count_received([b"y" * 20])
     assert (ledger.sent, ledger.received, ledger.total) == (50, 20, 70)
+
+
+def test_report_log_logs_every_step_once_across_a_restart():
+    """A step re-run after a restart (its checkpoint was not complete) completes on this attempt's reports
+    only and is not logged again; its new reports are what the run returns. A step replayed from a
+    checkpoint is logged unless it was."""
+    logged: list[tuple[int, list[float]]] = []
+    log = ReportLog(2, lambda step, reports: logged.append((step, [r.metrics["x"] for r in reports])))
+
+    def report(step: int, rank: int, x: float) -> StepReport:
+        return StepReport(step=step, controller_rank=rank, metrics={"x": x})
+
+    assert [log.take(report(0, r, 1.0)) for r in (1, 0)] == [False, True]
+    assert [log.take(report(1, r, 2.0)) for r in (0, 1)] == [False, True]
+    assert log.logged_through == 1
+    log.new_attempt()  # resumed from step 0's checkpoint: step 1 runs again
+    log.replay(0, {0: report(0, 0, 9.0), 1: report(0, 1, 9.0)})
+    log.replay(2, {0: report(2, 0, 9.0)})  # incomplete: not logged
+    assert log.take(report(1, 0, 3.0)) is False  # attempt 1's rank-1 report does not complete it
+    assert log.take(report(1, 1, 3.0)) is True
+    assert log.take(report(2, 1, 4.0)) is False and log.take(report(2, 0, 4.0)) is True
+    assert logged == [(0, [1.0, 1.0]), (1, [2.0, 2.0]), (2, [4.0, 4.0])]
+    assert {step: [r.metrics["x"] for r in rs] for step, rs in log.ordered().items()} == {
+        0: [1.0, 1.0],
+        1: [3.0, 3.0],
+        2: [4.0, 4.0],
+    }
 
 
 def test_reduce_and_local_collective():

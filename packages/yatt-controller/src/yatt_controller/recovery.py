@@ -36,8 +36,8 @@ def next_step(path: Path | None) -> int:
 
 def replay_saved_reports(path: Path, log: ReportLog) -> None:
     """Before resuming from the checkpoint at `path`: the steps it carries reports of (every controller's, for
-    each step the driver had not logged when it was written) go to `on_step` in order, unless this process
-    has had all their reports already (a restart). They are not this run's reports (`RunResult`); from here
+    each step the driver had not logged when it was written) go to `on_step` in order, unless this run has
+    logged them already (a restart). They are not this run's reports (`RunResult`); from here
     on every step up to the checkpoint's counts as logged."""
     saved: dict[int, dict[int, StepReport]] = {}
     for report in saved_reports(path):

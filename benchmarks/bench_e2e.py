@@ -38,8 +38,14 @@ Quality beside speed: each run's final reward (mean `reward/mean` of its last 3 
 `sync_final_reward`, `async_final_reward`, `trl_final_reward`. YATT's fixed per-step cost, `yatt_fixed_step_s`:
 the best synchronous layout on the `null` model (one layer of width 8: ~no compute) with the same batch and
 lengths; `yatt_fixed_step_share` is its share of that layout's step on the size's real model.
-`ratio_yatt_over_trl` is YATT's best layout (async included) over TRL's best thread count,
-`sync_ratio_yatt_over_trl` YATT's best synchronous layout over the same.
+`trl_fixed_step_s` is TRL's step on the same null model at its best thread count: what any framework that
+generates with HF and scores with math_verify pays per step at this batch, so `yatt_fixed_step_s` minus it is
+YATT's own overhead (processes, Ray calls, weight push). `ratio_yatt_over_trl` is YATT's best layout (async
+included) over TRL's best thread count, `sync_ratio_yatt_over_trl` YATT's best synchronous layout over the
+same. `overlap_bound_over_trl` = 2 x TRL's one-thread tokens/s / TRL's best: about the most a layout that
+does TRL's work per token, one role per core on two cores, can reach over TRL, since TRL already uses the
+second core with its second thread (`trl_tokens_per_s_by_threads`). It is an estimate from one run of each
+thread count, as noisy as they are.
 
 Differences that cannot be removed: YATT spreads the step over processes (learner, rollout engine with a KV
 cache and reward worker per device, weights pushed to the engine after each update; the reward worker scores
@@ -417,7 +423,8 @@ def bench_size(root: Path, args: argparse.Namespace, size: str) -> dict:
     asyncs = [r for r in yatts if LAYOUTS[r["layout"]].max_staleness]
     if syncs:  # the fixed per-step cost: the best synchronous layout on the null model, same batch
         sync = max(syncs, key=lambda res: res["tokens_per_s"])
-        null = run_yatt(build_policy(root, args.num_rows, "null"), root, args, sync["layout"])
+        null_dir = build_policy(root, args.num_rows, "null")
+        null = run_yatt(null_dir, root, args, sync["layout"])
         fixed = statistics.median(null["step_s"])
         print(f"  yatt/{sync['layout']} on the null model: step {fixed:.3f} s (YATT's fixed per-step cost)")
         out |= {
@@ -425,6 +432,10 @@ def bench_size(root: Path, args: argparse.Namespace, size: str) -> dict:
             "yatt_fixed_step_s": round(fixed, 4),
             "yatt_fixed_step_share": round(fixed / statistics.median(sync["step_s"]), 3),
         }
+        if trls:  # TRL on the same null model: the per-step cost no framework at this batch avoids
+            null_trl = run_trl(null_dir, root, args, trl["torch_threads"])
+            out["trl_fixed_step_s"] = round(statistics.median(null_trl["step_s"]), 4)
+            print(f"  trl/{trl['torch_threads']}t on the null model: step {out['trl_fixed_step_s']:.3f} s")
     if asyncs:
         out["async_final_reward"] = round(max(asyncs, key=lambda r: r["tokens_per_s"])["final_reward"], 4)
     if trls:
@@ -432,6 +443,9 @@ def bench_size(root: Path, args: argparse.Namespace, size: str) -> dict:
     if trls and yatts:
         out["ratio_yatt_over_trl"] = round(yatt["tokens_per_s"] / trl["tokens_per_s"], 3)
         out["ratio_overall"] = round(yatt["tokens_per_s_overall"] / trl["tokens_per_s_overall"], 3)
+    one_thread = [r["tokens_per_s"] for r in trls if r["torch_threads"] == 1]
+    if trls and one_thread:
+        out["overlap_bound_over_trl"] = round(2 * max(one_thread) / trl["tokens_per_s"], 3)
     if trls and syncs:
         out["sync_ratio_yatt_over_trl"] = round(sync["tokens_per_s"] / trl["tokens_per_s"], 3)
     return out

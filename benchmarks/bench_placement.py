@@ -16,12 +16,15 @@ from a cluster.
 4. Live: the real tiny GRPO job with its real tiny judge (`yatt_apps.runtime.launch.run_job`, one shared local
    Ray, 4 logical devices, one controller) under colocated placement, partial at the planner's split and at
    1 rollout / 3 judge devices, and dynamic started at a poor split (3 rollout devices, 1 judge) with the
-   re-planner's default settings: measured seconds per step (median after the first), the dynamic run's moves
-   and its steady step time after its first move beside the best static split's, chosen in hindsight
-   (`live.dynamic_vs_best_static`; the static splits are the two partial runs and the dynamic run's own steps
-   before its first move). Beside them, the prediction of `yatt_placement.machine` (logical devices sharing the
-   machine's cores, chunked engine calls streaming into the judge, the other load on the machine, sampled
-   from /proc during each run), fitted to the live colocated run only; its error on partial and dynamic is
+   re-planner's default settings, then the two partial splits once more: measured seconds per step (median
+   after the first; a split run twice pools the steps of both runs, which bracket the dynamic run in time, so
+   a machine that drifts during the benchmark favours neither side), the dynamic run's moves and its steady
+   step time after its moves (after the last, when 3 steps follow it) beside the best static split's, chosen
+   in hindsight (`live.dynamic_vs_best_static`; the static splits are the two partial splits and the dynamic
+   run's own steps before its first move). Beside them, the prediction of `yatt_placement.machine` (logical
+   devices sharing the machine's cores, chunked engine calls streaming into the judge, the other load on the
+   machine, sampled from /proc during each run), fitted to the live colocated run only; its error on partial
+   and dynamic is
    `live.sim_vs_live_rel_error`. `--keep DIR` keeps the run folders (`yatt plan --calibrate DIR/colocated`).
 `--quick` takes 75-78 s on an idle 2-core machine (session 13; 126-234 s on the slower machine of session 12;
 the four live runs' start-up dominates), more when the machine is loaded. The last printed line is one JSON object.
@@ -154,6 +157,7 @@ def drift_section(num_prompts: int, num_steps: int) -> dict:
 
 
 LIVE_SPLITS = {"partial": 0, "split-1": 1, "dynamic": 3}  # rollout devices at the start (0: the planner's)
+AGAIN = "-again"  # a static split's second run, after the dynamic one
 
 
 def live_config(mode: str, num_steps: int, rollout_replicas: int = 0):
@@ -270,6 +274,9 @@ def live_runs(num_steps: int, keep: str = "") -> dict:
     runs = [
         ("colocated", "colocated", 0),
         *[(n, "dynamic" if n == "dynamic" else "partial", r) for n, r in LIVE_SPLITS.items()],
+        # the static splits once more after the dynamic run: each split's figure pools its two runs, which
+        # bracket the dynamic one in time (a machine that drifts during the benchmark favours no side)
+        *[(f"{n}{AGAIN}", "partial", r) for n, r in LIVE_SPLITS.items() if n != "dynamic"],
     ]
     try:
         with tempfile.TemporaryDirectory() as scratch:
@@ -298,6 +305,12 @@ def live_runs(num_steps: int, keep: str = "") -> dict:
 def steady(steps: list[dict], key: str = "time/step") -> float:
     """Median over the steps after the first (its calls pay one-time costs)."""
     return statistics.median(s[key] for s in steps[1:])
+
+
+def pooled(runs: dict, name: str, key: str = "time/step") -> float:
+    """`steady` over the steps of `name`'s run and of its repeat (when there is one), pooled."""
+    both = [runs[n]["steps"] for n in (name, f"{name}{AGAIN}") if n in runs]
+    return statistics.median(s[key] for steps in both for s in steps[1:])
 
 
 def live_shape(cfg, steps: list[dict]):
@@ -383,26 +396,33 @@ def predict_live(model, run: dict) -> tuple[float, list[float]]:
 
 
 def dynamic_after_moves(run: dict) -> tuple[int, float | None, int]:
-    """(moves, the dynamic run's median step time after its first move landed, the steps at which a move
-    landed excluded (they build new replicas); None when no step is left, the step the first move landed at)."""
+    """(moves, the dynamic run's steady step time: the median step time after its last move landed, or after
+    its first when fewer than `STEADY_STEPS` steps follow the last; the steps at which a move landed excluded
+    (they build new replicas); None when no step is left, the step the first move landed at)."""
     steps = run["steps"]
     devices = [s.get("placement/rollout_devices") for s in steps]
     moves = int(steps[-1].get("placement/moves", 0))
     landed = [i for i in range(1, len(steps)) if devices[i] != devices[i - 1]]
     if not landed:
         return moves, steady(steps), 0
-    after = [s["time/step"] for i, s in enumerate(steps) if i > landed[0] and i not in landed]
+    since = landed[-1] if len(steps) - 1 - landed[-1] >= STEADY_STEPS else landed[0]
+    after = [s["time/step"] for i, s in enumerate(steps) if i > since and i not in landed]
     return moves, statistics.median(after) if after else None, landed[0]
 
 
+STEADY_STEPS = 3  # steps after a move that make its steady time
 PHYSICAL_UNITS = len(os.sched_getaffinity(0))  # the cores this process (and Ray) may use
 
 
 def live_section(num_steps: int, keep: str = "") -> dict:
     runs = live_runs(num_steps, keep)
-    step_s = {name: steady(r["steps"]) for name, r in runs.items()}
+    names = [name for name in runs if not name.endswith(AGAIN)]
+    step_s = {name: pooled(runs, name) for name in names}
     model = fit_live(runs["colocated"])
-    predicted = {name: predict_live(model, runs[name])[0] for name in runs}
+    predicted = {  # a split run twice: the mean of the two runs' predictions (each at its own load)
+        name: statistics.mean(predict_live(model, runs[n])[0] for n in (name, f"{name}{AGAIN}") if n in runs)
+        for name in names
+    }
     errors = {m: abs(predicted[m] - step_s[m]) / step_s[m] for m in ("partial", "dynamic")}
     moves, after_move, landed = dynamic_after_moves(runs["dynamic"])
     # static splits, in hindsight: the planner's (partial), one rollout device (split-1), and the dynamic
@@ -421,13 +441,22 @@ def live_section(num_steps: int, keep: str = "") -> dict:
     print(
         f"\nlive: tiny GRPO + tiny judge on 4 logical devices ({PHYSICAL_UNITS} CPU cores), {num_steps} steps"
     )
-    for name in runs:
+    for name in names:
+        again = runs.get(f"{name}{AGAIN}")
+        each = (
+            ""
+            if again is None
+            else f" (runs {steady(runs[name]['steps']):.3f}, {steady(again['steps']):.3f})"
+        )
+        loads = "/".join(f"{r['load']:.1f}" for r in (runs[name], again) if r is not None)
         print(
-            f"  {name:<10} measured {step_s[name]:6.3f} s/step   simulator {predicted[name]:6.3f} s/step"
-            f"   other load {runs[name]['load']:.1f} runnable"
+            f"  {name:<10} measured {step_s[name]:6.3f} s/step{each}   simulator {predicted[name]:6.3f} s/step"
+            f"   other load {loads} runnable"
         )
     print(f"  static splits (rollout devices): {static}; best {best}")
-    print(f"  dynamic: {moves} moves, the first landed at step {landed}, then {after_move} s/step")
+    print(
+        f"  dynamic: {moves} moves, the first landed at step {landed}; steady after them {after_move} s/step"
+    )
     for line in runs["dynamic"]["decisions"]:
         print("   ", line[:200])
     return {
@@ -438,7 +467,7 @@ def live_section(num_steps: int, keep: str = "") -> dict:
         "dynamic_steady_step_s": round(after_move, 3) if after_move else None,
         "dynamic_moves": moves,
         "dynamic_vs_best_static": round(ratio, 3) if ratio else None,
-        "partial_overlap_s": round(steady(runs["partial"]["steps"], "time/rollout_reward_overlap_s"), 3),
+        "partial_overlap_s": round(pooled(runs, "partial", "time/rollout_reward_overlap_s"), 3),
         "sim_step_s": {m: round(v, 3) for m, v in predicted.items()},
         "sim_fitted": msgspec.to_builtins(model),
         "sim_vs_live_rel_error": round(statistics.mean(errors.values()), 3),

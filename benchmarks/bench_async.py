@@ -52,20 +52,13 @@ def config(staleness: int, num_steps: int, partial: bool = False, learners: int 
 
 
 def run_all(num_steps: int, partial: bool = False, learners: int = 1) -> dict[int, list[dict]]:
-    import ray
     from yatt_apps.jobs.grpo import JOB
+    from yatt_apps.runtime import local_ray
     from yatt_apps.runtime.launch import ENV, run_job
 
     for key, value in ENV.items():
         os.environ.setdefault(key, value)
-    ray.init(
-        address="local",
-        num_cpus=32,
-        num_gpus=8,
-        include_dashboard=False,
-        log_to_driver=False,
-        object_store_memory=512 * 2**20,
-    )
+    session = local_ray.start(num_cpus=32, num_gpus=8)
     out = {}
     try:
         with tempfile.TemporaryDirectory() as root:
@@ -74,7 +67,7 @@ def run_all(num_steps: int, partial: bool = False, learners: int = 1) -> dict[in
                 lines = (Path(root) / f"k{k}" / "metrics.jsonl").read_text().splitlines()
                 out[k] = [json.loads(line) for line in lines]
     finally:
-        ray.shutdown()
+        session.shutdown()
     return out
 
 

@@ -364,18 +364,11 @@ def size_args(args: argparse.Namespace, size: str) -> argparse.Namespace:
     return out
 
 
-def start_ray() -> None:
+def start_ray():
     """One local Ray session for every YATT run (two logical devices, the most any layout uses)."""
-    import ray
+    from yatt_apps.runtime import local_ray
 
-    ray.init(
-        address="local",
-        num_cpus=8,
-        num_gpus=max(lay.devices for lay in LAYOUTS.values()),
-        include_dashboard=False,
-        object_store_memory=512 * 2**20,
-        log_to_driver=False,
-    )
+    return local_ray.start(num_cpus=8, num_gpus=max(lay.devices for lay in LAYOUTS.values()))
 
 
 def bench_size(root: Path, args: argparse.Namespace, size: str) -> dict:
@@ -461,13 +454,9 @@ def _rounded(values: dict[str, float], digits: int) -> dict[str, float]:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    env = {
-        "RAY_AUTH_MODE": "disabled",
-        "RAY_USAGE_STATS_ENABLED": "0",
-        "HF_HUB_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-    }
-    for key, value in env.items():
+    from yatt_apps.runtime.launch import ENV
+
+    for key, value in ENV.items():
         os.environ.setdefault(key, value)
     result = {
         "benchmark": "e2e_grpo_step",
@@ -480,13 +469,16 @@ def main(argv=None) -> None:
         "load_avg_1m": round(os.getloadavg()[0], 2),
         "python": sys.version.split()[0],
     }
-    if args.only != "trl":
-        start_ray()
-    with tempfile.TemporaryDirectory(prefix="bench-e2e-") as tmp:
-        for size in args.sizes:
-            # the tiny size's figures are the top-level keys, every other size's sit under its name
-            res = bench_size(Path(tmp), size_args(args, size), size)
-            result |= res if size == "tiny" else {size: res}
+    session = start_ray() if args.only != "trl" else None
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench-e2e-") as tmp:
+            for size in args.sizes:
+                # the tiny size's figures are the top-level keys, every other size's sit under its name
+                res = bench_size(Path(tmp), size_args(args, size), size)
+                result |= res if size == "tiny" else {size: res}
+    finally:
+        if session is not None:
+            session.shutdown()
     result["load_avg_1m_end"] = round(os.getloadavg()[0], 2)
     print(json.dumps(result))
 

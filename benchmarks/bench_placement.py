@@ -256,20 +256,13 @@ def live_runs(num_steps: int, keep: str = "") -> dict:
     import tempfile
     from pathlib import Path
 
-    import ray
     from yatt_apps.jobs.grpo import JOB
+    from yatt_apps.runtime import local_ray
     from yatt_apps.runtime.launch import ENV, run_job
 
     for key, value in ENV.items():
         os.environ.setdefault(key, value)
-    ray.init(
-        address="local",
-        num_cpus=32,
-        num_gpus=8,
-        include_dashboard=False,
-        log_to_driver=False,
-        object_store_memory=512 * 2**20,
-    )
+    session = local_ray.start(num_cpus=32, num_gpus=8)
     out = {}
     runs = [
         ("colocated", "colocated", 0),
@@ -298,7 +291,7 @@ def live_runs(num_steps: int, keep: str = "") -> dict:
                     "decisions": placement.read_text().splitlines() if placement.exists() else [],
                 }
     finally:
-        ray.shutdown()
+        session.shutdown()
     return out
 
 

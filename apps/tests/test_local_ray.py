@@ -68,3 +68,26 @@ def test_the_reaper_kills_the_orphans_of_its_roots_after_its_pipe_closes():
     reaper.close()
     assert reaper.proc.wait(timeout=local_ray.GRACE_S + 10) == 0
     assert _wait(lambda: not local_ray.alive(orphan), timeout_s=5)
+
+
+UV_SWITCH = """
+import ray, ray._private.ray_constants as constants
+from yatt_apps.runtime import local_ray
+imported = constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV
+session = local_ray.start(num_cpus=1, num_gpus=0)
+started = constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV
+session.shutdown()
+print(imported, started, constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV)
+"""
+
+
+def test_start_keeps_workers_in_place_under_uv_run_even_when_ray_was_imported_first():
+    """Ray reads RAY_ENABLE_UV_RUN_RUNTIME_ENV at import (default on: under `uv run` every worker starts
+    through uv in a packaged copy of the working directory). A program that imported Ray before setting it
+    still gets it off while its local Ray runs, and its own value back after."""
+    env = {k: v for k, v in os.environ.items() if k != local_ray.UV_RUN_ENV}
+    out = subprocess.run(
+        [sys.executable, "-c", UV_SWITCH], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[-2] == "True False True"

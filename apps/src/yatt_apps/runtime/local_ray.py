@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+UV_RUN_ENV = "RAY_ENABLE_UV_RUN_RUNTIME_ENV"
 GRACE_S = 3.0  # after the driver's end: Ray's own shutdown goes first
 POLL_S = 1.0  # how often the reaper refreshes its list of the driver's descendants
 
@@ -40,8 +41,14 @@ def start(num_cpus: int, num_gpus: int) -> LocalRay:
     import ray._private.ray_constants as ray_constants
 
     before_env, before_flag = os.environ.get(LOOPBACK_ENV), ray_constants.ENABLE_RAY_CLUSTER
+    before_uv = ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV
     os.environ[LOOPBACK_ENV] = "0"  # Ray's processes and workers read it at import
     ray_constants.ENABLE_RAY_CLUSTER = False  # the driver's copy, read when ray.init picks the node address
+    # under `uv run`, Ray packages the working directory (.venv included) as every worker's runtime env and
+    # starts each worker through uv in a copy of it, unless RAY_ENABLE_UV_RUN_RUNTIME_ENV is off, which Ray
+    # reads at import: a program that imported Ray before setting it (a benchmark, a notebook) still gets
+    # workers started in place. Set it to 1 to have Ray package the directory.
+    ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = os.environ.get(UV_RUN_ENV, "0").lower() in ("1", "true")
     before = set(descendants([os.getpid()], depth=1))
     ray.init(
         address="local",
@@ -53,18 +60,18 @@ def start(num_cpus: int, num_gpus: int) -> LocalRay:
         logging_level=logging.WARNING,  # no "Started a local Ray instance" line in a normal run
     )
     ray_roots = sorted(set(descendants([os.getpid()], depth=1)) - before)  # GCS, raylet, monitors
-    return LocalRay(Reaper.spawn(ray_roots), restore=(before_env, before_flag))
+    return LocalRay(Reaper.spawn(ray_roots), restore=(before_env, before_flag, before_uv))
 
 
 class LocalRay:
     """A started local Ray; `shutdown()` stops it and then its reaper (which kills what Ray left)."""
 
-    def __init__(self, reaper: Reaper, restore: tuple[str | None, bool]) -> None:
+    def __init__(self, reaper: Reaper, restore: tuple[str | None, bool, bool]) -> None:
         self.reaper, self.restore = reaper, restore
 
     def shutdown(self) -> None:
-        """Stop Ray, then the reaper; the process's loopback switch goes back to what it was (an embedding
-        program may join a cluster next)."""
+        """Stop Ray, then the reaper; the process's loopback and uv switches go back to what they were (an
+        embedding program may join a cluster next)."""
         import ray
         import ray._private.ray_constants as ray_constants
 
@@ -72,7 +79,7 @@ class LocalRay:
             ray.shutdown()
         finally:
             self.reaper.close()
-            env, ray_constants.ENABLE_RAY_CLUSTER = self.restore
+            env, ray_constants.ENABLE_RAY_CLUSTER, ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = self.restore
             if env is None:
                 os.environ.pop(LOOPBACK_ENV, None)
             else:

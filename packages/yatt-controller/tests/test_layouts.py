@@ -108,6 +108,48 @@ def test_groups_created_without_waiting_start_at_once_and_ready_raises_their_fai
         realize_mod.release(realized)
 
 
+class Closing:
+    """Test double: `close()` appends "closed" to `marker` (and raises afterwards when `fails`)."""
+
+    def __init__(self, marker: str, fails: bool = False) -> None:
+        self.marker, self.fails = marker, fails
+
+    def ping(self) -> str:
+        return "here"
+
+    def close(self) -> None:
+        from pathlib import Path
+
+        with Path(self.marker).open("a") as out:
+            out.write("closed\n")
+        if self.fails:
+            raise RuntimeError("close failed (test double)")
+
+
+def test_a_host_closes_what_it_destroys_and_drops_it_even_when_close_fails(session, tmp_path):
+    """A role moving away is destroyed in its host: its `close()` runs first (an engine's thread would keep
+    the engine, and its memory, alive otherwise), once; a `close()` that raises still lets it go."""
+    realized = _realize(
+        RolePlacement(role="rollout", replicas=[[0], [1]]),
+        RolePlacement(role="reward", replicas=[[2]]),
+        num_devices=3,
+    )
+    pool = HostPool(realized)
+    marker = tmp_path / "closed"
+    try:
+        group = WorkerGroup.create(pool, "rollout", Closing, args=(str(marker),))
+        failing = WorkerGroup.create(pool, "reward", Closing, args=(str(marker),), kwargs={"fails": True})
+        for worker in (group.workers[0], failing.workers[0]):
+            ray.get(worker.host.destroy.remote(worker.key))
+            with pytest.raises(Exception, match="KeyError"):
+                ray.get(worker.host.call.remote(worker.key, "ping", (), {}))
+        assert marker.read_text() == "closed\nclosed\n"
+        assert ray.get(group.workers[1].host.call.remote(group.workers[1].key, "ping", (), {})) == "here"
+    finally:
+        pool.shutdown()
+        realize_mod.release(realized)
+
+
 WEIGHT_BYTES = 64 * 32 * 4 + 32 * 4 + 16 * 2  # WeightsDouble: float32 w and b, float16 h
 
 

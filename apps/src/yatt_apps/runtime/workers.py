@@ -449,6 +449,12 @@ class RolloutWorker:
         if self.engine is not None:
             self.engine.wake_up()
 
+    def close(self) -> None:
+        """The engine stops (its host destroys this worker when the role moves)."""
+        if self.engine is not None:
+            self.engine.close()
+        self.engine = None
+
 
 class RewardWorker:
     """The weighted sum of `cfg.rewards`: rule terms and, when configured, a GenRM judge served by its own
@@ -485,6 +491,14 @@ class RewardWorker:
     def wake_up(self) -> None:
         if self.engine is not None:
             self.engine.wake_up()
+
+    def close(self) -> None:
+        """The rule pool and the judge's engine stop (its host destroys this worker when the role moves)."""
+        if self.reward is not None:
+            self.reward.close()
+        if self.engine is not None:
+            self.engine.close()
+        self.engine = self.reward = None
 
     def score(self, requests: list) -> dict[str, Any]:
         if self.reward is None:  # a TP peer: dispatch returns the replica's first worker's answer

@@ -69,11 +69,24 @@ class _Host:
         return os.getpid()
 
     def destroy(self, key: str) -> None:
-        """Drop a hosted object (its role moves elsewhere); the process stays for the roles it still hosts."""
+        """Drop a hosted object (its role moves elsewhere), after its `close()` when it has one; the process
+        stays for the roles it still hosts. An engine's running thread keeps the engine alive whatever drops
+        it: its `close()` is what stops the thread and frees its weights and cache (device memory that the
+        role moving in needs). A `close()` that raises is reported on stderr and the object dropped anyway."""
         import gc
+        import sys
+        import traceback
 
         with self._lock(key):
-            self._objects.pop(key, None)
+            hosted = self._objects.pop(key, None)
+            close = getattr(hosted, "close", None)
+            if callable(close):
+                try:
+                    close()
+                except Exception:
+                    print(f"{self._label}: closing {key} failed:", file=sys.stderr)
+                    traceback.print_exc()
+            del hosted, close
         gc.collect()
 
     def call(self, key: str, method: str, args: tuple, kwargs: dict) -> Any:

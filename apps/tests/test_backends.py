@@ -750,3 +750,22 @@ def test_megatron_logprobs_match_hf_at_tensor_parallel(tmp_path, tp):
     if torch.cuda.device_count() < tp:
         pytest.skip(f"TP={tp} needs {tp} devices")
     assert all(r["diff"] < 1e-4 for r in _spawn(tmp_path, MEGATRON_TP, tp))
+
+
+def test_workers_close_stops_their_engine_thread_and_rule_pool(policy_dir):
+    """What a host calls before it drops a worker whose role moved away: the engine's thread (which keeps the
+    engine and its memory alive) ends, and the reward's rule-worker processes exit."""
+    from yatt_apps.runtime.workers import RewardWorker, RolloutWorker
+    from yatt_multimodal.types import RewardRequest
+
+    cfg = tiny_cpu()
+    rules = msgspec.structs.replace(cfg, rewards=[r for r in cfg.rewards if r.kind != "genrm"])
+    rollout = RolloutWorker(cfg, str(policy_dir))
+    reward = RewardWorker(rules, "")  # the rule terms only
+    assert reward.score([RewardRequest(request_id="0", prompt="", response="4", reference="4")])["scores"]
+    thread, (pool,) = rollout.engine._worker, reward.reward.owns
+    supervisor = pool._proc
+    assert thread.is_alive() and supervisor is not None and supervisor.poll() is None
+    rollout.close(), reward.close()
+    assert not thread.is_alive() and supervisor.wait(timeout=10) is not None
+    assert (rollout.engine, reward.engine, reward.reward) == (None, None, None)

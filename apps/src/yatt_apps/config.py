@@ -100,9 +100,10 @@ class PlacementConfig(_Config, frozen=True, kw_only=True):
     rollout_replicas: int = 0
     # measured device-seconds per role and step (a `JobProfile`): the planner sizes the split from it
     profile: dict[str, float] = {}
-    # dynamic: when a measured imbalance moves devices; every move is checked by the step times after it (and
-    # undone when they are more than 10% slower): busy time alone can mislead where logical devices share cores
-    replan: ReplanConfig = ReplanConfig(verify_steps=3)
+    # dynamic: when a measured imbalance moves devices; every move is checked by the step times after it (the
+    # median of 3 against the 3 before it, undone when more than 5% slower): busy time alone can mislead where
+    # logical devices share cores
+    replan: ReplanConfig = ReplanConfig(verify_steps=3, verify_tolerance=0.05)
 
     def __post_init__(self) -> None:
         if self.sleep_level not in (0, 1, 2):

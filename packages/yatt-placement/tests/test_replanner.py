@@ -230,3 +230,28 @@ def test_a_move_within_the_tolerance_stands_and_the_next_follows_its_trial():
     replanner, moves = _verified(6, {6: 100.0, 4: 108.0, 2: 40.0})
     assert moves == [(1, 4, 1), (4, 2, 2)]
     assert replanner.last_reason == "gap 0.000 <= threshold 0.1"
+
+
+def _trial_of(step_times: list[float], tolerance: float):
+    """A re-planner with 3-step trials and patience 3 (its first move at step 2, cooldown at 3, trial at 4-6),
+    fed the linear workload's busy times (rollout 60, judge 180 device-s) and `step_times[step]`."""
+    config = ReplanConfig(warmup_steps=0, patience=3, verify_steps=3, verify_tolerance=tolerance)
+    replanner = DynamicReplanner(CLUSTER, ROLES, _partial(6), config)
+    moves = []
+    for step, step_s in enumerate(step_times):
+        busy = _stats(step, replanner.plan, {"rollout": 60.0, "judge": 180.0})
+        stats = PhaseStats(step=step, step_time_s=step_s, busy_s=busy.busy_s, num_devices=busy.num_devices)
+        if replanner.observe(stats) is not None:
+            moves.append((step, replanner.devices("rollout")))
+    return replanner, moves
+
+
+def test_a_trial_compares_medians_so_one_fast_step_before_the_move_does_not_decide_it():
+    # Before the move: 100, 100 and one fast 60 s step (the smoothed step time: 72 s). The trial's median is
+    # compared with the median of the 3 steps before the move, 100 s: 104 s is within 5% and the move stands
+    # (the next follows at the trial's end); 106 s is not, and the move is undone.
+    _, moves = _trial_of([100, 100, 60, 100, 104, 104, 104], 0.05)
+    assert moves == [(2, 4), (6, 2)]
+    replanner, moves = _trial_of([100, 100, 60, 100, 106, 106, 106], 0.05)
+    assert moves == [(2, 4), (6, 6)]
+    assert "made the step slower: 106 s over 3 steps vs 100 s before it" in replanner.plan.reason

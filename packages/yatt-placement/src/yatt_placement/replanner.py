@@ -21,7 +21,8 @@ next `cooldown` steps are ignored (they may still run under the old plan until t
    where logical devices share physical units (4 on 2 CPU cores), a role's calls look long because they wait
    for a core, and giving it more devices may buy it none. So the `verify_steps` steps after a move's cooldown
    are its trial: when their median step time (`PhaseStats.step_time_s`) is more than `verify_tolerance`
-   above the step time before the move, the move is undone (the previous plan again, `reason` saying why)
+   above the median of the last `verify_steps` steps before the move (in the layout it left, cooldown
+   excluded; the smoothed step time when there were none), the move is undone (the previous plan again, `reason` saying why)
    and never proposed from that layout again. A move that leaves the step time within the tolerance stands
    (busy time decides; the step time vetoes what clearly hurt: on a machine this noisy a stricter test would
    also stop moves on the way to the best split). Meanwhile rules 1-3 accumulate as usual, so the next move
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections import deque
 
 from yatt_placement.memory import check_memory
 from yatt_placement.planner import lay_out, role_key
@@ -67,6 +69,8 @@ class DynamicReplanner:
         self._last_move: tuple[str, str] | None = None  # (donor, receiver) of the latest move
         self._last_gap = 0.0  # the gap that triggered it
         self._trial: _Trial | None = None  # the latest move while its payoff is measured
+        # the latest steps of the current layout (after its cooldown): a trial's "before"
+        self._recent: deque[float] = deque(maxlen=max(self.config.verify_steps, 1))
         self._refuted: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()  # (devices before, after) moves
 
     def movable(self) -> list[str]:
@@ -97,6 +101,7 @@ class DynamicReplanner:
             self._cooldown -= 1
             self.last_reason = "cooling down after a move"
             return None
+        self._recent.append(stats.step_time_s)
         if self._trial is not None:
             self._trial.after.append(stats.step_time_s)
             if len(self._trial.after) >= self.config.verify_steps:
@@ -187,6 +192,7 @@ class DynamicReplanner:
             "and that move is not tried again from there"
         )
         self.plan, self._busy = new, dict(trial.busy)
+        self._recent.clear()
         self._step_time = trial.before_s
         self._pair, self._streak, self._cooldown = None, 0, self.config.cooldown
         self._last_move, self._last_gap = None, 0.0
@@ -197,7 +203,8 @@ class DynamicReplanner:
         self, lo: str, hi: str, gap: float, new: PlacementPlan, predicted: dict[str, float]
     ) -> PlacementPlan:
         if self.config.verify_steps:
-            self._trial = _Trial(self.counts(), dict(self._busy), self._step_time)
+            before = statistics.median(self._recent) if self._recent else self._step_time
+            self._trial = _Trial(self.counts(), dict(self._busy), before)
         new.version = self.plan.version + 1
         moved = self.devices(lo) - sum(len(r) for p in new.roles if role_key(p) == lo for r in p.replicas)
         new.reason = (
@@ -207,6 +214,7 @@ class DynamicReplanner:
             f"{max(self._busy.values()):.4g} s -> {max(predicted.values()):.4g} s"
         )
         self.plan, self._busy = new, predicted
+        self._recent.clear()
         self._pair, self._streak, self._cooldown = None, 0, self.config.cooldown
         self._last_move, self._last_gap = (lo, hi), gap
         self.last_reason = new.reason

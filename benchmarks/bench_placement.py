@@ -277,8 +277,9 @@ def live_runs(num_steps: int, keep: str = "") -> dict:
                 keep or scratch
             )  # --keep DIR: the run folders stay (for `yatt plan --calibrate DIR/colocated`)
             for name, mode, rollout in runs:
-                # dynamic runs longer: two moves, each landing a few steps after its decision, then steady steps
-                cfg = live_config(mode, num_steps + (10 if mode == "dynamic" else 0), rollout)
+                # dynamic runs longer: two moves, each landing a few steps after its decision, the trial of the
+                # second (which may undo it), then steady steps
+                cfg = live_config(mode, num_steps + (14 if mode == "dynamic" else 0), rollout)
                 with LoadSampler(Path(root) / name / "metrics.jsonl") as load:
                     summary = run_job(cfg, Path(root) / name, JOB)
                 lines = (Path(root) / name / "metrics.jsonl").read_text().splitlines()

@@ -24,10 +24,9 @@ from a cluster.
    run's own steps before its first move). Beside them, the prediction of `yatt_placement.machine` (logical
    devices sharing the machine's cores, chunked engine calls streaming into the judge, the other load on the
    machine, sampled from /proc during each run), fitted to the live colocated run only; its error on partial
-   and dynamic is
-   `live.sim_vs_live_rel_error`. `--keep DIR` keeps the run folders (`yatt plan --calibrate DIR/colocated`).
-`--quick` takes 75-78 s on an idle 2-core machine (session 13; 126-234 s on the slower machine of session 12;
-the four live runs' start-up dominates), more when the machine is loaded. The last printed line is one JSON object.
+   and dynamic is `live.sim_vs_live_rel_error`. `--keep DIR` keeps the run folders (`yatt plan --calibrate DIR/colocated`).
+`--quick` takes 104-123 s on an idle 2-core machine (session 14, fresh clone; six live runs, whose start-up
+dominates), more when the machine is loaded. The last printed line is one JSON object.
 
     python benchmarks/bench_placement.py --quick
 """

@@ -437,7 +437,7 @@ def bench_size(root: Path, args: argparse.Namespace, size: str) -> dict:
         out["ratio_yatt_over_trl"] = round(yatt["tokens_per_s"] / trl["tokens_per_s"], 3)
         out["ratio_overall"] = round(yatt["tokens_per_s_overall"] / trl["tokens_per_s_overall"], 3)
     one_thread = [r["tokens_per_s"] for r in trls if r["torch_threads"] == 1]
-    if trls and one_thread:
+    if one_thread:
         out["overlap_bound_over_trl"] = round(2 * max(one_thread) / trl["tokens_per_s"], 3)
     if trls and syncs:
         out["sync_ratio_yatt_over_trl"] = round(sync["tokens_per_s"] / trl["tokens_per_s"], 3)

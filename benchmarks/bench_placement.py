@@ -24,7 +24,8 @@ from a cluster.
    run's own steps before its first move). Beside them, the prediction of `yatt_placement.machine` (logical
    devices sharing the machine's cores, chunked engine calls streaming into the judge, the other load on the
    machine, sampled from /proc during each run), fitted to the live colocated run only; its error on partial
-   and dynamic is `live.sim_vs_live_rel_error`. `--keep DIR` keeps the run folders (`yatt plan --calibrate DIR/colocated`).
+   and dynamic is `live.sim_vs_live_rel_error`. `--keep DIR` keeps the run folders (`yatt plan --calibrate
+   DIR/colocated`).
 `--quick` takes 104-123 s on an idle 2-core machine (session 14, fresh clone; six live runs, whose start-up
 dominates), more when the machine is loaded. The last printed line is one JSON object.
 
@@ -388,6 +389,9 @@ def predict_live(model, run: dict) -> tuple[float, list[float]]:
     return statistics.median(times[1:]), times
 
 
+STEADY_STEPS = 3  # steps after a move that make its steady time
+
+
 def dynamic_after_moves(run: dict) -> tuple[int, float | None, int]:
     """(moves, the dynamic run's steady step time: the median step time after its last move landed, or after
     its first when fewer than `STEADY_STEPS` steps follow the last; the steps at which a move landed excluded
@@ -403,7 +407,6 @@ def dynamic_after_moves(run: dict) -> tuple[int, float | None, int]:
     return moves, statistics.median(after) if after else None, landed[0]
 
 
-STEADY_STEPS = 3  # steps after a move that make its steady time
 PHYSICAL_UNITS = len(os.sched_getaffinity(0))  # the cores this process (and Ray) may use
 
 

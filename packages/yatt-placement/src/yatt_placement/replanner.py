@@ -22,11 +22,11 @@ next `cooldown` steps are ignored (they may still run under the old plan until t
    for a core, and giving it more devices may buy it none. So the `verify_steps` steps after a move's cooldown
    are its trial: when their median step time (`PhaseStats.step_time_s`) is more than `verify_tolerance`
    above the median of the last `verify_steps` steps before the move (in the layout it left, cooldown
-   excluded; the smoothed step time when there were none), the move is undone (the previous plan again, `reason` saying why)
-   and never proposed from that layout again. A move that leaves the step time within the tolerance stands
-   (busy time decides; the step time vetoes what clearly hurt: on a machine this noisy a stricter test would
-   also stop moves on the way to the best split). Meanwhile rules 1-3 accumulate as usual, so the next move
-   comes at once when it is due.
+   excluded; the smoothed step time when there were none), the move is undone (the previous plan again,
+   `reason` saying why) and never proposed from that layout again. A move that leaves the step time within
+   the tolerance stands (busy time decides; the step time vetoes what hurt: on a machine this noisy a test
+   that asks for a faster step would also stop moves on the way to the best split). Meanwhile rules 1-3
+   accumulate as usual, so the next move comes at once when it is due.
 
 Why it does not oscillate: with exact stats, rule 3 alone forbids an immediate reversal (after lo -> hi
 passed it, both roles' predicted times are below (1 - min_gain) x busy_hi, and the reverse move predicts

@@ -762,6 +762,7 @@ def test_workers_close_stops_their_engine_thread_and_rule_pool(policy_dir):
     rules = msgspec.structs.replace(cfg, rewards=[r for r in cfg.rewards if r.kind != "genrm"])
     rollout = RolloutWorker(cfg, str(policy_dir))
     reward = RewardWorker(rules, "")  # the rule terms only
+    assert reward.reward.owns[0].worker_pids()  # its rule workers start with it, not at the first request
     assert reward.score([RewardRequest(request_id="0", prompt="", response="4", reference="4")])["scores"]
     thread, (pool,) = rollout.engine._worker, reward.reward.owns
     supervisor = pool._proc

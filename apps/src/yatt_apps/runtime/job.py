@@ -90,6 +90,16 @@ def reward_role(cfg: RunConfig) -> str:
     return "genrm" if cfg.judge is not None else "reward"
 
 
+def reward_lock(cfg: RunConfig, reward_cls: Any) -> str:
+    """The host lock group of the reward's calls. Rule terms only (`RewardWorker` without a judge) hold no
+    engine, so they get a group of their own ("rules"): scoring one chunk never waits for a generate call of
+    the engine beside it on that device. A judge, or another reward class (which may hold a model), shares
+    the engines' group ("host"): two models in one process never run at once."""
+    from yatt_apps.runtime.workers import RewardWorker
+
+    return "rules" if reward_cls is RewardWorker and reward_role(cfg) == "reward" else "host"
+
+
 def build_services(
     pool: HostPool,
     *,
@@ -160,6 +170,7 @@ def build_services(
         args=reward_args or (cfg, judge_dir),
         kwargs={"shared_device": plan.shares_device(reward_role(cfg), "actor")},
         pass_worker_info=cls is RewardWorker,
+        lock=reward_lock(cfg, cls),
         wait=False,
     )
     for group in (actor, rollout, reward):

@@ -120,10 +120,18 @@ class Scored:
     extra: dict[str, list] = field(default_factory=dict)  # a job's own per-sample records (CAPO's critiques)
 
 
-def num_chunks(num_prompts: int, num_replicas: int) -> int:
-    """Prompts travel in chunks so that judging starts while later chunks are still generating: two chunks
-    per rollout replica of this controller (fewer when there are fewer prompts)."""
-    return max(1, min(num_prompts, 2 * num_replicas))
+def num_chunks(num_prompts: int, num_replicas: int, per_replica: int = 2) -> int:
+    """Prompts travel in chunks so that judging starts while later chunks are still generating: `per_replica`
+    chunks per rollout replica of this controller (fewer when there are fewer prompts)."""
+    return max(1, min(num_prompts, per_replica * num_replicas))
+
+
+def chunks_per_replica(cfg: RunConfig) -> int:
+    """How many chunks each rollout replica's share of a step's prompts is cut into. Two with a judge model:
+    judging the first chunk overlaps generating the second. One with rule rewards only: scoring takes
+    milliseconds, so there is nothing to overlap, and an HF engine would run a chunk's generation as a batch
+    of its own (two decode loops of half the rows cost nearly twice one loop of all of them on a small model)."""
+    return 2 if cfg.judge is not None else 1
 
 
 def reward_requests(rows: list[PromptRow], completions: list, tok: Any, *, token_ids: bool = False) -> list:
@@ -153,14 +161,15 @@ def generate_and_score(
     *,
     method: str = "score",
     token_ids: bool = False,
+    per_replica: int = 2,
 ) -> Scored:
-    """n completions per prompt on this controller's rollout replicas, each chunk of prompts handed to a
-    reward replica (`method`, given the chunk's `RewardRequest`s, with response token ids if `token_ids`)
-    the moment its completions are done (yatt_controller's streaming stages), so rollout and judging overlap
-    wherever they run on different devices. All samples are checked to be made by the current policy
-    version. `method` returns per-sample lists: scores, keep, statuses, sample_components, and any others
-    (kept in `Scored.extra`)."""
-    refs = submit_rollout(ctx, make_requests(rows, prompt_ids, sampling, tag, seed))
+    """n completions per prompt on this controller's rollout replicas, each chunk of prompts (`per_replica`
+    per replica: `chunks_per_replica`) handed to a reward replica (`method`, given the chunk's
+    `RewardRequest`s, with response token ids if `token_ids`) the moment its completions are done
+    (yatt_controller's streaming stages), so rollout and judging overlap wherever they run on different
+    devices. All samples are checked to be made by the current policy version. `method` returns per-sample
+    lists: scores, keep, statuses, sample_components, and any others (kept in `Scored.extra`)."""
+    refs = submit_rollout(ctx, make_requests(rows, prompt_ids, sampling, tag, seed), per_replica)
     scored = score_stream(ctx, rows, refs, tok, method=method, token_ids=token_ids)
     check_completions(ctx, scored.completions)
     return scored
@@ -183,7 +192,16 @@ def rollout_and_score(
     tag = f"s{ctx.step}-c{ctx.rank}" + ("" if wave is None else f"-w{wave}")
     seed = sample_seed(cfg, ctx, wave or 0)
     scored = generate_and_score(
-        ctx, rows, prompt_ids, cfg.sampling, tag, seed, tok, method=method, token_ids=token_ids
+        ctx,
+        rows,
+        prompt_ids,
+        cfg.sampling,
+        tag,
+        seed,
+        tok,
+        method=method,
+        token_ids=token_ids,
+        per_replica=chunks_per_replica(cfg),
     )
     return prompt_ids, scored
 
@@ -199,12 +217,13 @@ def kept_batch(
     return kept, samples, pad_batch(prompts, [c.token_ids for c in samples], tok.pad_token_id)
 
 
-def submit_rollout(ctx: StepContext, requests: list) -> list:
-    """Every chunk of `requests` sent to this controller's least-loaded rollout replicas now (object refs)."""
+def submit_rollout(ctx: StepContext, requests: list, per_replica: int = 2) -> list:
+    """Every chunk of `requests` (`per_replica` per rollout replica) sent to this controller's least-loaded
+    rollout replicas now (object refs)."""
     from yatt_controller.dispatch import split_evenly
 
     rollout = ctx.services["rollout"]
-    chunks = [c for c in split_evenly(requests, num_chunks(len(requests), rollout.dp_size)) if c]
+    chunks = [c for c in split_evenly(requests, num_chunks(len(requests), rollout.dp_size, per_replica)) if c]
     return [rollout.call_one("generate", chunk) for chunk in chunks]
 
 

@@ -124,11 +124,13 @@ def greedy_baselines(
     same reward service as the samples (prompt order)."""
     import msgspec
 
-    from yatt_apps.runtime.phases import generate_and_score
+    from yatt_apps.runtime.phases import chunks_per_replica, generate_and_score
 
     greedy = msgspec.structs.replace(cfg.sampling, n=1, temperature=0.0)
     tag = f"s{ctx.step}-c{ctx.rank}-greedy"
-    scored = generate_and_score(ctx, rows, prompt_ids, greedy, tag, None, tok)
+    scored = generate_and_score(
+        ctx, rows, prompt_ids, greedy, tag, None, tok, per_replica=chunks_per_replica(cfg)
+    )
     baseline = [0.0] * len(rows)
     for owner, score in zip(scored.owner, scored.scores, strict=True):
         baseline[owner] = score

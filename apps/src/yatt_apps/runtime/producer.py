@@ -70,6 +70,7 @@ class Producer:
         """Submit every rollout call of `rows` now (they queue ahead of this step's weight push), then stream
         the completions into scoring on a background thread."""
         from yatt_apps.runtime.phases import (
+            chunks_per_replica,
             make_requests,
             render_prompt,
             sample_seed,
@@ -80,7 +81,8 @@ class Producer:
         prompt_ids = [render_prompt(tok, row, cfg.data.system_prompt) for row in rows]
         seed = sample_seed(cfg, ctx, step=step)
         tag = f"s{step}-c{ctx.rank}"
-        refs = submit_rollout(ctx, make_requests(rows, prompt_ids, cfg.sampling, tag, seed))
+        requests = make_requests(rows, prompt_ids, cfg.sampling, tag, seed)
+        refs = submit_rollout(ctx, requests, chunks_per_replica(cfg))
         future = self.pool.submit(score_stream, ctx, rows, refs, tok)
         return Launched(step, rows, prompt_ids, future)
 

@@ -483,6 +483,8 @@ class RewardWorker:
             resources = {"engine": engine, "codec": HFChatCodec(tok), "seed": cfg.run.seed + 1}
         self.engine = resources.get("engine")
         self.reward = build_combined(cfg.rewards, **resources)
+        for pool in self.reward.owns:  # its rule workers import and warm up while the other roles load
+            pool.start()
 
     def sleep(self, level: int = 1) -> None:
         if self.engine is not None:

@@ -109,26 +109,41 @@ def test_groups_created_without_waiting_start_at_once_and_ready_raises_their_fai
 
 
 class Closing:
-    """Test double: `close()` appends "closed" to `marker` (and raises afterwards when `fails`)."""
+    """Test double: `close()` appends "closed" to `marker` (and raises afterwards when `fails`); it holds a
+    reference cycle (only the cycle collector frees it), and appends "collected" when it is freed."""
 
     def __init__(self, marker: str, fails: bool = False) -> None:
         self.marker, self.fails = marker, fails
+        self.cycle = [self]
 
     def ping(self) -> str:
         return "here"
 
-    def close(self) -> None:
+    def frozen(self) -> int:
+        import gc
+
+        return gc.get_freeze_count()
+
+    def _note(self, what: str) -> None:
         from pathlib import Path
 
         with Path(self.marker).open("a") as out:
-            out.write("closed\n")
+            out.write(what + "\n")
+
+    def close(self) -> None:
+        self._note("closed")
         if self.fails:
             raise RuntimeError("close failed (test double)")
+
+    def __del__(self) -> None:
+        self._note("collected")
 
 
 def test_a_host_closes_what_it_destroys_and_drops_it_even_when_close_fails(session, tmp_path):
     """A role moving away is destroyed in its host: its `close()` runs first (an engine's thread would keep
-    the engine, and its memory, alive otherwise), once; a `close()` that raises still lets it go."""
+    the engine, and its memory, alive otherwise), once; a `close()` that raises still lets it go. The host
+    froze its heap after each create (no full collection walks it in a step); a destroyed object is
+    collected all the same, reference cycles included."""
     realized = _realize(
         RolePlacement(role="rollout", replicas=[[0], [1]]),
         RolePlacement(role="reward", replicas=[[2]]),
@@ -143,8 +158,9 @@ def test_a_host_closes_what_it_destroys_and_drops_it_even_when_close_fails(sessi
             ray.get(worker.host.destroy.remote(worker.key))
             with pytest.raises(Exception, match="KeyError"):
                 ray.get(worker.host.call.remote(worker.key, "ping", (), {}))
-        assert marker.read_text() == "closed\nclosed\n"
+        assert marker.read_text() == "closed\ncollected\nclosed\ncollected\n"
         assert ray.get(group.workers[1].host.call.remote(group.workers[1].key, "ping", (), {})) == "here"
+        assert ray.get(group.workers[1].host.call.remote(group.workers[1].key, "frozen", (), {})) > 1000
     finally:
         pool.shutdown()
         realize_mod.release(realized)

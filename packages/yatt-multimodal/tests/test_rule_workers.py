@@ -49,6 +49,24 @@ def test_a_hanging_answer_times_out_and_the_pool_serves_the_next_request(pool):
     assert len(pool.worker_pids()) == 1 + 2  # the supervisor and its two workers
 
 
+def test_jobs_queued_behind_a_hanging_one_on_its_worker_go_to_the_next_worker():
+    """A worker gets several jobs at once (they run without a round trip through the supervisor between them);
+    when one hangs, only it times out: the jobs queued behind it go back and are answered by the replacement,
+    each against its own deadline."""
+    with RuleWorkerPool(num_workers=1) as alone:
+        reward = build_rule(RewardSpec(kind="math_verify"), timeout_s=1.0, pool=alone)
+        answers = ["\\boxed{5}", HANGS, "so \\boxed{5}", "\\boxed{4}", "5"]
+        batch = reward.score_sync([_req(a, str(i)) for i, a in enumerate(answers)])
+        assert [(r.status, r.score) for r in batch.rewards] == [
+            ("ok", 1.0),
+            ("timeout", 0.0),
+            ("ok", 1.0),
+            ("ok", 0.0),
+            ("ok", 1.0),
+        ]
+        assert alone.restarts == 1
+
+
 def test_math_verify_prints_no_timeout_disabled_notice(pool, capfd, caplog):
     import math_verify.grader
     import math_verify.parser

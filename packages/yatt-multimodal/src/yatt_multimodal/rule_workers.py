@@ -40,7 +40,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from yatt_multimodal.types import RewardRequest
@@ -243,16 +243,32 @@ def _split_frames(buffer: bytearray) -> list[Any]:
 # --- the supervisor process ----------------------------------------------------------------------------
 
 
+MAX_QUEUED = 4  # jobs handed to one worker at once: it starts the next without a round trip through here
+
+
 @dataclass
 class _Slot:
     pid: int
     sock: socket.socket
     buffer: bytearray
-    job: tuple[int, float] | None = None  # (job id, monotonic deadline)
+    queue: deque[tuple[int, bytes, float]] = field(default_factory=deque)  # sent to it, not yet answered
+    deadline: float = 0.0  # monotonic deadline of the queue's first job, the one the worker is running
+
+    @property
+    def job(self) -> int | None:
+        """The id of the job the worker is running (the first one it has not answered), or None when idle."""
+        return self.queue[0][0] if self.queue else None
 
 
 class _Supervisor:
-    """Hands jobs to idle workers, relays their results, kills and replaces late or dead workers."""
+    """Hands jobs to idle workers, relays their results, kills and replaces late or dead workers.
+
+    An idle worker gets up to MAX_QUEUED jobs at once (fewer when there are few per worker), as separate
+    messages it runs in order: between two jobs it waits on no one, where a round trip through this process
+    cost each job a wake-up on a busy machine. Each job keeps its own deadline, counted from when the worker
+    took it: when its predecessor's answer arrived here (or when it was sent, for the first). A worker killed
+    at a deadline or found dead takes only its running job with it; the jobs queued behind it go back to the
+    front of the pending queue."""
 
     def __init__(self, from_caller: int, to_caller: int, num_workers: int, memory_limit_mb: int):
         self.from_caller, self.to_caller, self.memory_limit_mb = from_caller, to_caller, memory_limit_mb
@@ -265,7 +281,7 @@ class _Supervisor:
     def run(self) -> None:
         while True:
             self._dispatch()
-            busy = [s.job[1] for s in self.slots if s.job is not None]
+            busy = [s.deadline for s in self.slots if s.job is not None]
             timeout = max(0.0, min(busy) - time.monotonic()) if busy else None
             for key, _ in self.selector.select(timeout):
                 if key.data is None:
@@ -281,13 +297,16 @@ class _Supervisor:
 
     def _dispatch(self) -> None:
         for slot in self.slots:
-            if slot.job is None and self.pending:
-                job_id, payload, deadline_s = self.pending.popleft()
-                slot.job = (job_id, time.monotonic() + deadline_s)
-                data = pickle.dumps((payload, deadline_s))
-                # a worker that died idle raises here; its EOF, read next, fails this job and replaces it
-                with contextlib.suppress(OSError):
-                    slot.sock.sendall(_HEADER.pack(len(data)) + data)
+            if slot.queue or not self.pending:
+                continue
+            share = min(MAX_QUEUED, -(-len(self.pending) // len(self.slots)))  # ceil: spread over the pool
+            jobs = [self.pending.popleft() for _ in range(share)]
+            slot.queue.extend(jobs)
+            slot.deadline = time.monotonic() + jobs[0][2]
+            data = b"".join(_HEADER.pack(len(d)) + d for d in (pickle.dumps((p, dl)) for _, p, dl in jobs))
+            # a worker that died idle raises here; its EOF, read next, fails the first job and replaces it
+            with contextlib.suppress(OSError):
+                slot.sock.sendall(data)
 
     def _on_worker(self, slot: _Slot) -> None:
         chunk = slot.sock.recv(1 << 16)
@@ -298,6 +317,7 @@ class _Supervisor:
             late = status == -signal.SIGXCPU
             why = f"rule worker died ({_describe(status)})"
             self._reply(slot, "timeout" if late else "error", 0.0, why, restarted=True)
+            self._requeue(slot)
             return
         slot.buffer += chunk
         for status, value, error in _split_frames(slot.buffer):
@@ -306,14 +326,23 @@ class _Supervisor:
     def _kill_late(self) -> None:
         now = time.monotonic()
         for slot in self.slots:
-            if slot.job is not None and slot.job[1] <= now:
+            if slot.job is not None and slot.deadline <= now:
                 self._replace(slot, kill=True)
                 self._reply(slot, "timeout", 0.0, "its worker was killed and replaced", restarted=True)
+                self._requeue(slot)
 
     def _reply(self, slot: _Slot, status: str, value: float, error: str, *, restarted: bool) -> None:
-        assert slot.job is not None, "a worker answered without a job"
-        _write_frame(self.to_caller, (slot.job[0], status, value, error, restarted))
-        slot.job = None
+        """Answer the slot's running job; the next one in its queue is running from now on."""
+        assert slot.queue, "a worker answered without a job"
+        job_id = slot.queue.popleft()[0]
+        _write_frame(self.to_caller, (job_id, status, value, error, restarted))
+        if slot.queue:
+            slot.deadline = time.monotonic() + slot.queue[0][2]
+
+    def _requeue(self, slot: _Slot) -> None:
+        """The jobs a replaced worker had queued go back, in order, to the front of the pending queue."""
+        self.pending.extendleft(reversed(slot.queue))
+        slot.queue.clear()
 
     def _replace(self, slot: _Slot, *, kill: bool) -> int:
         """Kill (if asked) and reap the slot's worker, fork its successor into the slot; the old exit status."""

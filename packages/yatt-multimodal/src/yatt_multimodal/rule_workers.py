@@ -296,11 +296,14 @@ class _Supervisor:
             self._kill_late()
 
     def _dispatch(self) -> None:
-        for slot in self.slots:
-            if slot.queue or not self.pending:
-                continue
-            share = min(MAX_QUEUED, -(-len(self.pending) // len(self.slots)))  # ceil: spread over the pool
-            jobs = [self.pending.popleft() for _ in range(share)]
+        idle = [slot for slot in self.slots if not slot.queue]
+        if not idle or not self.pending:
+            return
+        share = min(MAX_QUEUED, -(-len(self.pending) // len(idle)))  # ceil: spread over the idle workers
+        for slot in idle:
+            jobs = [self.pending.popleft() for _ in range(min(share, len(self.pending)))]
+            if not jobs:
+                return
             slot.queue.extend(jobs)
             slot.deadline = time.monotonic() + jobs[0][2]
             data = b"".join(_HEADER.pack(len(d)) + d for d in (pickle.dumps((p, dl)) for _, p, dl in jobs))

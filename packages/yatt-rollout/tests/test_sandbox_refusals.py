@@ -48,3 +48,14 @@ def test_a_failed_fork_the_code_handles_is_its_own_business():
     )
     result = run_python(code, SandboxLimits(cpu_s=2, output_bytes=4096, wall_s=5.0, max_processes=4))
     assert (result.status, result.stdout) == ("ok", "refused after 3\n")
+
+
+def test_the_process_limit_stays_the_status_when_the_output_is_already_full():
+    """A fork bomb's copies can fill the output before the first copy's own refusal line is written: the
+    status is still the process limit, not the full output it led to (what made the bomb's tool call come
+    back as output_limit once in a CI run)."""
+    code = "import errno, sys\nsys.stderr.write('x' * 5000)\nraise BlockingIOError(errno.EAGAIN, 'fork')"
+    result = run_python(code, LIMITS)
+    assert result.status == "processes", result
+    full = run_python("import sys\nsys.stderr.write('x' * 5000)\nsys.stderr.flush()", LIMITS)
+    assert full.status == "output_limit", full  # a full output alone is still its own status

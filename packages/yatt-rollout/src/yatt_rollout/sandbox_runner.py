@@ -112,5 +112,7 @@ try:
     sys.stdout.flush()
     sys.stderr.flush()
 except OSError as err:
-    status = 94 if err.errno == errno.EFBIG else status
+    # a full output is the status, unless the process limit came first: a fork bomb's copies, one line each,
+    # fill the output before the first copy exits, and that is still the process limit's doing
+    status = 94 if err.errno == errno.EFBIG and status != 95 else status
 os._exit(status)

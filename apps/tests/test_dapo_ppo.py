@@ -322,6 +322,9 @@ def test_dapo_runs_two_steps(tmp_path):
         assert 1 <= row["dapo/waves"] <= 4 and 1.0 <= row["dapo/expansion"] <= 10.0
         assert row["dapo/waves"] > 1 or row["dapo/padded_groups"] == 0  # refilled unless full at once
         assert row["train/num_skipped_steps"] == 0 and "time/rollout_reward" in row and "train/kl" not in row
+        # rule rewards only: each rollout replica generates its prompts in one chunk, scored once it is done
+        # (with a judge, two chunks, and judging starts before the rollout ends: test_placement_modes)
+        assert row["time/judge_started_before_rollout_end"] == 0.0
 
 
 def _comparable(row: dict) -> dict:

@@ -161,7 +161,7 @@ def generate_and_score(
     *,
     method: str = "score",
     token_ids: bool = False,
-    per_replica: int = 2,
+    per_replica: int,
 ) -> Scored:
     """n completions per prompt on this controller's rollout replicas, each chunk of prompts (`per_replica`
     per replica: `chunks_per_replica`) handed to a reward replica (`method`, given the chunk's
@@ -217,7 +217,7 @@ def kept_batch(
     return kept, samples, pad_batch(prompts, [c.token_ids for c in samples], tok.pad_token_id)
 
 
-def submit_rollout(ctx: StepContext, requests: list, per_replica: int = 2) -> list:
+def submit_rollout(ctx: StepContext, requests: list, per_replica: int) -> list:
     """Every chunk of `requests` (`per_replica` per rollout replica) sent to this controller's least-loaded
     rollout replicas now (object refs)."""
     from yatt_controller.dispatch import split_evenly

@@ -11,7 +11,7 @@ from functools import partial
 import pytest
 from yatt_multimodal.reward_specs import build_combined
 from yatt_multimodal.rewards import RuleReward
-from yatt_multimodal.rule_workers import RuleWorkerPool
+from yatt_multimodal.rule_workers import RuleWorkerPool, gathered
 from yatt_multimodal.rules import build_rule, regex_reward
 from yatt_multimodal.types import RewardRequest, RewardSpec
 
@@ -65,6 +65,24 @@ def test_jobs_queued_behind_a_hanging_one_on_its_worker_go_to_the_next_worker():
             ("ok", 1.0),
         ]
         assert alone.restarts == 1
+
+
+def test_answers_held_for_one_write_come_back_whole_and_once():
+    """A worker writes its chunk's answers to the caller together, in writes of at most PIPE_BUF bytes (two
+    workers share the results pipe, and a longer write could interleave with the other's): answers of about
+    1.8 kB each (an error cut at 500 characters of 4-byte emoji) arrive whole, one per request, in order."""
+    mode = "\U0001f600" * 600
+    rule = partial(regex_reward, pattern="5", mode=mode)
+    expected = "ValueError: " + f"regex_reward: option 'mode' must be search or fullmatch, got {mode!r}"[:500]
+    with RuleWorkerPool(num_workers=2) as two:
+        outcomes = gathered(two.submit_many(rule, [_req("5", str(i)) for i in range(16)], 5.0)).result(60)
+        assert [(o.status, o.error) for o in outcomes] == [("error", expected)] * 16
+        assert two.restarts == 0
+        # the pool goes on: a batch of ordinary answers, in order
+        fine = two.submit_many(
+            partial(regex_reward, pattern="^5$"), [_req(str(i), str(i)) for i in range(9)], 5
+        )
+        assert [o.value for o in gathered(fine).result(60)] == [0.0] * 5 + [1.0] + [0.0] * 3
 
 
 def test_math_verify_prints_no_timeout_disabled_notice(pool, capfd, caplog):
@@ -129,7 +147,7 @@ def test_pool_arguments_are_checked():
 CALLER = """
 import sys
 import time
-from yatt_multimodal.rule_workers import RuleWorkerPool
+from yatt_multimodal.rule_workers import RuleWorkerPool, gathered
 from yatt_multimodal.rules import math_reward
 from yatt_multimodal.types import RewardRequest
 

@@ -101,13 +101,17 @@ class RuleReward:
         its deadlines, when there is one; else in the calling thread without timeouts."""
         if self.pool is None:
             return self._batch([self._call(r) for r in requests])
-        futures = [self.pool.submit(self.fn, r, self.timeout_s) for r in requests]
-        return self._batch([self._outcome(r, f.result()) for r, f in zip(requests, futures, strict=True)])
+        from yatt_multimodal.rule_workers import gathered
+
+        outcomes = gathered(self.pool.submit_many(self.fn, requests, self.timeout_s)).result()
+        return self._batch([self._outcome(r, o) for r, o in zip(requests, outcomes, strict=True)])
 
     async def score(self, requests: Sequence[RewardRequest]) -> RewardBatch:
         if self.pool is not None:
-            futures = [asyncio.wrap_future(self.pool.submit(self.fn, r, self.timeout_s)) for r in requests]
-            outcomes = await asyncio.gather(*futures)
+            from yatt_multimodal.rule_workers import gathered
+
+            futures = self.pool.submit_many(self.fn, requests, self.timeout_s)
+            outcomes = await asyncio.wrap_future(gathered(futures))  # one wake-up for the batch
             return self._batch([self._outcome(r, o) for r, o in zip(requests, outcomes, strict=True)])
         limit = asyncio.Semaphore(self.max_concurrency)
 

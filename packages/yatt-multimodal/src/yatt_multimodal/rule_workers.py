@@ -7,7 +7,18 @@ replaced, and that request's outcome is "timeout". The rest of the batch runs on
 
 Layout (`RuleWorkerPool`, an object its caller holds and closes):
 
-    caller process ── pipes ──> supervisor process ── socketpair each ──> N worker processes (forked)
+    caller process ── pipe ──> supervisor process ── socketpair each ──> N worker processes (forked)
+          ^                                                                   │
+          └──────────── one results pipe (writes of at most PIPE_BUF: atomic) ┘
+
+A batch crosses each hop as one message, not one per request (each was a wake-up of a process on a busy
+machine): the caller sends all of a `submit_many`'s jobs in one frame, the supervisor hands an idle worker a
+chunk of them in one frame, and the worker writes the chunk's answers straight to the caller's results pipe
+together (several writes only when they exceed PIPE_BUF). The supervisor hears from a worker once per chunk
+("done"); it follows the running job through a small shared memory record the worker updates before each job
+(its index in the chunk, how many answers it has written, and the job's start), so a job's deadline still
+counts from when its worker took it. A worker killed at a deadline takes its running job with it (status
+"timeout"); the chunk's other jobs whose answers it had not written go back to the queue and run again.
 
 The supervisor is a fresh interpreter (`python -m yatt_multimodal.rule_workers`): it never inherits the
 caller's threads, torch or Ray state, imports the rules once (math_verify and sympy warmed up), then forks
@@ -25,9 +36,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import mmap
 import os
 import pickle
 import resource
+import select
 import selectors
 import signal
 import socket
@@ -38,7 +51,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -100,29 +113,45 @@ class RuleWorkerPool:
     ) -> Future[RuleOutcome]:
         """Run `fn(request)` on a worker; its outcome is "timeout" if it has not returned `deadline_s`
         seconds after the worker took it (time waiting for a free worker does not count)."""
+        return self.submit_many(fn, [request], deadline_s)[0]
+
+    def submit_many(
+        self, fn: Callable[[RewardRequest], float], requests: Sequence[RewardRequest], deadline_s: float
+    ) -> list[Future[RuleOutcome]]:
+        """`submit` for each request, sent to the supervisor as one message; one future per request, each
+        with its own deadline. `gathered(futures)` waits for them all."""
         if deadline_s <= 0:
             raise ValueError(f"RuleWorkerPool.submit: deadline_s must be > 0, got {deadline_s}")
-        future: Future[RuleOutcome] = Future()
-        try:
-            payload = pickle.dumps((fn, request))
-        except Exception as exc:  # lambdas, closures, bound methods of unpicklable objects
-            future.set_result(RuleOutcome("error", error=f"rule {fn!r} cannot be sent to a worker: {exc}"))
-            return future
+        futures: list[Future[RuleOutcome]] = [Future() for _ in requests]
+        payloads: list[bytes | None] = []
+        for request, future in zip(requests, futures, strict=True):
+            try:
+                payloads.append(pickle.dumps((fn, request)))
+            except Exception as exc:  # lambdas, closures, bound methods of unpicklable objects
+                why = f"rule {fn!r} cannot be sent to a worker: {exc}"
+                future.set_result(RuleOutcome("error", error=why))
+                payloads.append(None)
+        sendable = [(future, p) for future, p in zip(futures, payloads, strict=True) if p is not None]
+        if not sendable:
+            return futures
         with self._lock:
             if self._closed:
                 raise RuntimeError("RuleWorkerPool.submit after close()")
             to_supervisor = self._ensure_running()
-            job_id, self._next_id = self._next_id, self._next_id + 1
-            futures = self._futures
-            futures[job_id] = future
+            first, self._next_id = self._next_id, self._next_id + len(sendable)
+            pending = self._futures
+            pending.update((first + i, future) for i, (future, _) in enumerate(sendable))
+        jobs = [(first + i, payload, float(deadline_s)) for i, (_, payload) in enumerate(sendable)]
         try:
             with self._write_lock:
-                _write_frame(to_supervisor, (job_id, payload, float(deadline_s)))
-        except OSError as exc:  # the supervisor died just now: this request fails, the next one restarts it
+                _write_frame(to_supervisor, jobs)
+        except OSError as exc:  # the supervisor died just now: these fail, the next submit restarts it
             with self._lock:
-                futures.pop(job_id, None)
-            future.set_result(RuleOutcome("error", error=f"the rule pool's supervisor is gone: {exc}"))
-        return future
+                for job_id, _, _ in jobs:
+                    pending.pop(job_id, None)
+            for future, _ in sendable:
+                future.set_result(RuleOutcome("error", error=f"the rule pool's supervisor is gone: {exc}"))
+        return futures
 
     def worker_pids(self) -> list[int]:
         """The supervisor's and its workers' process ids (read from /proc; for tests and diagnostics)."""
@@ -166,15 +195,19 @@ class RuleWorkerPool:
         return to_sup_w
 
     def _read(self, from_supervisor: int, futures: dict[int, Future[RuleOutcome]]) -> None:
-        """Completes `futures` from the supervisor's replies until its pipe closes."""
+        """Completes `futures` from the answers on the results pipe (the workers' and the supervisor's) until
+        it closes; an answer for a job already answered (a worker's, just before its kill) is dropped."""
+        buffer = bytearray()
         try:
-            while (message := _read_frame(from_supervisor)) is not None:
-                job_id, status, value, error, restarted = message
+            while chunk := os.read(from_supervisor, 1 << 16):
+                buffer += chunk
+                answers = [_loaded(a) for frame in _split_frames(buffer) for a in frame]
                 with self._lock:
-                    future = futures.pop(job_id, None)
-                    self.restarts += int(restarted)
-                if future is not None:
-                    future.set_result(RuleOutcome(status, value, error))
+                    done = [(futures.pop(answer[0], None), answer) for answer in answers]
+                    self.restarts += sum(int(answer[4]) for answer in answers)
+                for future, (_, status, value, error, _) in done:
+                    if future is not None:
+                        future.set_result(RuleOutcome(status, value, error))
         finally:
             os.close(from_supervisor)
             self._fail_pending("the rule pool's supervisor exited", futures)
@@ -187,6 +220,31 @@ class RuleWorkerPool:
         for future in pending:
             if not future.done():
                 future.set_result(RuleOutcome("error", error=why))
+
+
+def gathered(futures: Sequence[Future[RuleOutcome]]) -> Future[list[RuleOutcome]]:
+    """One future of every outcome, in order, done when the last one is (one wake-up for a batch's waiter)."""
+    whole: Future[list[RuleOutcome]] = Future()
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def one_done(_: Future[RuleOutcome]) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            whole.set_result([f.result() for f in futures])
+
+    if not futures:
+        whole.set_result([])
+    for future in futures:
+        future.add_done_callback(one_done)
+    return whole
+
+
+def _loaded(answer: Any) -> tuple[int, OutcomeStatus, float, str, bool]:
+    """An answer in a frame: a worker's, pickled on its own (`_answer`), or the supervisor's tuple."""
+    return pickle.loads(answer) if isinstance(answer, bytes) else answer
 
 
 def _stop_supervisor(proc: subprocess.Popen[bytes], to_supervisor: int) -> None:
@@ -202,9 +260,13 @@ def _stop_supervisor(proc: subprocess.Popen[bytes], to_supervisor: int) -> None:
 # --- framing -------------------------------------------------------------------------------------------
 
 
-def _write_frame(fd: int, message: Any) -> None:
+def _frame(message: Any) -> bytes:
     data = pickle.dumps(message)
-    view = memoryview(_HEADER.pack(len(data)) + data)
+    return _HEADER.pack(len(data)) + data
+
+
+def _write_frame(fd: int, message: Any) -> None:
+    view = memoryview(_frame(message))
     while view:
         view = view[os.write(fd, view) :]
 
@@ -243,32 +305,62 @@ def _split_frames(buffer: bytearray) -> list[Any]:
 # --- the supervisor process ----------------------------------------------------------------------------
 
 
-MAX_QUEUED = 4  # jobs handed to one worker at once: it starts the next without a round trip through here
+MAX_CHUNK = 8  # jobs handed to one worker in one message; it runs them without a word to the supervisor
+# Shared with a worker: the index in its chunk of the job it runs, how many of the chunk's answers it has
+# written to the caller, and when the running job started (time.monotonic); after a sequence number that is
+# odd while a write is under way (a seqlock: the reader retries until it reads one even number on both
+# sides). Native formats: each field is one aligned 8-byte store, never torn itself.
+_SEQ = struct.Struct("@Q")
+_PROGRESS = struct.Struct("@qqd")
+
+
+def _set_progress(progress: mmap.mmap, index: int, written: int, started: float) -> None:
+    seq = _SEQ.unpack_from(progress)[0]
+    _SEQ.pack_into(progress, 0, seq + 1)
+    _PROGRESS.pack_into(progress, _SEQ.size, index, written, started)
+    _SEQ.pack_into(progress, 0, seq + 2)
+
+
+_DONE = b"d"  # a worker's one message to the supervisor: its chunk is done
 
 
 @dataclass
 class _Slot:
     pid: int
     sock: socket.socket
-    buffer: bytearray
-    queue: deque[tuple[int, bytes, float]] = field(default_factory=deque)  # sent to it, not yet answered
-    deadline: float = 0.0  # monotonic deadline of the queue's first job, the one the worker is running
+    progress: mmap.mmap  # _PROGRESS, written by the worker before each job of its chunk
+    chunk: list[tuple[int, bytes, float]] = field(default_factory=list)  # sent to it; [] when idle
+    # a replaced worker's chunk and its progress, until `_lose_running` settles them
+    lost: tuple[list[tuple[int, bytes, float]], int, int] = ([], 0, 0)
 
-    @property
-    def job(self) -> int | None:
-        """The id of the job the worker is running (the first one it has not answered), or None when idle."""
-        return self.queue[0][0] if self.queue else None
+    def running(self) -> tuple[int, int, float] | None:
+        """(index in the chunk of the job the worker runs (len(chunk) once all ran), answers written, the
+        running job's start); None while the worker is between the two halves of a write (read again)."""
+        for _ in range(100):
+            seq = _SEQ.unpack_from(self.progress)[0]
+            if seq % 2 == 0:
+                record = _PROGRESS.unpack_from(self.progress, _SEQ.size)
+                if _SEQ.unpack_from(self.progress)[0] == seq:
+                    return record
+        return None  # the worker was stopped mid-write; it finishes it first thing when it runs again
+
+    def deadline(self) -> float | None:
+        """When the running job is late; None when the chunk has run; soon when the record is unreadable."""
+        record = self.running()
+        if record is None:
+            return time.monotonic() + 0.01
+        index, _, started = record
+        return started + self.chunk[index][2] if index < len(self.chunk) else None
 
 
 class _Supervisor:
-    """Hands jobs to idle workers, relays their results, kills and replaces late or dead workers.
+    """Hands chunks of jobs to idle workers, kills and replaces late or dead workers.
 
-    An idle worker gets up to MAX_QUEUED jobs at once (fewer when there are few per worker), as separate
-    messages it runs in order: between two jobs it waits on no one, where a round trip through this process
-    cost each job a wake-up on a busy machine. Each job keeps its own deadline, counted from when the worker
-    took it: when its predecessor's answer arrived here (or when it was sent, for the first). A worker killed
-    at a deadline or found dead takes only its running job with it; the jobs queued behind it go back to the
-    front of the pending queue."""
+    An idle worker gets up to MAX_CHUNK jobs in one message (fewer when there are few per worker) and runs
+    them in order, writing each answer to the caller's results pipe itself: nothing passes through here per
+    job. Each job keeps its own deadline, counted from when its worker took it (the start the worker records
+    in the slot's shared progress; the first job's is when the chunk was sent). A worker killed at a deadline
+    or found dead takes only its running job with it: the jobs after it go back to the front of the queue."""
 
     def __init__(self, from_caller: int, to_caller: int, num_workers: int, memory_limit_mb: int):
         self.from_caller, self.to_caller, self.memory_limit_mb = from_caller, to_caller, memory_limit_mb
@@ -281,8 +373,8 @@ class _Supervisor:
     def run(self) -> None:
         while True:
             self._dispatch()
-            busy = [s.deadline for s in self.slots if s.job is not None]
-            timeout = max(0.0, min(busy) - time.monotonic()) if busy else None
+            deadlines = [d for s in self.slots if s.chunk and (d := s.deadline()) is not None]
+            timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
             for key, _ in self.selector.select(timeout):
                 if key.data is None:
                     chunk = os.read(self.from_caller, 1 << 16)
@@ -290,88 +382,86 @@ class _Supervisor:
                         self._shutdown()
                         return
                     self.inbox += chunk
-                    self.pending.extend(_split_frames(self.inbox))
+                    for jobs in _split_frames(self.inbox):
+                        self.pending.extend(jobs)
                 else:
                     self._on_worker(key.data)
             self._kill_late()
 
     def _dispatch(self) -> None:
-        idle = [slot for slot in self.slots if not slot.queue]
+        idle = [slot for slot in self.slots if not slot.chunk]
         if not idle or not self.pending:
             return
-        share = min(MAX_QUEUED, -(-len(self.pending) // len(idle)))  # ceil: spread over the idle workers
+        share = min(MAX_CHUNK, -(-len(self.pending) // len(idle)))  # ceil: spread over the idle workers
         for slot in idle:
             jobs = [self.pending.popleft() for _ in range(min(share, len(self.pending)))]
             if not jobs:
                 return
-            slot.queue.extend(jobs)
-            slot.deadline = time.monotonic() + jobs[0][2]
-            data = b"".join(_HEADER.pack(len(d)) + d for d in (pickle.dumps((p, dl)) for _, p, dl in jobs))
+            slot.chunk = jobs
+            _set_progress(slot.progress, 0, 0, time.monotonic())  # job 0's deadline counts from now
             # a worker that died idle raises here; its EOF, read next, fails the first job and replaces it
             with contextlib.suppress(OSError):
-                slot.sock.sendall(data)
+                slot.sock.sendall(_frame(jobs))
 
     def _on_worker(self, slot: _Slot) -> None:
-        chunk = slot.sock.recv(1 << 16)
-        if not chunk:  # it died mid-request: a crash, the memory limit, or its CPU limit (SIGXCPU)
-            status = self._replace(slot, kill=False)
-            if slot.job is None:
-                return
-            late = status == -signal.SIGXCPU
-            why = f"rule worker died ({_describe(status)})"
-            self._reply(slot, "timeout" if late else "error", 0.0, why, restarted=True)
-            self._requeue(slot)
+        if slot.sock.recv(1 << 10):  # _DONE: every job of its chunk was answered
+            slot.chunk = []
             return
-        slot.buffer += chunk
-        for status, value, error in _split_frames(slot.buffer):
-            self._reply(slot, status, value, error, restarted=False)
+        # it died: a crash, the memory limit, or its CPU limit (SIGXCPU)
+        status = self._replace(slot, kill=False)
+        late = status == -signal.SIGXCPU
+        self._lose_running(slot, "timeout" if late else "error", f"rule worker died ({_describe(status)})")
 
     def _kill_late(self) -> None:
         now = time.monotonic()
         for slot in self.slots:
-            if slot.job is not None and slot.deadline <= now:
+            if slot.chunk and (deadline := slot.deadline()) is not None and deadline <= now:
                 self._replace(slot, kill=True)
-                self._reply(slot, "timeout", 0.0, "its worker was killed and replaced", restarted=True)
-                self._requeue(slot)
+                self._lose_running(slot, "timeout", "its worker was killed and replaced")
 
-    def _reply(self, slot: _Slot, status: str, value: float, error: str, *, restarted: bool) -> None:
-        """Answer the slot's running job; the next one in its queue is running from now on."""
-        assert slot.queue, "a worker answered without a job"
-        job_id = slot.queue.popleft()[0]
-        _write_frame(self.to_caller, (job_id, status, value, error, restarted))
-        if slot.queue:
-            slot.deadline = time.monotonic() + slot.queue[0][2]
-
-    def _requeue(self, slot: _Slot) -> None:
-        """The jobs a replaced worker had queued go back, in order, to the front of the pending queue."""
-        self.pending.extendleft(reversed(slot.queue))
-        slot.queue.clear()
+    def _lose_running(self, slot: _Slot, status: str, why: str) -> None:
+        """After `_replace`: the dead worker's running job gets `status`; the other jobs of its chunk whose
+        answers it had not written yet (those it ran before, held for one write, and those after) go back,
+        in order, to the front of the pending queue."""
+        chunk, index, written = slot.lost
+        slot.lost = ([], 0, 0)
+        if index < len(chunk):
+            _write_frame(self.to_caller, [(chunk[index][0], status, 0.0, why, True)])
+        self.pending.extendleft(reversed(chunk[written:index] + chunk[index + 1 :]))
 
     def _replace(self, slot: _Slot, *, kill: bool) -> int:
-        """Kill (if asked) and reap the slot's worker, fork its successor into the slot; the old exit status."""
+        """Kill (if asked) and reap the slot's worker and fork its successor into the slot; the old exit
+        status. `slot.lost` keeps the dead worker's chunk and how far it got (`_lose_running` settles it)."""
         if kill:
             os.kill(slot.pid, signal.SIGKILL)
         self.selector.unregister(slot.sock)
         slot.sock.close()
         _, raw = os.waitpid(slot.pid, 0)
+        # final, the worker being gone; it died mid-write only as a job ended (at its deadline): each field
+        # is whole, from one write or the other
+        index, written, _ = slot.running() or _PROGRESS.unpack_from(slot.progress, _SEQ.size)
+        slot.lost = (slot.chunk, index, written)
+        slot.progress.close()
         fresh = self._fork_worker()
-        slot.pid, slot.sock, slot.buffer = fresh.pid, fresh.sock, fresh.buffer
+        slot.pid, slot.sock, slot.progress, slot.chunk = fresh.pid, fresh.sock, fresh.progress, []
         self.selector.modify(slot.sock, selectors.EVENT_READ, slot)  # events of the new socket find this slot
         return -os.WTERMSIG(raw) if os.WIFSIGNALED(raw) else os.WEXITSTATUS(raw)
 
     def _fork_worker(self) -> _Slot:
         ours, theirs = socket.socketpair()
+        progress = mmap.mmap(-1, _SEQ.size + _PROGRESS.size)  # anonymous and shared with the child
         pid = os.fork()
-        if pid == 0:  # the worker: nothing of the supervisor's but its own socket
+        if pid == 0:  # the worker: nothing of the supervisor's but its socket and the results pipe
             try:
-                keep = theirs.fileno()  # close the supervisor's pipes, selector and other workers' sockets
-                os.closerange(3, keep)
-                os.closerange(keep + 1, os.sysconf("SC_OPEN_MAX"))
-                _worker(theirs, self.memory_limit_mb)
+                keep = sorted((theirs.fileno(), self.to_caller))
+                os.closerange(3, keep[0])
+                os.closerange(keep[0] + 1, keep[1])
+                os.closerange(keep[1] + 1, os.sysconf("SC_OPEN_MAX"))
+                _worker(theirs, self.to_caller, progress, self.memory_limit_mb)
             finally:
                 os._exit(0)
         theirs.close()
-        slot = _Slot(pid, ours, bytearray())
+        slot = _Slot(pid, ours, progress)
         self.selector.register(ours, selectors.EVENT_READ, slot)
         return slot
 
@@ -394,24 +484,46 @@ def _die_with_parent() -> None:
         pass
 
 
-def _worker(sock: socket.socket, memory_limit_mb: int) -> None:
+def _worker(sock: socket.socket, to_caller: int, progress: mmap.mmap, memory_limit_mb: int) -> None:
     _die_with_parent()
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # SIGXCPU would otherwise dump core
     if memory_limit_mb:
         limit = memory_limit_mb * 1024 * 1024
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     fd = sock.fileno()
-    while (message := _read_frame(fd)) is not None:
-        payload, deadline_s = message
-        usage = resource.getrusage(resource.RUSAGE_SELF)
-        cpu_limit = int(usage.ru_utime + usage.ru_stime + deadline_s) + _CPU_GRACE_S
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu_limit, resource.getrlimit(resource.RLIMIT_CPU)[1]))
-        try:
-            fn, request = pickle.loads(payload)
-            result = ("ok", float(fn(request)), "")
-        except BaseException as exc:  # any failure of a rule (math-verify's are BaseExceptions) is an error
-            result = ("error", 0.0, f"{type(exc).__name__}: {str(exc)[:500]}")
-        _write_frame(fd, result)
+    while (chunk := _read_frame(fd)) is not None:
+        held: list[bytes] = []  # answers not yet written: one write for the chunk, unless they fill a pipe
+        written = 0
+        for index, (job_id, payload, deadline_s) in enumerate(chunk):
+            _set_progress(progress, index, written, time.monotonic())
+            usage = resource.getrusage(resource.RUSAGE_SELF)
+            cpu_limit = int(usage.ru_utime + usage.ru_stime + deadline_s) + _CPU_GRACE_S
+            resource.setrlimit(resource.RLIMIT_CPU, (cpu_limit, resource.getrlimit(resource.RLIMIT_CPU)[1]))
+            try:
+                fn, request = pickle.loads(payload)
+                status, value, error = "ok", float(fn(request)), ""
+            except (
+                BaseException
+            ) as exc:  # any failure of a rule (math-verify's are BaseExceptions) is an error
+                status, value, error = "error", 0.0, f"{type(exc).__name__}: {str(exc)[:500]}"
+            answer = _answer(job_id, status, value, error)
+            if len(_frame([*held, answer])) > select.PIPE_BUF:
+                os.write(to_caller, _frame(held))
+                written, held = index, []
+            held.append(answer)
+        os.write(to_caller, _frame(held))
+        _set_progress(progress, len(chunk), len(chunk), time.monotonic())
+        sock.sendall(_DONE)
+
+
+def _answer(job_id: int, status: str, value: float, error: str) -> bytes:
+    """A job's answer, pickled, short enough that a frame of it alone is at most PIPE_BUF bytes: every frame
+    on the results pipe is one write, never interleaved with another writer's."""
+    data = pickle.dumps((job_id, status, value, error, False))
+    while len(_frame([data])) > select.PIPE_BUF:
+        error = error[: len(error) // 2]
+        data = pickle.dumps((job_id, status, value, error, False))
+    return data
 
 
 def _warm_up() -> None:

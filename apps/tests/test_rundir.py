@@ -66,6 +66,22 @@ def _scalars(tb: Path, tag: str) -> list[tuple[int, float]]:
     return [(e.step, e.value) for e in events.Scalars(tag)]
 
 
+def test_a_rewind_in_the_writers_first_second_is_read_after_it(tmp_path):
+    """TensorBoard reads a folder's event files in name order: the writer's creation second, then a counter
+    of the process's writers, where ".10" sorts before ".9". A step logged again in the second the run's
+    writer opened (its files ".9" and ".10") still reads as one value per step, the later one."""
+    from tensorboard.summary.writer import event_file_writer
+
+    while event_file_writer._global_uid.get() % 10 != 8:  # the run's writer gets ".9", its rewind ".10"
+        pass
+    run = RunDir(tmp_path)
+    run.log(0, {"reward/mean": 0.0})
+    run.log(1, {"reward/mean": 1.0})
+    run.log(1, {"reward/mean": 5.0})  # a restart re-logs step 1
+    run.close(plot=False)
+    assert _scalars(tmp_path / "tb", "reward/mean") == [(0, 0.0), (1, 5.0)]
+
+
 def test_resume_truncates_to_the_checkpoint_step(tmp_path):
     """A run killed after step 24 with its newest checkpoint at step 19: the resumed run's RunDir keeps steps
     0..19, and the resumed steps 20..29 are appended once each, in JSONL and in TensorBoard's view."""

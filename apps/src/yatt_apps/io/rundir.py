@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
@@ -140,6 +141,17 @@ def truncate_metrics(path: str | Path, keep_through: float = math.inf) -> int:
     return len(rows) - len(kept)
 
 
+def _next_events_second(tb: Path) -> None:
+    """TensorBoard reads a folder's event files in name order; a name starts with its writer's creation second
+    and ends with a per-process counter, where ".10" sorts before ".9". A writer opened in the same second as
+    an existing file (a rewind right after the start) waits for the next second, so its file, and its
+    `purge_step`, are read after the earlier one's."""
+    stamps = [p.name.split(".")[3] for p in tb.glob("events.out.tfevents.*")]
+    newest = max((int(s) for s in stamps if s.isdigit()), default=-1)
+    while int(time.time()) == newest:
+        time.sleep(0.05)
+
+
 class RunDir:
     """Owns one run's directory. `log` appends a step's scalars; `close` flushes and draws the plot.
 
@@ -173,6 +185,7 @@ class RunDir:
             return None
         from torch.utils.tensorboard import SummaryWriter
 
+        _next_events_second(self.path / "tb")
         return SummaryWriter(str(self.path / "tb"), purge_step=purge_step)
 
     def write_config(self, config: msgspec.Struct) -> None:

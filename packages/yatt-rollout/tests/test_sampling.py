@@ -6,7 +6,15 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from yatt_rollout.sampling import filter_logits, inverse_cdf, raw_logprobs, row_params, sample  # noqa: E402
+from yatt_rollout.sampling import (  # noqa: E402
+    filter_logits,
+    inverse_cdf,
+    raw_logprobs,
+    row_params,
+    sample,
+    sample_from,
+    uniform_draws,
+)
 
 # probabilities 0.5, 0.25, 0.15, 0.1 (log of them are the logits)
 LOGITS = torch.tensor([[math.log(0.5), math.log(0.25), math.log(0.15), math.log(0.1)]])
@@ -79,9 +87,26 @@ def test_inverse_cdf_never_picks_a_zero_probability_token():
     probs = torch.tensor([[0.0, 0.3, 0.7, 0.0], [1.0, 0.0, 0.0, 0.0]])
     for seed in range(200):
         gens = [torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed + 1)]
-        first, second = inverse_cdf(probs, gens).tolist()
+        first, second = inverse_cdf(probs, uniform_draws(gens)).tolist()
         assert first in (1, 2) and second == 0
-    assert inverse_cdf(probs, [torch.Generator().manual_seed(0)] * 2).dtype == torch.int64
+    assert inverse_cdf(probs, uniform_draws([torch.Generator().manual_seed(0)] * 2)).dtype == torch.int64
+
+
+def test_a_block_of_draws_is_the_same_stream_as_one_draw_per_token():
+    """`LiveRows` draws each seeded row's uniforms for its whole budget at once: on the CPU the block is the
+    numbers one draw per step would give, so a row samples the same tokens either way."""
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(0))
+    params = row_params([1.0, 0.7, 0.0], [0, 10, 0], [1.0, 0.9, 1.0])
+    seeds = [torch.Generator().manual_seed(11), None, torch.Generator().manual_seed(12)]
+    block = uniform_draws(seeds, 5)
+    assert block.shape == (3, 5) and block.dtype == torch.float64 and block[1].eq(0).all()
+    singles = [torch.Generator().manual_seed(11), None, torch.Generator().manual_seed(12)]
+    for step in range(5):
+        one = sample(logits, params, singles, torch.Generator().manual_seed(step))
+        many = sample_from(
+            logits, params, [True, False, True], block[:, step], torch.Generator().manual_seed(step)
+        )
+        assert torch.equal(one, many)
 
 
 def test_raw_logprobs_ignore_temperature():

@@ -99,7 +99,7 @@ def join(
 ) -> tuple[list[Any], LiveRows, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Start a new segment of `engine`'s running batch with the `new` rows joined, before the sampling of the
     segment's step `step`. `state`: the running rows' KV cache, attention mask, positions and next-token
-    logits. The running rows keep their tokens so far (`carry`), their KV cache and their seeded generators;
+    logits. The running rows keep their tokens so far (`carry`), their KV cache and their seeded draws;
     the new rows are prefilled alone and their cache merged after the running rows' (`merge`). Returns the
     segment's rows, LiveRows, prompt ids and mask (the contexts a partial update re-prefills), attention
     mask, positions and next-token logits."""
@@ -110,9 +110,8 @@ def join(
     mask = merge(cache, mask, new_cache, new_mask)
     seg = running + new
     prompt_ids, prompt_mask, budget = engine._left_pad(seg)
-    gens = rows.gens  # the running rows' seeded streams go on where they were
-    rows = LiveRows.build(seg, budget, engine.eos_ids, engine.vocab_size, engine.device)
-    rows.gens[: len(gens)] = gens
+    carried = rows.unused_draws(step)  # the running rows' seeded streams go on where they were
+    rows = LiveRows.build(seg, budget, engine.eos_ids, engine.vocab_size, engine.device, carried)
     engine.stats["admissions"] += 1
     engine.stats["admitted_rows"] += len(new)
     engine.stats["rows"] += len(new)

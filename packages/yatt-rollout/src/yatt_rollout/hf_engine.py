@@ -444,7 +444,9 @@ class HFEngine:
             lg = logits.float()  # [L, V]
             if rows.constraint is not None:  # logprobs below are then the constrained distribution's
                 lg = rows.constraint.mask(lg)
-            tokens = sampling.sample(lg, rows.params, rows.gens, self._default_gen)
+            tokens = sampling.sample_from(
+                lg, rows.params, rows.seeded, rows.uniforms(step), self._default_gen
+            )
             before = rows.live
             keep = rows.record(step, tokens, sampling.raw_logprobs(lg, tokens))
             if keep is not None:  # some rows ended: the rest go on with their own cache rows

@@ -27,7 +27,9 @@ class LiveRows:
 
     live: torch.Tensor  # [L] long: batch index of each running row
     params: dict[str, torch.Tensor]  # host tensors [L]: temperature, top_k, top_p
-    gens: list[torch.Generator | None]
+    seeded: list[bool]  # [L]: the row's request has a seed
+    # [L, W] float64: each seeded row's uniforms, one per token it may sample (its own stream, drawn at once)
+    draws: torch.Tensor | None
     stop_ids: torch.Tensor  # [L, S] long, padded with -1
     budget: torch.Tensor  # [L] long: the row's token budget
     tokens: torch.Tensor  # [B, W] long
@@ -38,19 +40,39 @@ class LiveRows:
 
     @classmethod
     def build(
-        cls, batch: list[Any], budget: list[int], eos_ids: list[int], vocab: int, device: torch.device
+        cls,
+        batch: list[Any],
+        budget: list[int],
+        eos_ids: list[int],
+        vocab: int,
+        device: torch.device,
+        carried: torch.Tensor | None = None,
     ) -> LiveRows:
+        """`carried`: the uniforms still unused of the first rows (running rows that go on, `unused_draws`):
+        their streams go on where they were."""
         sp = [r.request.req.sampling for r in batch]
         stops = [sorted(set(eos_ids) | set(s.stop_token_ids)) for s in sp]
         width = max(map(len, stops), default=0) or 1
         stop_ids = torch.tensor([ids + [-1] * (width - len(ids)) for ids in stops], dtype=torch.long)
         n, w = len(batch), max(budget)
+        seeded = [s.seed is not None for s in sp]
+        draws = None
+        if any(seeded):  # one draw per row for its whole budget, not one per row per step
+            kept = 0 if carried is None else len(carried)
+            gens = [None] * kept + [
+                _row_generator(s.seed, r.index, device) for s, r in zip(sp, batch, strict=True)
+            ][kept:]
+            draws = sampling.uniform_draws(gens, w)
+            if carried is not None:
+                width = min(w, carried.shape[1])
+                draws[:kept, :width] = carried[:, :width]
         return cls(
             live=torch.arange(n, device=device),
             params=sampling.row_params(
                 [s.temperature for s in sp], [s.top_k for s in sp], [s.top_p for s in sp]
             ),
-            gens=[_row_generator(s.seed, r.index, device) for s, r in zip(sp, batch, strict=True)],
+            seeded=seeded,
+            draws=draws,
             stop_ids=stop_ids.to(device),
             budget=torch.tensor(budget, device=device),
             tokens=torch.zeros((n, w), dtype=torch.long, device=device),
@@ -78,10 +100,19 @@ class LiveRows:
         host_keep = keep.tolist()
         self.live, self.stop_ids, self.budget = self.live[keep], self.stop_ids[keep], self.budget[keep]
         self.params = {k: v[host_keep] for k, v in self.params.items()}
-        self.gens = [self.gens[j] for j in host_keep]
+        self.seeded = [self.seeded[j] for j in host_keep]
+        self.draws = None if self.draws is None else self.draws[keep]
         if self.constraint is not None:
             self.constraint.select(keep)
         return keep
+
+    def uniforms(self, step: int) -> torch.Tensor | None:
+        """The running rows' uniforms for step `step` ([L] float64), None when no row is seeded."""
+        return None if self.draws is None else self.draws[:, step]
+
+    def unused_draws(self, step: int) -> torch.Tensor | None:
+        """The running rows' uniforms from step `step` on ([L, W - step]), for `build(carried=...)`."""
+        return None if self.draws is None else self.draws[:, step:]
 
     def results(self) -> list[tuple[list[int], list[float], FinishReason]]:
         """(tokens, logprobs, finish reason) per batch row: the batch's one transfer to the host."""

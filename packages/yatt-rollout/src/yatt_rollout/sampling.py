@@ -57,6 +57,20 @@ def sample(
     Rows with temperature 0 take the argmax; a row with its own `torch.Generator` (a seeded request) draws
     from it, so its tokens depend on its seed only; the other rows share the engine's `default` generator.
     """
+    seeded = [g is not None for g in generators]
+    return sample_from(logits, params, seeded, uniform_draws(generators) if any(seeded) else None, default)
+
+
+def sample_from(
+    logits: torch.Tensor,
+    params: dict[str, torch.Tensor],
+    seeded: list[bool],
+    uniforms: torch.Tensor | None,
+    default: torch.Generator,
+) -> torch.Tensor:
+    """`sample` with the seeded rows' uniform draws given: `uniforms` [B] float64 on the logits' device (read
+    where `seeded`; None when no row is), each row's token the first whose cumulative probability exceeds
+    its draw (`inverse_cdf`). `LiveRows` draws a row's uniforms for its whole budget at once."""
     temperature = params["temperature"]
     greedy = temperature == 0
     tokens = logits.argmax(-1)
@@ -66,24 +80,39 @@ def sample(
     scaled = logits / divisor[:, None]
     probs = filter_logits(scaled, params["top_k"], params["top_p"]).softmax(-1)  # [B, V]
     greedy_rows = greedy.tolist()
-    shared = [i for i, g in enumerate(generators) if g is None and not greedy_rows[i]]
-    if len(shared) == len(generators):  # the common case: one draw for the whole batch
+    shared = [i for i, s in enumerate(seeded) if not s and not greedy_rows[i]]
+    if len(shared) == len(seeded):  # the common case: one draw for the whole batch
         return torch.multinomial(probs, 1, generator=default)[:, 0]
     if shared:
         tokens[shared] = torch.multinomial(probs[shared], 1, generator=default)[:, 0]
-    seeded = [i for i, g in enumerate(generators) if g is not None and not greedy_rows[i]]
-    if seeded:
-        tokens[seeded] = inverse_cdf(probs[seeded], [generators[i] for i in seeded])
+    chosen = [i for i, s in enumerate(seeded) if s and not greedy_rows[i]]
+    if chosen:
+        assert uniforms is not None, "seeded rows need their uniform draws"
+        tokens[chosen] = inverse_cdf(probs[chosen], uniforms[chosen])
     return tokens
 
 
-def inverse_cdf(probs: torch.Tensor, generators: list[Any]) -> torch.Tensor:
-    """One token per row of probs [R, V] from one uniform draw u of that row's own generator: the first token
-    whose cumulative probability (float64) exceeds u x the row's total, never a zero-probability token. A row's
-    token depends on its seed and probabilities alone, as with a per-row `torch.multinomial`, for one cheap draw
-    per row and one vectorised search (the per-row multinomial loop cost 0.56 ms per decode step at 32 rows,
-    this 0.06 ms)."""
-    u = torch.cat([torch.rand(1, generator=g, device=g.device, dtype=torch.float64) for g in generators])
+def uniform_draws(generators: list[Any], count: int | None = None) -> torch.Tensor:
+    """One float64 uniform per generator ([R]), or `count` of them each ([R, count]), on the generators'
+    device (0 for a None). A generator's draws come in order: on the CPU, `count` at once are the same
+    numbers as `count` single draws."""
+    shape = (1,) if count is None else (count,)
+    device = next((g.device for g in generators if g is not None), torch.device("cpu"))
+    rows = [
+        torch.zeros(shape, dtype=torch.float64, device=device)
+        if g is None
+        else torch.rand(shape, generator=g, device=g.device, dtype=torch.float64)
+        for g in generators
+    ]
+    out = torch.stack(rows) if rows else torch.zeros((0, *shape), dtype=torch.float64, device=device)
+    return out[:, 0] if count is None else out
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of probs [R, V] from the row's uniform draw u [R] (float64): the first token whose
+    cumulative probability (float64) exceeds u x the row's total, never a zero-probability token. A row's
+    token depends on its draw and probabilities alone, as with a per-row `torch.multinomial`, for one
+    vectorised search (the per-row multinomial loop cost 0.56 ms per decode step at 32 rows, this 0.06 ms)."""
     cdf = probs.double().cumsum(-1)
     picks = torch.searchsorted(cdf, (u.to(cdf.device) * cdf[:, -1])[:, None], right=True)[:, 0]
     last = probs.shape[-1] - 1 - (probs.flip(-1) > 0).int().argmax(-1)  # each row's last possible token

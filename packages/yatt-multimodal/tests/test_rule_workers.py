@@ -85,6 +85,34 @@ def test_answers_held_for_one_write_come_back_whole_and_once():
         assert [o.value for o in gathered(fine).result(60)] == [0.0] * 5 + [1.0] + [0.0] * 3
 
 
+def _cpu_s(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def test_a_worker_that_dies_mid_chunk_fails_its_job_and_the_rest_run_again():
+    """The worker dies (SIGKILL from outside) inside the second job of its chunk, whose first answer it held
+    for the chunk's one write: the running job is an "error" naming the signal, the first and third run again
+    on the replacement."""
+    import signal
+
+    with RuleWorkerPool(num_workers=1) as alone:
+        alone.start()
+        while len(alone.worker_pids()) < 2:  # the supervisor has warmed up and forked its worker
+            time.sleep(0.05)
+        rule = partial(regex_reward, pattern="(a+)+$")  # backtracks for minutes on many a's and a "!"
+        futures = alone.submit_many(rule, [_req("aaa", "0"), _req("a" * 40 + "!", "1"), _req("b", "2")], 60.0)
+        worker = alone.worker_pids()[1]
+        while _cpu_s(worker) < 0.5:  # job 0 answered (held for the chunk's write), job 1 backtracking
+            time.sleep(0.05)
+        os.kill(worker, signal.SIGKILL)
+        outcomes = gathered(futures).result(60)
+        assert [(o.status, o.value) for o in outcomes] == [("ok", 1.0), ("error", 0.0), ("ok", 0.0)]
+        assert outcomes[1].error == "rule worker died (signal SIGKILL)"
+        assert alone.restarts == 1
+
+
 def test_math_verify_prints_no_timeout_disabled_notice(pool, capfd, caplog):
     import math_verify.grader
     import math_verify.parser

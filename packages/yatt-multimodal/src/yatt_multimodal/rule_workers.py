@@ -330,8 +330,6 @@ class _Slot:
     sock: socket.socket
     progress: mmap.mmap  # _PROGRESS, written by the worker before each job of its chunk
     chunk: list[tuple[int, bytes, float]] = field(default_factory=list)  # sent to it; [] when idle
-    # a replaced worker's chunk and its progress, until `_lose_running` settles them
-    lost: tuple[list[tuple[int, bytes, float]], int, int] = ([], 0, 0)
 
     def running(self) -> tuple[int, int, float] | None:
         """(index in the chunk of the job the worker runs (len(chunk) once all ran), answers written, the
@@ -408,30 +406,32 @@ class _Supervisor:
             slot.chunk = []
             return
         # it died: a crash, the memory limit, or its CPU limit (SIGXCPU)
-        status = self._replace(slot, kill=False)
+        status, lost = self._replace(slot, kill=False)
         late = status == -signal.SIGXCPU
-        self._lose_running(slot, "timeout" if late else "error", f"rule worker died ({_describe(status)})")
+        self._lose_running(*lost, "timeout" if late else "error", f"rule worker died ({_describe(status)})")
 
     def _kill_late(self) -> None:
         now = time.monotonic()
         for slot in self.slots:
             if slot.chunk and (deadline := slot.deadline()) is not None and deadline <= now:
-                self._replace(slot, kill=True)
-                self._lose_running(slot, "timeout", "its worker was killed and replaced")
+                _, lost = self._replace(slot, kill=True)
+                self._lose_running(*lost, "timeout", "its worker was killed and replaced")
 
-    def _lose_running(self, slot: _Slot, status: str, why: str) -> None:
-        """After `_replace`: the dead worker's running job gets `status`; the other jobs of its chunk whose
-        answers it had not written yet (those it ran before, held for one write, and those after) go back,
-        in order, to the front of the pending queue."""
-        chunk, index, written = slot.lost
-        slot.lost = ([], 0, 0)
+    def _lose_running(
+        self, chunk: list[tuple[int, bytes, float]], index: int, written: int, status: str, why: str
+    ) -> None:
+        """A dead worker's `chunk` (it ran job `index` and had written `written` answers): the running job
+        gets `status`; the others whose answers it had not written yet (those it ran before, held for one
+        write, and those after) go back, in order, to the front of the pending queue."""
         if index < len(chunk):
             _write_frame(self.to_caller, [(chunk[index][0], status, 0.0, why, True)])
         self.pending.extendleft(reversed(chunk[written:index] + chunk[index + 1 :]))
 
-    def _replace(self, slot: _Slot, *, kill: bool) -> int:
+    def _replace(
+        self, slot: _Slot, *, kill: bool
+    ) -> tuple[int, tuple[list[tuple[int, bytes, float]], int, int]]:
         """Kill (if asked) and reap the slot's worker and fork its successor into the slot; the old exit
-        status. `slot.lost` keeps the dead worker's chunk and how far it got (`_lose_running` settles it)."""
+        status, and the dead worker's chunk with how far it got (for `_lose_running`)."""
         if kill:
             os.kill(slot.pid, signal.SIGKILL)
         self.selector.unregister(slot.sock)
@@ -440,12 +440,12 @@ class _Supervisor:
         # final, the worker being gone; it died mid-write only as a job ended (at its deadline): each field
         # is whole, from one write or the other
         index, written, _ = slot.running() or _PROGRESS.unpack_from(slot.progress, _SEQ.size)
-        slot.lost = (slot.chunk, index, written)
+        lost = (slot.chunk, index, written)
         slot.progress.close()
         fresh = self._fork_worker()
         slot.pid, slot.sock, slot.progress, slot.chunk = fresh.pid, fresh.sock, fresh.progress, []
         self.selector.modify(slot.sock, selectors.EVENT_READ, slot)  # events of the new socket find this slot
-        return -os.WTERMSIG(raw) if os.WIFSIGNALED(raw) else os.WEXITSTATUS(raw)
+        return (-os.WTERMSIG(raw) if os.WIFSIGNALED(raw) else os.WEXITSTATUS(raw)), lost
 
     def _fork_worker(self) -> _Slot:
         ours, theirs = socket.socketpair()

@@ -58,11 +58,11 @@ class LiveRows:
         seeded = [s.seed is not None for s in sp]
         draws = None
         if any(seeded):  # one draw per row for its whole budget, not one per row per step
-            kept = 0 if carried is None else len(carried)
-            gens = [None] * kept + [
-                _row_generator(s.seed, r.index, device) for s, r in zip(sp, batch, strict=True)
-            ][kept:]
-            draws = sampling.uniform_draws(gens, w)
+            kept = 0 if carried is None else len(carried)  # their draws come from `carried`, not a generator
+            fresh = [
+                _row_generator(s.seed, r.index, device) for s, r in zip(sp[kept:], batch[kept:], strict=True)
+            ]
+            draws = sampling.uniform_draws([None] * kept + fresh, w)
             if carried is not None:
                 width = min(w, carried.shape[1])
                 draws[:kept, :width] = carried[:, :width]

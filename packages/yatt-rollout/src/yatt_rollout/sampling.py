@@ -100,13 +100,10 @@ def uniform_draws(generators: list[Any], count: int | None = None) -> torch.Tens
     numbers as `count` single draws."""
     shape = (1,) if count is None else (count,)
     device = next((g.device for g in generators if g is not None), torch.device("cpu"))
-    rows = [
-        torch.zeros(shape, dtype=torch.float64, device=device)
-        if g is None
-        else torch.rand(shape, generator=g, device=g.device, dtype=torch.float64)
-        for g in generators
-    ]
-    out = torch.stack(rows) if rows else torch.zeros((0, *shape), dtype=torch.float64, device=device)
+    out = torch.zeros((len(generators), *shape), dtype=torch.float64, device=device)
+    for i, g in enumerate(generators):
+        if g is not None:
+            out[i] = torch.rand(shape, generator=g, device=device, dtype=torch.float64)
     return out[:, 0] if count is None else out
 
 

@@ -100,6 +100,18 @@ def test_grpo_with_judge_runs_in_every_layout(ray_session, tmp_path, mode, contr
         assert summary["time/rollout_reward_overlap_s"] > 0.0
         assert summary["time/judge_started_before_rollout_end"] == 1.0  # the judge's first request came early
     assert summary["time/rollout_s"] > 0.0 and summary["time/reward_s"] > 0.0
+    if mode == "colocated":  # each engine loads the whole policy from the learner rank beside it (pairwise
+        # with two controllers, one controller's two pairs in single mode): the step's bytes are every engine's
+        policy = tmp_path / f"{mode}-{controller}" / "models" / "policy" / "model.safetensors"
+        assert summary["sync/bytes"] == devices * _tensor_bytes(policy) > 0
+
+
+def _tensor_bytes(path) -> int:
+    from safetensors import safe_open
+
+    with safe_open(path, "pt") as f:
+        names = f.keys()  # a safe_open handle is no mapping: it has keys() but cannot be iterated
+        return sum(math.prod(f.get_slice(k).get_shape()) * 4 for k in names)  # float32 on the CPU
 
 
 @pytest.mark.parametrize("controller", ["parallel", "single"])

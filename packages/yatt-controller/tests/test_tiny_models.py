@@ -102,6 +102,45 @@ def test_broadcast_and_colocated_sync_are_bit_exact(cluster):
         pool.shutdown()
 
 
+def test_a_pairwise_push_loads_only_the_engines_beside_its_sources(cluster):
+    """Two devices, a learner rank and an engine on each: a push limited to one rank's label (what each
+    controller of a pairwise push sends) copies into that rank's engine alone, bit for bit, and counts its
+    bytes; the other rank's share completes the push. Labels that are no source move nothing."""
+    plan = PlacementPlan(
+        mode="colocated",
+        num_devices=2,
+        roles=[
+            RolePlacement(role="actor", replicas=[[0], [1]]),
+            RolePlacement(role="rollout", replicas=[[0], [1]]),
+        ],
+    )
+    realized = realize_mod.realize(plan, cpus_per_device=1.0)
+    pool = HostPool(realized)
+    try:
+        learner = WorkerGroup.create(
+            pool, "actor", tiny.TinyLearner, args=(_free_port(),), pass_worker_info=True
+        )
+        engine = WorkerGroup.create(pool, "rollout", tiny.TinyEngine, kwargs={"seed": 5})
+        sync = WeightSync(learner, [engine])  # auto: both targets load in process
+        assert len(sync.pairs) == 2 and not sync.remote
+
+        def digests() -> list:
+            return ray.get([w.host.call.remote(w.key, "weights_digest", (), {}) for w in engine.workers])
+
+        source = ray.get(learner.rank_zero("weights_digest"))
+        assert digests()[0] != source and digests()[1] != source
+        assert sync.push(version=4, sources={"no such worker"}) == 0
+        one = sync.push(version=4, sources={learner.workers[0].label})
+        per_layer = 4 * 64 * 64 + 3 * 64 * 128 + 2 * 64  # the tiny Llama's float32 parameters (as above)
+        assert one == 4 * (64 * 64 + 2 * per_layer + 64 + 64 * 64)
+        assert digests()[0] == source and digests()[1] != source
+        assert sync.push(version=4, sources={learner.workers[1].label}) == one
+        assert digests() == [source, source]
+    finally:
+        pool.shutdown()
+        realize_mod.release(realized)
+
+
 @pytest.mark.slow
 def test_colocated_sync_is_in_process_and_bit_exact(cluster):
     plan = PlacementPlan(

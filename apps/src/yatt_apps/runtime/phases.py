@@ -408,7 +408,44 @@ def push_weights(ctx: StepContext, cfg: RunConfig, plan: PlacementPlan) -> None:
     (`algo.max_staleness > 0`: an engine must not run between two buckets of one version)."""
     with ctx.phase("weight_sync"):
         wake_engines(ctx, cfg, plan)
-        sync_weights(ctx, stream=not cfg.algo.max_staleness)
+        if pairwise_push(ctx, cfg, plan):
+            push_pairs(ctx, ctx.policy_version + 1)
+        else:
+            sync_weights(ctx, stream=not cfg.algo.max_staleness)
+
+
+def pairwise_push(ctx: StepContext, cfg: RunConfig, plan: PlacementPlan) -> bool:
+    """Whether each controller may push to its own engines alone (`push_pairs`): full colocation (a static
+    plan whose every engine loads in process from the learner rank on its device; a host lost is a restart,
+    so no replica is replaced between pushes), DDP (every rank holds the whole updated model, live: nothing
+    to gather, no rank to wait for), no LoRA (its pushes hold exports) and no generation overlapping the
+    push."""
+    from yatt_apps.runtime.workers import learner_backend
+
+    sync = ctx.weight_sync
+    return (
+        plan.sleeps
+        and sync is not None
+        and not sync.remote
+        and learner_backend(cfg) == "ddp"
+        and not cfg.learner.lora_rank
+        and not cfg.algo.max_staleness
+    )
+
+
+def push_pairs(ctx: StepContext, version: int) -> None:
+    """Version `version` pairwise: this controller copies its own learner ranks' live weights into the
+    engines beside them, in process, while the other controllers do theirs; then one all-gather of the
+    bytes, so no controller generates before every engine holds the version (a controller's rollout view may
+    reach other devices' engines) and rank 0 reports the step's total. Against `push_version`'s path it
+    skips the gather call, the barrier before the push and rank 0's roster check, and the copies run in
+    every process at once instead of one after another from rank 0."""
+    assert ctx.weight_sync is not None
+    own = {w.label for w in learner_of(ctx).workers}
+    received = sum(ctx.all_gather(int(ctx.weight_sync.push(version, sources=own) or 0)))
+    ctx.policy_version = version
+    if received and ctx.rank == 0:  # rank 0's metrics are the step's (`SyncBytes`)
+        ctx.state[SYNC_BYTES] = ctx.state.get(SYNC_BYTES, 0) + received
 
 
 def sync_weights(ctx: StepContext, *, stream: bool = True) -> None:

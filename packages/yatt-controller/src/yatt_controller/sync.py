@@ -10,7 +10,7 @@ on what they produce; controllers refuse samples of another version (`check_vers
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any, Literal
 
 import ray
@@ -135,13 +135,19 @@ class WeightSync:
             ray.get(self.source.workers[0].host.sync_close.remote(old))
         self.setup()
 
-    def push(self, version: int) -> int:
+    def push(self, version: int, *, sources: Collection[str] | None = None) -> int:
         """Ship the current weights as `version`; returns after every target loaded them. Returns the bytes
         moved: in-process copies plus the bytes each remote host received (`last_local_bytes`,
-        `last_broadcast_bytes`)."""
-        local = [dst.host.sync_local.remote(src.key, dst.key, version) for src, dst in self.pairs]
+        `last_broadcast_bytes`).
+
+        `sources` (labels of source workers): only the in-process pairs whose source is one of them, and no
+        broadcast: a controller's share of a pairwise push, where each controller loads the targets beside
+        its own learner ranks (full colocation whose sources all hold the same weights, DDP). Every pair
+        belongs to one controller's sources, so the controllers' shares together are the whole push."""
+        pairs = self.pairs if sources is None else [(s, d) for s, d in self.pairs if s.label in sources]
+        local = [dst.host.sync_local.remote(src.key, dst.key, version) for src, dst in pairs]
         received = []
-        if self.remote:
+        if self.remote and sources is None:
             if not self.group_name:
                 raise ValueError("WeightSync.push: remote targets but no broadcast group; call setup() first")
             sender = self.source.workers[0]

@@ -1,6 +1,6 @@
 """Multi-turn GRPO (`rollout.env`): the calculator environment, the response-mask hook, config checks, tools
 in the prompt and the environment's own rows, and (slow) the agentic job end to end as a user runs it:
-`yatt grpo --preset tiny_cpu_agent` with two parallel controllers, on the HF engine and on vLLM."""
+`yatt grpo --preset tiny_cpu_agent` with two parallel controllers on the HF engine, and with one on vLLM."""
 
 from __future__ import annotations
 
@@ -123,8 +123,8 @@ def test_prompts_render_the_environment_tools_and_prepare_writes_its_rows(tmp_pa
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ["hf", "vllm"])
 def test_grpo_agent_job_two_steps(tmp_path: Path, engine: str):
-    """`yatt grpo --preset tiny_cpu_agent` as a user runs it on a fresh machine (two parallel controllers, an
-    empty model cache): its multi-turn SFT warm start copied from the package (`runtime.shipped`: no SFT and
+    """`yatt grpo --preset tiny_cpu_agent` as a user runs it on a fresh machine (two parallel controllers on HF,
+    one on vLLM; an empty model cache): its multi-turn SFT warm start copied from the package (`runtime.shipped`: no SFT and
     no warm-starting message), the environment's rows, the tools in every prompt, episodes on the engine
     (each advancing on its own), validation with and without the tools (on HF; the vLLM run skips validation
     to save the suite's time)."""
@@ -138,6 +138,8 @@ def test_grpo_agent_job_two_steps(tmp_path: Path, engine: str):
         "data.num_val_rows": "8",
         "controller.count_driver_bytes": "true",
     }
+    if engine == "vllm":  # one vLLM engine (its start is most of a CPU run's cost): one device, one controller
+        sets |= {"placement.cluster.devices_per_node": "1", "controller.num_controllers": "1"}
     argv = ["grpo", "--preset", "tiny_cpu_agent", "--run-dir", str(run_dir), "--json"]
     for key, value in sets.items():
         argv += ["--set", f"{key}={value}"]

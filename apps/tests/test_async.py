@@ -1,5 +1,6 @@
 """Asynchronous GRPO with bounded staleness (`algo.max_staleness`), on the real tiny job with its judge in a
-disaggregated layout (learner 2, rollout 1, judge 1 of 4 logical devices), one shared Ray session."""
+disaggregated layout (learner 2, rollout 1, judge 1 of 4 logical devices) and with rule rewards only in the
+smallest one (learner 1, rollout and reward 1 of 2), one shared Ray session."""
 
 from __future__ import annotations
 
@@ -15,25 +16,34 @@ from yatt_apps.cli.main import main
 from yatt_apps.config import PRESETS, ControllerSpec, PlacementConfig, RunConfig
 from yatt_apps.jobs.grpo import JOB
 from yatt_apps.runtime.job import build_services
-from yatt_apps.runtime.launch import run_job
+from yatt_apps.runtime.launch import placement_plan, run_job
 from yatt_apps.runtime.workers import RolloutWorker
 from yatt_placement.types import ClusterSpec
 
 
-def async_config(k: int, num_steps: int, **run) -> RunConfig:
+def async_config(k: int, num_steps: int, *, rules_only: bool = False, **run) -> RunConfig:
+    """The judged layout of four devices; `rules_only`: no judge, the smallest async layout (learner on device
+    0, the engine with the rule reward beside it on device 1, one controller), two host processes instead of
+    four."""
     cfg = PRESETS["tiny_cpu"]()
     replace = msgspec.structs.replace
     run = {"prompts_per_step": 4, **run}
+    if rules_only:
+        cfg = replace(cfg, judge=None, rewards=[s for s in cfg.rewards if s.kind != "genrm"])
     return replace(
         cfg,
         run=replace(cfg.run, num_steps=num_steps, eval_every=0, progress=False, **run),
         sampling=replace(cfg.sampling, n=4),
         algo=replace(cfg.algo, max_staleness=k),
         controller=ControllerSpec(
-            num_controllers=2, heartbeat_interval_s=1.0, hang_timeout_s=240.0, checkpoint_every=2
+            num_controllers=1 if rules_only else 2,
+            heartbeat_interval_s=1.0,
+            hang_timeout_s=240.0,
+            checkpoint_every=2,
         ),
         placement=PlacementConfig(
-            mode="disaggregated", cluster=ClusterSpec(num_nodes=1, devices_per_node=4, device_memory_gb=16.0)
+            mode="disaggregated",
+            cluster=ClusterSpec(num_nodes=1, devices_per_node=2 if rules_only else 4, device_memory_gb=16.0),
         ),
     )
 
@@ -55,9 +65,13 @@ def metrics(run_dir) -> dict[int, dict]:
 
 @pytest.fixture(scope="module")
 def straight_k1(ray_session, tmp_path_factory):
-    """One 4-step k=1 run, shared by the bound test and the resume test (its straight reference)."""
+    """One 4-step k=1 run in the rule-only layout of two devices, shared by the bound test and the resume test
+    (its straight reference)."""
     run_dir = tmp_path_factory.mktemp("async") / "straight"
-    run_job(async_config(1, 4), run_dir, JOB)
+    cfg = async_config(1, 4, rules_only=True)
+    plan = {r.role: r.replicas for r in placement_plan(cfg, JOB).roles}
+    assert plan == {"actor": [[0]], "rollout": [[1]], "reward": [[1]]}, plan  # the reward beside the engine
+    run_job(cfg, run_dir, JOB)
     return run_dir
 
 
@@ -66,7 +80,7 @@ def straight_k1(ray_session, tmp_path_factory):
 def test_staleness_is_bounded_and_generation_overlaps_training(ray_session, request, tmp_path, k):
     if k == 1:
         run_dir = request.getfixturevalue("straight_k1")
-    else:
+    else:  # the judged layout of four devices
         run_dir = tmp_path / "run"
         run_job(async_config(k, 4), run_dir, JOB)
     steps = metrics(run_dir)
@@ -82,8 +96,8 @@ def test_staleness_is_bounded_and_generation_overlaps_training(ray_session, requ
 def test_a_resumed_async_run_trains_the_same_next_batches(ray_session, straight_k1, tmp_path):
     """Stopped after step 1 (checkpoint holding the batches in flight) and resumed: steps 2 and 3 equal the
     straight run's (seeded sampling, same data cursor)."""
-    run_job(async_config(1, 2, schedule_steps=4), tmp_path / "stopped", JOB)
-    run_job(async_config(1, 4, schedule_steps=4), tmp_path / "stopped", JOB)
+    run_job(async_config(1, 2, rules_only=True, schedule_steps=4), tmp_path / "stopped", JOB)
+    run_job(async_config(1, 4, rules_only=True, schedule_steps=4), tmp_path / "stopped", JOB)
     straight, resumed = metrics(straight_k1), metrics(tmp_path / "stopped")
     for step in (2, 3):
         a = {
@@ -127,7 +141,7 @@ def test_partial_rollouts_resume_generations_across_weight_pushes(ray_session, t
     import ray.cloudpickle
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray workers cannot import test modules
-    cfg = async_config(1, 4, prompts_per_step=2)
+    cfg = async_config(1, 4, rules_only=True, prompts_per_step=2)
     replace = msgspec.structs.replace
     cfg = replace(
         cfg,

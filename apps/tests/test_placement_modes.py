@@ -156,7 +156,7 @@ def test_dynamic_moves_devices_toward_a_slow_judge(ray_session, tmp_path, contro
     ("preset", "mode", "controller", "devices"),
     [
         ("tiny_cpu_dapo", "disaggregated", "single", 3),
-        ("tiny_cpu_ppo", "disaggregated", "parallel", 6),
+        ("tiny_cpu_ppo", "disaggregated", "parallel", 5),  # actor 2, critic 2, rollout and reward 1
     ],
 )
 def test_dapo_and_ppo_outside_the_default_layout(ray_session, tmp_path, preset, mode, controller, devices):

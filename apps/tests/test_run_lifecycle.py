@@ -25,7 +25,10 @@ from yatt_apps.runtime.progress import yatt_command
 
 pytestmark = pytest.mark.slow
 
-SHORT = ["--set", "run.eval_every=0", "--set", "run.prompts_per_step=4", "--set", "sampling.n=4"]
+# one device, one controller: what these tests check (export, W&B, resume, signals, the reaper) does not depend
+# on the number of hosts, and each host costs a process's start (torch and transformers imported) in every run
+ONE_DEVICE = ["--set", "placement.cluster.devices_per_node=1", "--set", "controller.num_controllers=1"]
+SHORT = ["--set", "run.eval_every=0", "--set", "run.prompts_per_step=4", "--set", "sampling.n=4", *ONE_DEVICE]
 
 
 def _env(ray_tmp: str, **extra: str) -> dict[str, str]:

@@ -92,3 +92,23 @@ def policy_dir(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("models") / "policy"
     return prepare_model(ModelSpec(), out, tokenizer_corpus(arithmetic_task(64)))
+
+
+@pytest.fixture(scope="module")
+def yatt_cli(ray_session):
+    """`yatt ARGV --json` run in this process on the module's Ray session (`run_job` leaves a Ray it did not
+    start running): the same command as a user's, without a fresh interpreter's imports and Ray start. Returns
+    the summary the command printed last; a non-zero exit fails with what it wrote to stderr."""
+    import contextlib
+    import io
+
+    from yatt_apps.cli.main import main
+
+    def run(*argv: str) -> dict:
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main([*argv, "--json"])
+        assert code == 0, err.getvalue()[-3000:]
+        return json.loads(out.getvalue().strip().splitlines()[-1])
+
+    return run

@@ -138,7 +138,8 @@ def test_grpo_agent_job_two_steps(tmp_path: Path, engine: str):
         "data.num_val_rows": "8",
         "controller.count_driver_bytes": "true",
     }
-    if engine == "vllm":  # one vLLM engine (its start is most of a CPU run's cost): one device, one controller
+    # on vLLM one engine (its start is most of a CPU run's cost): one device, one controller
+    if engine == "vllm":
         sets |= {"placement.cluster.devices_per_node": "1", "controller.num_controllers": "1"}
     argv = ["grpo", "--preset", "tiny_cpu_agent", "--run-dir", str(run_dir), "--json"]
     for key, value in sets.items():

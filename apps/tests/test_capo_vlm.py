@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -244,18 +241,6 @@ def test_vlm_prompt_and_batch(tmp_path):
     assert isinstance(row, PromptRow)
 
 
-def _yatt(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCHINDUCTOR_CACHE_DIR": "/tmp/yatt-inductor-cache"}
-    return subprocess.run(
-        [sys.executable, "-m", "yatt_apps.cli", *argv, "--json"],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-
-
 def test_grpo_vlm_corrupt_image_exits_2(tmp_path, capsys):
     """Checked when the file is read, before any model or Ray starts: the file, row and image are named."""
     from PIL import Image
@@ -283,8 +268,8 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_capo_runs_two_steps(tmp_path):
-    out = _yatt(
+def test_capo_runs_two_steps(yatt_cli, tmp_path):
+    summary = yatt_cli(
         "capo",
         "--run-dir",
         str(tmp_path / "run"),
@@ -297,10 +282,7 @@ def test_capo_runs_two_steps(tmp_path):
         "run.prompts_per_step=16",
         "--set",
         "sampling.n=4",
-        cwd=tmp_path,
     )
-    assert out.returncode == 0, out.stderr[-3000:]
-    summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["driver_bytes"] < 300_000 and summary["step"] == 1
     rows = _metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == [0, 1]
@@ -324,9 +306,8 @@ def test_capo_runs_two_steps(tmp_path):
 
 
 @pytest.mark.slow
-def test_grpo_vlm_runs_two_steps(tmp_path):
-    out = _yatt("grpo-vlm", "--run-dir", str(tmp_path / "run"), "--set", "run.num_steps=2", cwd=tmp_path)
-    assert out.returncode == 0, out.stderr[-3000:]
+def test_grpo_vlm_runs_two_steps(yatt_cli, tmp_path):
+    yatt_cli("grpo-vlm", "--run-dir", str(tmp_path / "run"), "--set", "run.num_steps=2")
     rows = _metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == [0, 1]
     data = tmp_path / "run" / "data"

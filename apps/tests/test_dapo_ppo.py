@@ -1,16 +1,14 @@
 """`yatt dapo` and `yatt ppo`.
 
 Quick: DAPO's filter-and-refill arithmetic and its wave loop with hand-worked numbers (pure functions and a
-scripted step-context double, no Ray), and config errors. Slow: each app runs 2 steps through the CLI in a
-subprocess (real Ray, two parallel controllers, tiny HF models), and PPO's critic value loss falls.
+scripted step-context double, no Ray), and config errors. Slow: each app runs through the CLI's command in this
+process, on one shared Ray session (two parallel controllers, tiny HF models): DAPO 2 steps, PPO 8 steps in
+which the critic's value loss falls.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import msgspec
@@ -280,28 +278,14 @@ def test_critic_worker_fits_returns_and_round_trips_its_state(tmp_path):
 # ---- end to end (slow) -----------------------------------------------------------------------------------
 
 
-def _yatt(*argv: str, cwd: Path) -> dict:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "YATT_DEBUG": "1"}
-    out = subprocess.run(
-        [sys.executable, "-m", "yatt_apps.cli", *argv, "--json"],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.slow
-def test_dapo_runs_two_steps(tmp_path):
+def test_dapo_runs_two_steps(yatt_cli, tmp_path):
     run_dir = tmp_path / "dapo"
-    summary = _yatt(
+    summary = yatt_cli(
         "dapo",
         "--run-dir",
         str(run_dir),
@@ -311,7 +295,6 @@ def test_dapo_runs_two_steps(tmp_path):
         "run.eval_every=0",
         "--set",
         "controller.count_driver_bytes=true",
-        cwd=tmp_path,
     )
     assert summary["driver_bytes"] < 300_000 and summary["restarts"] == 0
     rows = _metrics(run_dir)
@@ -356,10 +339,10 @@ COUNT_BYTES = ["--set", "controller.count_driver_bytes=true"]
 
 
 @pytest.fixture(scope="module")
-def ppo_run(tmp_path_factory) -> Path:
+def ppo_run(yatt_cli, tmp_path_factory) -> Path:
     """8 PPO steps on the tiny preset (plus the offset term), fixed seed, a checkpoint every 2 steps."""
     run_dir = tmp_path_factory.mktemp("ppo") / "learn"
-    summary = _yatt(
+    summary = yatt_cli(
         "ppo",
         "--run-dir",
         str(run_dir),
@@ -367,7 +350,6 @@ def ppo_run(tmp_path_factory) -> Path:
         "run.num_steps=8",
         *PPO_LEARN,
         *COUNT_BYTES,
-        cwd=run_dir.parent,
     )
     assert summary["driver_bytes"] < 300_000 and summary["restarts"] == 0
     return run_dir

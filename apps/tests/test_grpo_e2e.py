@@ -1,34 +1,18 @@
-"""The tiny GRPO job end to end, as a user runs it: `yatt grpo` in a fresh process (real Ray, two parallel
-controllers, real tiny HF policy and judge engines, gloo DDP learners), then `yatt resume`.
+"""The tiny GRPO job end to end, as a user runs it: `yatt grpo` (real Ray, two parallel controllers, real tiny
+HF policy and judge engines, gloo DDP learners), then `yatt resume`. The commands run in the test process on
+one Ray session (test_run_lifecycle runs them in fresh processes, each with its own Ray).
 
-Marked slow: each run starts Ray and four model-hosting processes.
+Marked slow: each run starts the model-hosting processes.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.slow
-
-
-def _yatt(*argv: str, cwd: Path) -> dict:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    out = subprocess.run(
-        [sys.executable, "-m", "yatt_apps.cli", *argv, "--json"],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def _metrics(run_dir: Path) -> dict[int, dict]:
@@ -42,13 +26,13 @@ def _comparable(row: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def learning_run(tmp_path_factory) -> Path:
+def learning_run(yatt_cli, tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("grpo") / "learn"
     # the newest 5 of the 6 checkpoints (steps 1, 3, ..., 9, 10) kept: the resume test starts from step 3's
     argv = ["grpo", "--run-dir", str(run_dir), "--set", "run.num_steps=11", "--set", "run.eval_every=10"]
     argv += ["--set", "controller.checkpoint_every=2", "--set", "controller.keep_checkpoints=5"]
     argv += ["--set", "controller.count_driver_bytes=true"]
-    summary = _yatt(*argv, cwd=run_dir.parent)
+    summary = yatt_cli(*argv)
     # parallel controllers: only step reports pass through the driver (counted at Ray's API in the driver)
     assert summary["driver_bytes"] < 300_000 and summary["restarts"] == 0
     return run_dir
@@ -106,7 +90,7 @@ def test_judge_parses_and_the_schedule_spans_the_run(learning_run):
     assert metrics[0]["val/accuracy"] > 0.0  # the warm-started policy answers some validation prompts
 
 
-def test_resume_reaches_the_same_next_steps(learning_run, tmp_path):
+def test_resume_reaches_the_same_next_steps(yatt_cli, learning_run, tmp_path):
     """A copy of the run cut back to its checkpoint of step 3 (later checkpoints removed) and resumed reaches the
     same steps 4 and 5 as the run that never stopped: same data, same sampled completions, same rewards, same
     update; its last step (5) is evaluated, the straight run's step 5 is not. (The resumed run drops the copied
@@ -120,7 +104,7 @@ def test_resume_reaches_the_same_next_steps(learning_run, tmp_path):
             shutil.rmtree(ckpt)
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.is_dir()) == ["step-00000003"]
     # the schedule stays the 11-step one the checkpoint was made under
-    _yatt("resume", str(run_dir), "--set", "run.num_steps=6", "--set", "run.schedule_steps=11", cwd=tmp_path)
+    yatt_cli("resume", str(run_dir), "--set", "run.num_steps=6", "--set", "run.schedule_steps=11")
     resumed, straight = _metrics(run_dir), _metrics(learning_run)
     assert sorted(resumed) == list(range(6))
     # step 5 is the resumed run's last step, which every run evaluates (the straight 11-step run evaluates only

@@ -4,9 +4,6 @@ loss, and the HF folder it writes reproducing its greedy output), and the job en
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -165,8 +162,8 @@ def test_sft_worker_learns_and_its_hf_folder_reproduces_it(tok, policy_dir, tmp_
 
 
 @pytest.mark.slow
-def test_yatt_sft_on_a_jsonl_writes_a_loadable_folder(tmp_path):
-    """`yatt sft` as a user runs it: two controllers (gloo DDP learner ranks), the loss falls, RUN_DIR/final
+def test_yatt_sft_on_a_jsonl_writes_a_loadable_folder(yatt_cli, tmp_path):
+    """`yatt sft` as a user runs it (the command in this process, on the module's Ray): two controllers (gloo DDP learner ranks), the loss falls, RUN_DIR/final
     loads with AutoModelForCausalLM.from_pretrained."""
     from transformers import AutoModelForCausalLM
 
@@ -178,12 +175,10 @@ def test_yatt_sft_on_a_jsonl_writes_a_loadable_folder(tmp_path):
         )
     )
     run_dir = tmp_path / "run"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     argv = [
         "sft",
         "--run-dir",
         str(run_dir),
-        "--json",
         "--set",
         f"sft.train={data}",
         "--set",
@@ -199,15 +194,7 @@ def test_yatt_sft_on_a_jsonl_writes_a_loadable_folder(tmp_path):
         "--set",
         "data.num_val_rows=0",
     ]
-    out = subprocess.run(
-        [sys.executable, "-m", "yatt_apps.cli", *argv],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
+    yatt_cli(*argv)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     losses = [row["train/loss"] for row in rows]
     assert len(losses) == 8 and losses[-1] < 0.7 * losses[0], losses

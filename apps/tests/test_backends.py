@@ -339,6 +339,11 @@ def small(*, devices: int = 2, **sections) -> RunConfig:
     return replace(cfg, **sections)
 
 
+def rules_only(cfg: RunConfig) -> RunConfig:
+    """`cfg` without its judge: the rule rewards alone (a backend's job tests need no judge model on each host)."""
+    return replace(cfg, judge=None, rewards=[s for s in cfg.rewards if s.kind != "genrm"])
+
+
 def run(cfg: RunConfig, run_dir: Path) -> dict:
     from yatt_apps.jobs import find
     from yatt_apps.runtime.launch import run_job
@@ -508,12 +513,10 @@ def test_vllm_tensor_parallel_rollout(ray_session, tmp_path):
     """`rollout.engine=vllm` with `model.tensor_parallel=2`: one rollout replica spans both devices (vLLM's
     own tensor parallelism; on CPU its mp executor), the DDP learner's two ranks feed it; rule rewards only.
     Both steps complete with the engine's logprobs of its samples within 1e-3 of the learner's."""
-    base = small(rollout=RolloutSpec(engine="vllm"))
+    base = rules_only(small(rollout=RolloutSpec(engine="vllm")))
     cfg = replace(
         base,
         model=replace(base.model, tensor_parallel=2),
-        judge=None,
-        rewards=[s for s in base.rewards if s.kind != "genrm"],
         controller=replace(base.controller, num_controllers=1),
     )
     summary = run(cfg, tmp_path / "tp2")
@@ -529,13 +532,8 @@ def test_fsdp2_learner_and_resume_parity(ray_session, tmp_path):
     ranks gathering together)."""
     import shutil
 
-    base = small(learner=LearnerConfig(backend="fsdp2"))
-    cfg = replace(
-        base,
-        judge=None,
-        rewards=[s for s in base.rewards if s.kind != "genrm"],
-        controller=replace(base.controller, checkpoint_every=1),
-    )
+    base = rules_only(small(learner=LearnerConfig(backend="fsdp2")))
+    cfg = replace(base, controller=replace(base.controller, checkpoint_every=1))
     straight = run(cfg, tmp_path / "straight")
     assert straight["step"] == 1 and 0.0 < straight["train/rollout_mismatch"] < 1e-4
     shutil.copytree(tmp_path / "straight", tmp_path / "resumed")
@@ -551,10 +549,10 @@ def test_fsdp2_learner_and_resume_parity(ray_session, tmp_path):
 
 @pytest.mark.slow
 def test_megatron_learner_under_the_cpu_shim(ray_session, tmp_path):
-    """Megatron-Core (TP 1, DP 2 over gloo, TEST-ONLY CPU shim), 3 steps. Step 0's samples all score 0 (no
+    """Megatron-Core (TP 1, DP 2 over gloo, TEST-ONLY CPU shim), rule rewards only, 3 steps. Step 0's samples all score 0 (no
     update); step 1's update moves the weights (KL to the reference appears at step 2), and step 2's samples,
     made by the HF engines from the pushed weights, have the Megatron learner's logprobs to 1e-4."""
-    cfg = small(learner=LearnerConfig(backend="megatron"))
+    cfg = rules_only(small(learner=LearnerConfig(backend="megatron")))
     cfg = replace(cfg, run=replace(cfg.run, num_steps=3, schedule_steps=3))
     summary = run(cfg, tmp_path / "megatron")
     assert summary["step"] == 2 and summary["restarts"] == 0
@@ -566,7 +564,7 @@ def test_megatron_learner_under_the_cpu_shim(ray_session, tmp_path):
 @pytest.mark.slow
 def test_megatron_pipeline_parallel_under_the_cpu_shim(ray_session, tmp_path):
     """Megatron-Core at PP = 2 (one actor replica over both devices, 1F1B over gloo p2p, TEST-ONLY CPU shim),
-    2 steps with a checkpoint after each. Step 0's update moves the weights (KL to the reference at step 1);
+    rule rewards only, 2 steps with a checkpoint after each. Step 0's update moves the weights (KL to the reference at step 1);
     step 1's samples come from HF engines on both devices, each loaded in process from its own learner
     stage's export (so each stage must export the whole model), and match the learner's logprobs to 1e-4.
     The checkpoint's learner folder is Megatron's distributed checkpoint: each stage wrote its own slices of
@@ -574,7 +572,7 @@ def test_megatron_pipeline_parallel_under_the_cpu_shim(ray_session, tmp_path):
     layer 0 by stage 0, layer 1 and the output layer by stage 1."""
     import torch.distributed.checkpoint as dcp
 
-    base = small(learner=LearnerConfig(backend="megatron"))
+    base = rules_only(small(learner=LearnerConfig(backend="megatron")))
     cfg = replace(
         base,
         model=replace(base.model, pipeline_parallel=2),

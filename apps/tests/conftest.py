@@ -1,5 +1,5 @@
-"""Shared by the apps tests: a reader of W&B's offline run files, and one local Ray session per test module
-for jobs run in process (`run_job` leaves a Ray it did not start running)."""
+"""Shared by the apps tests: a reader of W&B's offline run files, one local Ray session per test process for
+the jobs run in it (`run_job` leaves a Ray it did not start running), and `yatt` commands run in process."""
 
 from __future__ import annotations
 
@@ -59,9 +59,25 @@ def wandb_records():
     return SimpleNamespace(read=_read, types=_types, history=_history)
 
 
+_OURS: dict[str, str] = {}  # the address of the Ray session ray_session started in this test process
+
+
+@pytest.fixture(scope="session")
+def _shared_ray():
+    """Shuts down, at the end of the test process, the Ray session the modules shared."""
+    yield
+    import ray
+
+    if _OURS and ray.is_initialized() and ray.get_runtime_context().gcs_address == _OURS["address"]:
+        ray.shutdown()
+
+
 @pytest.fixture(scope="module")
-def ray_session():
-    """A local Ray with room for every layout the tests plan (logical devices), shared by a module's jobs."""
+def ray_session(_shared_ray):
+    """A local Ray with room for every layout the tests plan (logical devices), shared by the jobs of every
+    module of this test process that asks for it: a module's jobs leave no actor behind (`run_job` ends its
+    own), and a Ray start is seconds of two busy cores. A session this fixture did not start (a module with
+    a Ray of its own) is shut down and a fresh one started."""
     import os
 
     import ray
@@ -69,18 +85,19 @@ def ray_session():
 
     for key, value in ENV.items():
         os.environ.setdefault(key, value)
-    if ray.is_initialized():
+    if ray.is_initialized() and ray.get_runtime_context().gcs_address != _OURS.get("address"):
         ray.shutdown()
-    ray.init(
-        address="local",
-        num_cpus=32,
-        num_gpus=8,
-        include_dashboard=False,
-        object_store_memory=512 * 2**20,
-        log_to_driver=False,
-    )
+    if not ray.is_initialized():
+        ray.init(
+            address="local",
+            num_cpus=32,
+            num_gpus=8,
+            include_dashboard=False,
+            object_store_memory=512 * 2**20,
+            log_to_driver=False,
+        )
+        _OURS["address"] = ray.get_runtime_context().gcs_address
     yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

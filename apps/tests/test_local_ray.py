@@ -91,3 +91,44 @@ def test_start_keeps_workers_in_place_under_uv_run_even_when_ray_was_imported_fi
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split("\n")[-2] == "True False True"
+
+
+FLAKY_START = """
+import subprocess, sys, ray
+from yatt_apps.runtime import local_ray
+real_init, calls, stand_ins = ray.init, [], []
+
+def init(**kwargs):  # test double: the first start leaves a process behind and times out, as Ray's does
+    calls.append(kwargs)
+    if len(calls) == 1:
+        stand_ins.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]))
+        raise Exception("The current node timed out during startup. This could happen because ...")
+    return real_init(**kwargs)
+
+ray.init = init
+session = local_ray.start(num_cpus=1, num_gpus=0)
+cpus = ray.cluster_resources()["CPU"]
+session.shutdown()
+stand_ins[0].wait(timeout=10)  # killed by the retry (a zombie until waited: the wait says it ended)
+print(len(calls), cpus, stand_ins[0].returncode)
+
+def broken(**kwargs):
+    raise ValueError("not a timeout")
+
+ray.init = broken
+try:
+    local_ray.start(num_cpus=1, num_gpus=0)
+except ValueError as exc:
+    print("raised", exc)
+"""
+
+
+def test_a_ray_start_that_times_out_is_tried_again_and_its_leftovers_killed():
+    """Ray gives its raylet a fixed 30 s to register, which a busy machine can miss: the start is tried again
+    (up to `START_ATTEMPTS`), after killing what the failed one left; any other error is the job's at once."""
+    out = subprocess.run(
+        [sys.executable, "-c", FLAKY_START], env=dict(os.environ), capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines()[-2:] == ["2 1.0 -9", "raised not a timeout"]
+    assert "yatt: Ray's start timed out (attempt 1 of 3); retrying" in out.stderr

@@ -33,6 +33,8 @@ LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 UV_RUN_ENV = "RAY_ENABLE_UV_RUN_RUNTIME_ENV"
 GRACE_S = 3.0  # after the driver's end: Ray's own shutdown goes first
 POLL_S = 1.0  # how often the reaper refreshes its list of the driver's descendants
+START_ATTEMPTS = 3  # Ray starts tried before its node-start timeout is the job's error
+STARTUP_TIMEOUT = "timed out during startup"  # Ray's message when its raylet did not register in time
 
 
 def start(num_cpus: int, num_gpus: int) -> LocalRay:
@@ -50,15 +52,30 @@ def start(num_cpus: int, num_gpus: int) -> LocalRay:
     # workers started in place. Set it to 1 to have Ray package the directory.
     ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = os.environ.get(UV_RUN_ENV, "0").lower() in ("1", "true")
     before = set(descendants([os.getpid()], depth=1))
-    ray.init(
-        address="local",
-        num_cpus=num_cpus,
-        num_gpus=num_gpus,
-        include_dashboard=False,
-        object_store_memory=512 * 2**20,
-        log_to_driver=False,
-        logging_level=logging.WARNING,  # no "Started a local Ray instance" line in a normal run
-    )
+    for attempt in range(1, START_ATTEMPTS + 1):
+        try:
+            ray.init(
+                address="local",
+                num_cpus=num_cpus,
+                num_gpus=num_gpus,
+                include_dashboard=False,
+                object_store_memory=512 * 2**20,
+                log_to_driver=False,
+                logging_level=logging.WARNING,  # no "Started a local Ray instance" line in a normal run
+            )
+            break
+        except Exception as exc:
+            if STARTUP_TIMEOUT not in str(exc) or attempt == START_ATTEMPTS:
+                raise
+            # Ray waits a fixed 30 s for its raylet to register, which a machine busy with other work can
+            # miss; what the failed start left (GCS, raylet, monitors) goes before the next try
+            ray.shutdown()
+            left = {pid: t for pid, t in descendants([os.getpid()], depth=1).items() if pid not in before}
+            reap({**left, **descendants(list(left))})
+            print(
+                f"yatt: Ray's start timed out (attempt {attempt} of {START_ATTEMPTS}); retrying",
+                file=sys.stderr,
+            )
     ray_roots = sorted(set(descendants([os.getpid()], depth=1)) - before)  # GCS, raylet, monitors
     return LocalRay(Reaper.spawn(ray_roots), restore=(before_env, before_flag, before_uv))
 

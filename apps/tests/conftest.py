@@ -59,43 +59,39 @@ def wandb_records():
     return SimpleNamespace(read=_read, types=_types, history=_history)
 
 
-_OURS: dict[str, str] = {}  # the address of the Ray session ray_session started in this test process
+_OURS: dict = {}  # the Ray session ray_session started in this test process: its LocalRay and GCS address
 
 
 @pytest.fixture(scope="session")
 def _shared_ray():
     """Shuts down, at the end of the test process, the Ray session the modules shared."""
     yield
-    import ray
-
-    if _OURS and ray.is_initialized() and ray.get_runtime_context().gcs_address == _OURS["address"]:
-        ray.shutdown()
+    if _OURS:
+        _OURS.pop("session").shutdown()
 
 
 @pytest.fixture(scope="module")
 def ray_session(_shared_ray):
     """A local Ray with room for every layout the tests plan (logical devices), shared by the jobs of every
     module of this test process that asks for it: a module's jobs leave no actor behind (`run_job` ends its
-    own), and a Ray start is seconds of two busy cores. A session this fixture did not start (a module with
-    a Ray of its own) is shut down and a fresh one started."""
+    own), and a Ray start is seconds of two busy cores. Started as a job starts its own (`local_ray.start`:
+    loopback only, its processes reaped, tried again when the start times out). A session this fixture did
+    not start (a module with a Ray of its own) is shut down and a fresh one started."""
     import os
 
     import ray
+    from yatt_apps.runtime import local_ray
     from yatt_apps.runtime.launch import ENV
 
     for key, value in ENV.items():
         os.environ.setdefault(key, value)
-    if ray.is_initialized() and ray.get_runtime_context().gcs_address != _OURS.get("address"):
-        ray.shutdown()
-    if not ray.is_initialized():
-        ray.init(
-            address="local",
-            num_cpus=32,
-            num_gpus=8,
-            include_dashboard=False,
-            object_store_memory=512 * 2**20,
-            log_to_driver=False,
-        )
+    ours = ray.is_initialized() and _OURS and ray.get_runtime_context().gcs_address == _OURS["address"]
+    if not ours:
+        if ray.is_initialized():
+            ray.shutdown()
+        if _OURS:  # ours was shut down by another module: its reaper and switches go too
+            _OURS.pop("session").shutdown()
+        _OURS["session"] = local_ray.start(num_cpus=32, num_gpus=8)
         _OURS["address"] = ray.get_runtime_context().gcs_address
     yield
 

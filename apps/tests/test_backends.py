@@ -446,32 +446,13 @@ def ray_session():
     for key, value in ENV.items():
         os.environ.setdefault(key, value)
     import ray
+    from yatt_apps.runtime import local_ray
 
-    if ray.is_initialized():
+    if ray.is_initialized():  # a session an earlier module left
         ray.shutdown()
-    import psutil  # a Ray dependency
-
-    for attempt in range(3):  # Ray's node start-up has a fixed 30 s limit, which a busy machine can miss
-        before = {p.pid for p in psutil.Process().children()}
-        try:
-            ray.init(
-                address="local",
-                num_cpus=16,
-                num_gpus=4,
-                include_dashboard=False,
-                object_store_memory=512 * 2**20,
-                log_to_driver=False,
-            )
-            break
-        except Exception:
-            ray.shutdown()
-            for child in psutil.Process().children():  # what the failed start left behind, by pid
-                if child.pid not in before:
-                    child.kill()
-            if attempt == 2:
-                raise
+    session = local_ray.start(num_cpus=16, num_gpus=4)  # the jobs' own start (tried again on a busy machine)
     yield
-    ray.shutdown()
+    session.shutdown()
     del os.environ[MEGATRON_CPU_SHIM]
 
 

@@ -110,6 +110,31 @@ def test_roster_book_grants_one_replacement_at_a_time_and_counts_history():
         roster.after(Change(2, 0, "move", (), 0), {}, [])
 
 
+def test_the_attempt_book_is_also_the_controllers_rendezvous():
+    """One actor per attempt: the roster book's calls and the controllers' all-gathers are served by the same
+    object (on Ray's event loop). Every rank gets all values in rank order; a rank that never arrives fails
+    the others' exchange naming it, and the book still answers after."""
+    import asyncio
+
+    from yatt_controller.roster import AttemptBook
+
+    roster = _roster()
+    book = AttemptBook(roster, 3)
+
+    async def three() -> list:
+        return await asyncio.gather(*(book.exchange(7, r, f"v{r}", 5.0) for r in (2, 0, 1)))
+
+    assert asyncio.run(three()) == [["v0", "v1", "v2"]] * 3
+    assert book._values == {} and book._done == {}  # the last reader cleaned the key up
+
+    async def two_of_three() -> list:
+        return await asyncio.gather(*(book.exchange(8, r, r, 0.2) for r in (0, 2)), return_exceptions=True)
+
+    errors = asyncio.run(two_of_three())
+    assert [str(e) for e in errors] == ["collective 8: ranks [1] did not arrive within 0.2 s"] * 2
+    assert book.claim("j0") == ("mine", roster) and book.newer(0) is None
+
+
 def test_a_view_adopts_a_new_version_in_place_keeping_its_ranks_and_window():
     from yatt_controller.replicas import Replacements, controller_routes
 

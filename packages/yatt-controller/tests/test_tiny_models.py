@@ -103,9 +103,10 @@ def test_broadcast_and_colocated_sync_are_bit_exact(cluster):
 
 
 def test_a_pairwise_push_loads_only_the_engines_beside_its_sources(cluster):
-    """Two devices, a learner rank and an engine on each: a push limited to one rank's label (what each
-    controller of a pairwise push sends) copies into that rank's engine alone, bit for bit, and counts its
-    bytes; the other rank's share completes the push. Labels that are no source move nothing."""
+    """Two devices, a learner rank and an engine on each (one process per device): a push limited to one
+    rank's label (what each controller of a pairwise push sends) copies into that rank's engine alone, bit for
+    bit, and counts its bytes; the other rank's share completes the push. Labels that are no source move
+    nothing. A colocated-mode push loads both engines in process; a broadcast to them is refused."""
     plan = PlacementPlan(
         mode="colocated",
         num_devices=2,
@@ -136,31 +137,14 @@ def test_a_pairwise_push_loads_only_the_engines_beside_its_sources(cluster):
         assert digests()[0] == source and digests()[1] != source
         assert sync.push(version=4, sources={learner.workers[1].label}) == one
         assert digests() == [source, source]
-    finally:
-        pool.shutdown()
-        realize_mod.release(realized)
-
-
-@pytest.mark.slow
-def test_colocated_sync_is_in_process_and_bit_exact(cluster):
-    plan = PlacementPlan(
-        mode="colocated",
-        num_devices=1,
-        roles=[RolePlacement(role="actor", replicas=[[0]]), RolePlacement(role="rollout", replicas=[[0]])],
-    )
-    realized = realize_mod.realize(plan, cpus_per_device=1.0)
-    pool = HostPool(realized)
-    try:
-        learner = WorkerGroup.create(pool, "actor", tiny.TinyLearner, args=(0,), pass_worker_info=True)
-        engine = WorkerGroup.create(pool, "rollout", tiny.TinyEngine, kwargs={"seed": 5})
-        assert len(pool.hosts) == 1  # both roles in one process
-        sync = WeightSync(learner, [engine], mode="colocated")
-        sync.setup()  # nothing to form in process
-        assert sync.push(version=3) > 0
-        learner_digest, engine_digest = ray.get(
-            [learner.rank_zero("weights_digest"), engine.rank_zero("weights_digest")]
-        )
-        assert learner_digest == engine_digest
+        # the whole push in colocated mode: each engine loads in its learner rank's process (nothing to form),
+        # every engine's bytes counted; a broadcast cannot reach an engine in the sender's own process
+        assert len(pool.hosts) == 2  # a learner rank and an engine share each device's process
+        colocated = WeightSync(learner, [engine], mode="colocated")
+        colocated.setup()
+        assert colocated.push(version=5) == 2 * one
+        assert digests() == [source, source]
+        assert [g["version"] for g in ray.get(engine.rank_zero("generate", [[1, 2, 3]]))] == [5]
         with pytest.raises(ValueError, match="share the sender's process; use mode='colocated'"):
             WeightSync(learner, [engine], mode="broadcast").setup()
     finally:

@@ -17,7 +17,7 @@ from yatt_controller import recovery
 from yatt_controller.health import Health, Watch, summary
 from yatt_controller.replan import Replanner
 from yatt_controller.reports import ReportLog
-from yatt_controller.roster import Roster, RosterBookActor
+from yatt_controller.roster import AttemptBookActor, Roster
 from yatt_controller.startup import (
     HostedController,
     Launcher,
@@ -43,7 +43,6 @@ class Attempt:
         self.health = Health(spec, self.pool, startup_timeout_s)
         self.controllers: list[tuple[Any, Watch]] = []
         self.runs: list[Any] = []
-        self.rendezvous: Any = None
         self.single: SingleController | None = None
         self.book: Any = None
         self.roster: Roster | None = None
@@ -57,7 +56,7 @@ class Attempt:
             services.weight_sync.setup()
         self.roster = make_roster(services)
         self.health.roster = self.roster
-        self.book = RosterBookActor.remote(self.roster)
+        self.book = AttemptBookActor.remote(self.roster, self.spec.num_controllers)
         if self.job.replan is not None:
             self.replanner = Replanner(self.job.replan, self.realized.plan, self.book, self.pool)
         path = recovery.resume_point(self.job.checkpoint_dir)
@@ -68,7 +67,7 @@ class Attempt:
             self.single = SingleController(launcher, path, self.job.num_steps)
             self.controllers.append((None, Watch("controller-0")))
             return
-        self.rendezvous, self.controllers, created = launcher.parallel()
+        self.controllers, created = launcher.parallel()
         for ref in created:  # hosted controllers exist before their first call (a host's calls overlap)
             self._get_or_fail(ref, "a controller failed to start")
         self._await(
@@ -168,12 +167,11 @@ class Attempt:
         if self.book is not None:
             with contextlib.suppress(Exception):  # best effort after a failure: hosts replacements started
                 self._refresh_roster()
-            ray.kill(self.book, no_restart=True)
         for actor, _ in self.controllers:
             if actor is not None and not isinstance(actor, HostedController):  # that one ends with its host
                 ray.kill(actor, no_restart=True)
-        if self.rendezvous is not None:
-            ray.kill(self.rendezvous, no_restart=True)
+        if self.book is not None:  # the roster book and the controllers' rendezvous
+            ray.kill(self.book, no_restart=True)
         self.pool.shutdown()  # a single-mode thread blocked on a host now gets an error and ends
         if self.single is not None:
             self.single.thread.join(timeout=10.0)

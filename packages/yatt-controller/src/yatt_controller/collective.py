@@ -34,9 +34,9 @@ def reduce_dicts(contributions: Sequence[dict[str, float]], op: str) -> dict[str
     return {key: float(REDUCE_OPS[op]([float(c[key]) for c in contributions])) for key in sorted(keys)}
 
 
-@ray.remote(num_cpus=0)
 class Rendezvous:
-    """Collects one value per rank under a key and hands every rank the full list."""
+    """Collects one value per rank under a key and hands every rank the full list. Hosted in the attempt's
+    one small actor, beside the roster book (`yatt_controller.roster.AttemptBook`)."""
 
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size

@@ -6,9 +6,11 @@ re-planner asked for, or the repair of a dead replica), and the host processes r
 `Roster.replaceable` is the one place that says which groups may be replaced: never the learner nor a
 checkpointed group (their workers' state is in the checkpoints; their death restarts the run from one).
 
-`RosterBook` (a Ray actor per attempt, `RosterBookActor`) keeps the current roster for every process of the
-run: it grants one replacement at a time (`claim`), takes the new version (`finish`), hands newer versions to
-whoever asks (`newer`), and is the mailbox of plans the driver's re-planner posts for rank 0 (`post`, `take`).
+`RosterBook` keeps the current roster for every process of the run: it grants one replacement at a time
+(`claim`), takes the new version (`finish`), hands newer versions to whoever asks (`newer`), and is the mailbox
+of plans the driver's re-planner posts for rank 0 (`post`, `take`). It lives in the attempt's one small Ray
+actor (`AttemptBookActor`), with the controllers' rendezvous (`yatt_controller.collective.Rendezvous`): one
+process per attempt for both (each Ray actor is a Python process of its own, ~0.8 s of CPU to start).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 
 import ray
 
+from yatt_controller.collective import Rendezvous
 from yatt_controller.worker_group import HostRecord, WorkerGroup
 
 
@@ -152,4 +155,13 @@ class RosterBook:
         return plan
 
 
-RosterBookActor = ray.remote(num_cpus=0)(RosterBook)
+class AttemptBook(RosterBook, Rendezvous):
+    """The attempt's roster book and its controllers' rendezvous, one actor. `exchange` is a coroutine, so
+    Ray runs the actor on an event loop; the book's methods are quick and run there between awaits."""
+
+    def __init__(self, roster: Roster, world_size: int) -> None:
+        RosterBook.__init__(self, roster)
+        Rendezvous.__init__(self, world_size)
+
+
+AttemptBookActor = ray.remote(num_cpus=0)(AttemptBook)

@@ -8,7 +8,6 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from yatt_controller.collective import Rendezvous
 from yatt_controller.controller import Controller, ControllerActor, ControllerCore, ControllerPlan
 from yatt_controller.health import Watch
 from yatt_controller.roster import Roster
@@ -88,13 +87,14 @@ class Launcher:
             single=spec.mode == "single",
         )
 
-    def parallel(self) -> tuple[Any, list[tuple[Any, Watch]], list[Any]]:
-        """(the rendezvous actor, one (controller handle, watch) per rank, the refs to wait for before the
-        first call). Each controller lives in the host process of its (first) learner rank's device, beside
-        that rank, and costs no process of its own; with `ControllerSpec.hosted` off, or in a job without a
-        learner, each gets a process of its own."""
+    def parallel(self) -> tuple[list[tuple[Any, Watch]], list[Any]]:
+        """(one (controller handle, watch) per rank, the refs to wait for before the first call). The
+        controllers meet at the attempt's book (`AttemptBook`: the roster book is their rendezvous too). Each
+        controller lives in the host process of its (first) learner rank's device, beside that rank, and costs
+        no process of its own; with `ControllerSpec.hosted` off, or in a job without a learner, each gets a
+        process of its own."""
         world, learner = self.spec.num_controllers, self.services.learner
-        rendezvous = Rendezvous.remote(world)  # type: ignore[attr-defined]  # ray.remote class: stubs lack it
+        rendezvous = self.book
         controllers: list[tuple[Any, Watch]] = []
         created = []
         for rank in range(world):
@@ -113,7 +113,7 @@ class Launcher:
                     )
                 handle = ControllerActor.options(**options).remote(plan, rendezvous, label)
             controllers.append((handle, Watch(label)))
-        return rendezvous, controllers, created
+        return controllers, created
 
 
 class _HostedCall:

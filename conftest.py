@@ -18,14 +18,22 @@ for _key, _value in {
     os.environ.setdefault(_key, _value)
 
 
+# The GCS address of the Ray session that apps/tests/conftest.py's `ray_session` shares between the modules of
+# one test process (set there; a variable, as the two conftest files do not import each other).
+SHARED_RAY = "YATT_TESTS_SHARED_RAY"
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _no_ray_session_across_modules():
-    """Each test module starts without a Ray session in this process: one left by a module (a job's
-    `run_job` leaves a Ray it did not start; a bare `ray.put` starts one) is shut down after it. The suite
-    runs a file per pytest-xdist worker, so which module runs next in a process is not fixed."""
+    """Each test module starts without a Ray session in this process, except the shared one (`SHARED_RAY`):
+    any other one left by a module (a job's `run_job` leaves a Ray it did not start; a bare `ray.put` starts
+    one) is shut down after it. The suite runs a file per pytest-xdist worker, so which module runs next in a
+    process is not fixed."""
     yield
     ray = sys.modules.get("ray")
-    if ray is not None and ray.is_initialized():
+    if ray is None or not ray.is_initialized():
+        return
+    if ray.get_runtime_context().gcs_address != os.environ.get(SHARED_RAY):
         ray.shutdown()
 
 

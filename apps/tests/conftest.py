@@ -93,6 +93,7 @@ def ray_session(_shared_ray):
             _OURS.pop("session").shutdown()
         _OURS["session"] = local_ray.start(num_cpus=32, num_gpus=8)
         _OURS["address"] = ray.get_runtime_context().gcs_address
+        os.environ["YATT_TESTS_SHARED_RAY"] = _OURS["address"]  # the workspace conftest leaves this one up
     yield
 
 
@@ -111,7 +112,8 @@ def policy_dir(tmp_path_factory):
 def yatt_cli(ray_session):
     """`yatt ARGV --json` run in this process on the module's Ray session (`run_job` leaves a Ray it did not
     start running): the same command as a user's, without a fresh interpreter's imports and Ray start. Returns
-    the summary the command printed last; a non-zero exit fails with what it wrote to stderr."""
+    the summary the command printed last; a non-zero exit fails with what it wrote to stderr. What the last
+    command wrote to stderr stays in `yatt_cli.stderr`."""
     import contextlib
     import io
 
@@ -121,7 +123,10 @@ def yatt_cli(ray_session):
         out, err = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             code = main([*argv, "--json"])
-        assert code == 0, err.getvalue()[-3000:]
+        run.stderr = err.getvalue()
+        assert code == 0, run.stderr[-3000:]
         return json.loads(out.getvalue().strip().splitlines()[-1])
+
+    run.stderr = ""
 
     return run

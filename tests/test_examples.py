@@ -161,10 +161,12 @@ def test_own_job_config_and_plan_come_from_its_file(tmp_path):
 
 @pytest.mark.slow
 def test_own_job_runs_through_yatt_run(tmp_path):
-    """`yatt run examples/own_job.py`: 2 steps of 8 prompts x 4 samples on two controllers; every sample's
-    score is the configured rules plus the file's own term (reward/mean = exact + 0.2 format + 0.5 brevity)."""
+    """`yatt run examples/own_job.py`: 2 steps of 8 prompts x 4 samples on one device (one controller); every
+    sample's score is the configured rules plus the file's own term (reward/mean = exact + 0.2 format + 0.5
+    brevity)."""
     run_dir = tmp_path / "run"
     sets = ["run.num_steps=2", "run.prompts_per_step=8", "sampling.n=4", "run.eval_every=0"]
+    sets += ["placement.cluster.devices_per_node=1", "controller.num_controllers=1"]
     argv = ["run", str(EXAMPLES / "own_job.py"), "--run-dir", str(run_dir), "--json"]
     out = _yatt(*argv, *(a for s in sets for a in ("--set", s)), cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]

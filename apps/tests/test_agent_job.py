@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import msgspec
@@ -122,12 +119,12 @@ def test_prompts_render_the_environment_tools_and_prepare_writes_its_rows(tmp_pa
 
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ["hf", "vllm"])
-def test_grpo_agent_job_two_steps(tmp_path: Path, engine: str):
+def test_grpo_agent_job_two_steps(yatt_cli, monkeypatch, tmp_path: Path, engine: str):
     """`yatt grpo --preset tiny_cpu_agent` as a user runs it on a fresh machine (two parallel controllers on HF,
-    one on vLLM; an empty model cache): its multi-turn SFT warm start copied from the package (`runtime.shipped`: no SFT and
-    no warm-starting message), the environment's rows, the tools in every prompt, episodes on the engine
-    (each advancing on its own), validation with and without the tools (on HF; the vLLM run skips validation
-    to save the suite's time)."""
+    one on vLLM; an empty model cache), in the test process: its multi-turn SFT warm start copied from the
+    package (`runtime.shipped`: no SFT and no warm-starting message), the environment's rows, the tools in
+    every prompt, episodes on the engine (each advancing on its own), validation with and without the tools
+    (on HF; the vLLM run skips validation to save the suite's time)."""
     run_dir = tmp_path / "agent"
     sets = {
         "rollout.engine": engine,
@@ -141,20 +138,12 @@ def test_grpo_agent_job_two_steps(tmp_path: Path, engine: str):
     # on vLLM one engine (its start is most of a CPU run's cost): one device, one controller
     if engine == "vllm":
         sets |= {"placement.cluster.devices_per_node": "1", "controller.num_controllers": "1"}
-    argv = ["grpo", "--preset", "tiny_cpu_agent", "--run-dir", str(run_dir), "--json"]
+    argv = ["grpo", "--preset", "tiny_cpu_agent", "--run-dir", str(run_dir)]
     for key, value in sets.items():
         argv += ["--set", f"{key}={value}"]
-    out = subprocess.run(
-        [sys.executable, "-m", "yatt_apps.cli", *argv],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", "YATT_CACHE_DIR": str(tmp_path / "cache")},
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "warm-starting" not in out.stderr  # the shipped warm start, copied
-    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    monkeypatch.setenv("YATT_CACHE_DIR", str(tmp_path / "cache"))  # an empty model cache
+    summary = yatt_cli(*argv)
+    assert "warm-starting" not in yatt_cli.stderr  # the shipped warm start, copied
     # parallel controllers: only step reports reach the driver
     assert summary["driver_bytes"] < 300_000 and summary["restarts"] == 0
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

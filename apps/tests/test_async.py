@@ -94,10 +94,15 @@ def test_staleness_is_bounded_and_generation_overlaps_training(ray_session, requ
 
 @pytest.mark.slow
 def test_a_resumed_async_run_trains_the_same_next_batches(ray_session, straight_k1, tmp_path):
-    """Stopped after step 1 (checkpoint holding the batches in flight) and resumed: steps 2 and 3 equal the
-    straight run's (seeded sampling, same data cursor)."""
-    run_job(async_config(1, 2, rules_only=True, schedule_steps=4), tmp_path / "stopped", JOB)
-    run_job(async_config(1, 4, rules_only=True, schedule_steps=4), tmp_path / "stopped", JOB)
+    """The straight run cut back to its checkpoint after step 1 (holding the batch generated for step 2, in
+    flight) and resumed: steps 2 and 3 equal the straight run's (seeded sampling, same data cursor)."""
+    import shutil
+
+    shutil.copytree(straight_k1, tmp_path / "stopped", ignore=shutil.ignore_patterns("final"))
+    ckpts = sorted(p for p in (tmp_path / "stopped" / "checkpoints").iterdir() if p.is_dir())
+    assert [p.name for p in ckpts] == ["step-00000001", "step-00000003"]
+    shutil.rmtree(ckpts[-1])
+    run_job(async_config(1, 4, rules_only=True), tmp_path / "stopped", JOB)
     straight, resumed = metrics(straight_k1), metrics(tmp_path / "stopped")
     for step in (2, 3):
         a = {

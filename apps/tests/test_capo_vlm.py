@@ -282,6 +282,12 @@ def test_capo_runs_two_steps(yatt_cli, tmp_path):
         "run.prompts_per_step=16",
         "--set",
         "sampling.n=4",
+        # one device (policy and critic in one process), one controller: the critic's credit is the subject;
+        # parallel controllers and their driver bytes are test_grpo_e2e's and grpo-vlm's below
+        "--set",
+        "placement.cluster.devices_per_node=1",
+        "--set",
+        "controller.num_controllers=1",
     )
     assert summary["driver_bytes"] < 300_000 and summary["step"] == 1
     rows = _metrics(tmp_path / "run")

@@ -21,7 +21,7 @@ import pytest
 from yatt_apps.config import PRESETS, ControllerSpec, PlacementConfig
 from yatt_apps.jobs import find
 from yatt_apps.runtime.job import build_services
-from yatt_apps.runtime.launch import run_job
+from yatt_apps.runtime.launch import placement_plan, run_job
 from yatt_apps.runtime.workers import RolloutWorker
 from yatt_placement.types import ClusterSpec
 
@@ -50,7 +50,9 @@ class DyingRollout(RolloutWorker):
 
 
 def config(num_steps: int):
-    """tiny_cpu without its judge (rule rewards), disaggregated over 4 logical devices, 2 controllers."""
+    """tiny_cpu without its judge (rule rewards), disaggregated over 3 logical devices (the learner on one,
+    a rollout replica with the rule reward beside it on each of the others), one controller. (Two controllers
+    seeing one death and replacing it once: yatt-controller's test_replacement.)"""
     cfg = PRESETS["tiny_cpu"]()
     replace = msgspec.structs.replace
     return replace(
@@ -60,11 +62,11 @@ def config(num_steps: int):
         run=replace(cfg.run, num_steps=num_steps, prompts_per_step=4, eval_every=0, progress=False),
         sampling=replace(cfg.sampling, n=4),
         controller=ControllerSpec(
-            mode="parallel", num_controllers=2, heartbeat_interval_s=1.0, hang_timeout_s=240.0, max_restarts=1
+            mode="parallel", num_controllers=1, heartbeat_interval_s=1.0, hang_timeout_s=240.0, max_restarts=1
         ),
         placement=PlacementConfig(
             mode="disaggregated",
-            cluster=ClusterSpec(num_nodes=1, devices_per_node=4, device_memory_gb=16.0),
+            cluster=ClusterSpec(num_nodes=1, devices_per_node=3, device_memory_gb=16.0),
         ),
     )
 
@@ -82,6 +84,8 @@ def test_killed_rollout_replica_is_replaced_without_a_restart(ray_session, tmp_p
     DyingRollout.marker = str(tmp_path / "killed")
     cfg = config(num_steps=3)
     job = find(cfg.app)
+    plan = {r.role: r.replicas for r in placement_plan(cfg, job).roles}
+    assert plan == {"actor": [[0]], "rollout": [[1], [2]], "reward": [[1], [2]]}, plan
     dying = dataclasses.replace(job, build=functools.partial(build_services, rollout_cls=DyingRollout))
     faulty = run_job(cfg, tmp_path / "faulty", dying)
     assert Path(DyingRollout.marker).exists()  # the replica's process was killed mid-step

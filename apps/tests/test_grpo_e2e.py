@@ -8,6 +8,7 @@ Marked slow: each run starts the model-hosting processes.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -67,6 +68,13 @@ def test_run_directory_is_complete(learning_run):
     kept = sorted(p.name for p in (learning_run / "checkpoints").iterdir())
     assert kept == [f"step-{k:08d}" for k in (3, 5, 7, 9, 10)]  # keep_checkpoints=5 of the 6 written
     assert (learning_run / "final" / "config.json").is_file()  # the last step's policy, exported
+    # colocated, two controllers: each engine loads the whole policy from the learner rank beside it (a
+    # pairwise push), so a step's bytes are both engines' copies of the float32 weights
+    from safetensors import safe_open
+
+    with safe_open(learning_run / "models" / "policy" / "model.safetensors", "pt") as f:
+        policy_bytes = sum(4 * math.prod(f.get_slice(k).get_shape()) for k in f.keys())  # noqa: SIM118
+    assert all(row["sync/bytes"] == 2 * policy_bytes > 0 for row in metrics.values())
 
 
 def test_judge_parses_and_the_schedule_spans_the_run(learning_run):

@@ -42,7 +42,7 @@ def algo_of(cfg: RunConfig, step: int) -> Any:
 
 def sweep_cpu() -> RunConfig:
     """The warm-started tiny policy (its rewards vary within a group, so advantages are not all 0), rule
-    rewards only, one controller, 8 prompts x 4 samples of 8 tokens, token-level rollout IS, one step per
+    rewards only, one controller on one device, 8 prompts x 4 samples of 8 tokens, token-level rollout IS, one step per
     pair."""
     base = tiny_cpu()
     rewards = [
@@ -59,6 +59,8 @@ def sweep_cpu() -> RunConfig:
         # token-level rollout IS on: the optimal token baselines take its weights, every step logs diagnostics
         algo=replace(base.algo, num_updates_per_batch=1, rollout_is_level="token"),
         controller=replace(base.controller, num_controllers=1, checkpoint_every=0),
+        # one device, one learner rank: what each pair shows is its own update (DDP is tested elsewhere)
+        placement=replace(base.placement, cluster=replace(base.placement.cluster, devices_per_node=1)),
     )
 
 

@@ -32,6 +32,16 @@ def models(tok):
     return {seed: tiny_causal_lm(len(tok), seed=seed, max_position_embeddings=CONTEXT) for seed in (0, 1, 2)}
 
 
+@pytest.fixture(scope="module")
+def fresh_a(tok, models, tmp_path_factory):
+    """What a fresh engine built from A samples (tokens, logprobs): the reference of both A-B-A tests."""
+    fresh = _engine(models[1], tok, tmp_path_factory.mktemp("fresh") / "a")
+    try:
+        return _sampled(fresh, tok)
+    finally:
+        fresh.close()
+
+
 def _engine(model, tok, folder, **kwargs):
     return VLLMEngine(save_tiny(model, tok, folder), dtype="float32", max_model_len=CONTEXT, seed=0, **kwargs)
 
@@ -69,11 +79,9 @@ def _poison(engine):
     )
 
 
-def test_updates_a_b_a_match_a_fresh_engine_of_a(tok, models, tmp_path):
+def test_updates_a_b_a_match_a_fresh_engine_of_a(tok, models, fresh_a, tmp_path):
     a, b = models[1], models[2]
-    fresh = _engine(a, tok, tmp_path / "a")
-    want_tokens, want_lps = _sampled(fresh, tok)
-    fresh.close()
+    want_tokens, want_lps = fresh_a
     engine = _engine(models[0], tok, tmp_path / "base")
     try:
         engine.update_weights(_buckets(a), version=1)
@@ -181,14 +189,12 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def test_an_engine_process_loads_through_shared_memory(tok, models, tmp_path):
+def test_an_engine_process_loads_through_shared_memory(tok, models, fresh_a, tmp_path):
     import json
     import subprocess
     import sys
 
-    fresh = _engine(models[1], tok, tmp_path / "a")
-    want_tokens, want_lps = _sampled(fresh, tok)
-    fresh.close()
+    want_tokens, want_lps = fresh_a
     folders = [str(save_tiny(models[s], tok, tmp_path / f"m{s}")) for s in (0, 1, 2)]
     args = json.dumps([*folders, [tok.encode(p) for p in PROMPTS]])
     env = os.environ | {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}

@@ -1,11 +1,13 @@
 """One rank of the two-process Megatron test, run as a script by test_learner_megatron.py, inside the
 test-only CPU shim (conftest.megatron_cpu_shim):
 
-    python megatron_worker.py RANK PORT TP PP OUT_DIR
+    python megatron_worker.py RANK PORT OUT_DIR LAYOUT [LAYOUT ...]    (LAYOUT: TPxPP, e.g. 2x1)
 
-World size 2: TP = 2 or PP = 2 gives one data-parallel rank (both ranks pass the whole batch), TP = PP = 1
-gives two (each takes half of the batch). After one update rank 0 writes the logprobs and stats, and every rank
-writes the HF weights its export yielded (each must be the whole model: at PP = 2 both stages' layers).
+World size 2, every layout in turn on one gloo group (one process pair for all: imports are the cost; Megatron's
+parallel state is made and destroyed per layout). TP = 2 or PP = 2 gives one data-parallel rank (both ranks
+pass the whole batch), TP = PP = 1 gives two (each takes half of the batch). After one update rank 0 writes
+the logprobs and stats, and every rank writes the HF weights its export yielded (each must be the whole
+model: at PP = 2 both stages' layers), under OUT_DIR/LAYOUT.
 """
 
 import importlib.util
@@ -13,44 +15,50 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 
-def main() -> None:
-    (rank, port, tp, pp), out = (int(a) for a in sys.argv[1:5]), Path(sys.argv[5])
-    torch.set_num_threads(1)
-    spec = importlib.util.spec_from_file_location("learner_conftest", Path(__file__).with_name("conftest.py"))
-    tiny = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tiny)
-    tiny.init_megatron(rank, 2, port, tp=tp, pp=pp)
+def run_layout(tiny, rank: int, tp: int, pp: int, out: Path) -> None:
     from megatron.core import parallel_state as ps
     from yatt_algos.learner.megatron_backend import MegatronPolicyLearner
     from yatt_algos.types import AlgoConfig, OptimConfig
 
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     algo = AlgoConfig(kl_loss_coef=0.05, loss_agg_mode="seq-mean-token-mean")
     optim = OptimConfig(lr=1e-3, eps=1e-6, micro_batch_size=3, clip_grad_norm=1.0)
     batch = tiny.dp_batch()
     dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     per = batch["input_ids"].shape[0] // dp
     shard = {k: v[dp_rank * per : (dp_rank + 1) * per] for k, v in batch.items()}
-    with tiny.megatron_cpu_shim():
-        learner = MegatronPolicyLearner(
-            tiny.tiny_config(), tiny.tiny_lm(0).state_dict(), algo=algo, optim_config=optim
-        )
-        logprobs = learner.compute_logprobs(shard)
-        stats = learner.update(shard)
-        weights = {k: v.clone() for bucket in learner.export_weights(1 << 16) for k, v in bucket}
+    learner = MegatronPolicyLearner(
+        tiny.tiny_config(), tiny.tiny_lm(0).state_dict(), algo=algo, optim_config=optim
+    )
+    logprobs = learner.compute_logprobs(shard)
+    stats = learner.update(shard)
+    weights = {k: v.clone() for bucket in learner.export_weights(1 << 16) for k, v in bucket}
+    out.mkdir(parents=True, exist_ok=True)
     torch.save(weights, out / f"weights{rank}.pt")
     parts = [None, None]
-    torch.distributed.all_gather_object(parts, logprobs)
+    dist.all_gather_object(parts, logprobs)
     if rank == 0:
         full = torch.cat(parts) if dp == 2 else parts[0]
-        torch.save(
-            {"logprobs": full, "loss": stats.loss, "grad_norm": stats.grad_norm},
-            out / "rank0.pt",
-        )
-    torch.distributed.barrier()
+        torch.save({"logprobs": full, "loss": stats.loss, "grad_norm": stats.grad_norm}, out / "rank0.pt")
+    dist.barrier()
     ps.destroy_model_parallel()
-    torch.distributed.destroy_process_group()
+
+
+def main() -> None:
+    rank, port, out, layouts = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]), sys.argv[4:]
+    torch.set_num_threads(1)
+    spec = importlib.util.spec_from_file_location("learner_conftest", Path(__file__).with_name("conftest.py"))
+    tiny = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tiny)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    with tiny.megatron_cpu_shim():
+        for layout in layouts:
+            tp, pp = (int(n) for n in layout.split("x"))
+            run_layout(tiny, rank, tp, pp, out / layout)
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

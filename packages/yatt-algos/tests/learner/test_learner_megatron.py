@@ -123,33 +123,42 @@ def test_megatron_update_matches_torch_backend(tiny, megatron_world):
     assert all(torch.equal(a[k], b[k]) for k in a if isinstance(a[k], torch.Tensor))
 
 
-@cpu_only
-@pytest.mark.slow
-@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2), (1, 1)], ids=["tp2", "pp2", "dp2"])
-def test_two_process_megatron_matches_hf(tiny, tp, pp, tmp_path):
-    """Two gloo processes: TP = 2 (vocab-parallel logits gathered, sharded grad norm), PP = 2 (Megatron's 1F1B
-    schedule over gloo p2p, logprobs and stats shared from the last stage, each stage's layers in every rank's
-    export) or DP = 2 (gradients all-reduced), against the HF model trained by the torch backend on the whole
-    batch."""
+@pytest.fixture(scope="module")
+def two_process_results(tiny, tmp_path_factory):
+    """One pair of gloo processes (megatron_worker.py) runs the three layouts in turn (the imports of a
+    process pair are the cost); returns the folder of their results, a subfolder per layout."""
     import subprocess
     import sys
     from pathlib import Path
 
-    from yatt_algos.learner.torch_backend import TorchPolicyLearner
-
+    out = tmp_path_factory.mktemp("megatron")
     worker, port = Path(__file__).with_name("megatron_worker.py"), tiny.free_port()
     procs = [
         subprocess.Popen(
-            [sys.executable, str(worker), str(rank), str(port), str(tp), str(pp), str(tmp_path)],
+            [sys.executable, str(worker), str(rank), str(port), str(out), "2x1", "1x2", "1x1"],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
         )
         for rank in range(2)
     ]
-    logs = [p.communicate(timeout=300)[0] for p in procs]
+    logs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)[-4000:]
-    got = torch.load(tmp_path / "rank0.pt", weights_only=True)
+    return out
+
+
+@cpu_only
+@pytest.mark.slow
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2), (1, 1)], ids=["tp2", "pp2", "dp2"])
+def test_two_process_megatron_matches_hf(tiny, tp, pp, two_process_results):
+    """Two gloo processes: TP = 2 (vocab-parallel logits gathered, sharded grad norm), PP = 2 (Megatron's 1F1B
+    schedule over gloo p2p, logprobs and stats shared from the last stage, each stage's layers in every rank's
+    export) or DP = 2 (gradients all-reduced), against the HF model trained by the torch backend on the whole
+    batch."""
+    from yatt_algos.learner.torch_backend import TorchPolicyLearner
+
+    result = two_process_results / f"{tp}x{pp}"
+    got = torch.load(result / "rank0.pt", weights_only=True)
 
     algo = AlgoConfig(kl_loss_coef=0.05, loss_agg_mode="seq-mean-token-mean")
     hf = TorchPolicyLearner(tiny.lm(0), algo=algo, optim_config=OPTIM)
@@ -160,7 +169,7 @@ def test_two_process_megatron_matches_hf(tiny, tp, pp, tmp_path):
     assert got["grad_norm"] == pytest.approx(stats.grad_norm, rel=1e-5)
     trained = hf.model.state_dict()
     for rank in range(2):
-        weights = torch.load(tmp_path / f"weights{rank}.pt", weights_only=True)
+        weights = torch.load(result / f"weights{rank}.pt", weights_only=True)
         assert weights.keys() == trained.keys(), f"rank {rank} exported {sorted(weights)}"
         assert max(float((weights[k] - trained[k]).abs().max()) for k in trained) < 1e-5
 

@@ -11,7 +11,6 @@ that next update too. Rank 0 writes OUT_DIR/result-TPxPP.pt: the HF weights expo
 round trip and after the load, the next update's loss and weights both ways, and the files each rank wrote.
 """
 
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -78,12 +77,10 @@ def run_layout(tiny, tp: int, pp: int, out: Path) -> None:
 
 
 def main() -> None:
+    from megatron_worker import start  # the script's folder is on sys.path
+
     rank, port, out = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
-    torch.set_num_threads(1)
-    spec = importlib.util.spec_from_file_location("learner_conftest", Path(__file__).with_name("conftest.py"))
-    tiny = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tiny)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    tiny = start(rank, port)
     with tiny.megatron_cpu_shim():
         for tp, pp in ((2, 1), (1, 2)):
             run_layout(tiny, tp, pp, out)

@@ -47,13 +47,20 @@ def run_layout(tiny, rank: int, tp: int, pp: int, out: Path) -> None:
     ps.destroy_model_parallel()
 
 
-def main() -> None:
-    rank, port, out, layouts = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]), sys.argv[4:]
+def start(rank: int, port: int):
+    """One thread of torch, the gloo group of the pair on 127.0.0.1, and the learner tests' conftest (tiny
+    models, the CPU shim) loaded as a module, which it returns (the Megatron workers' common start)."""
     torch.set_num_threads(1)
     spec = importlib.util.spec_from_file_location("learner_conftest", Path(__file__).with_name("conftest.py"))
     tiny = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tiny)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    return tiny
+
+
+def main() -> None:
+    rank, port, out, layouts = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]), sys.argv[4:]
+    tiny = start(rank, port)
     with tiny.megatron_cpu_shim():
         for layout in layouts:
             tp, pp = (int(n) for n in layout.split("x"))

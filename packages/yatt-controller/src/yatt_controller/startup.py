@@ -94,7 +94,6 @@ class Launcher:
         no process of its own; with `ControllerSpec.hosted` off, or in a job without a learner, each gets a
         process of its own."""
         world, learner = self.spec.num_controllers, self.services.learner
-        rendezvous = self.book
         controllers: list[tuple[Any, Watch]] = []
         created = []
         for rank in range(world):
@@ -103,7 +102,7 @@ class Launcher:
             handle: Any
             if learner and self.spec.hosted:
                 host = self.pool.host(routed[learner].workers[0].device, label).handle
-                created.append(host.create.remote(label, Controller, (plan, rendezvous, label), {}, label))
+                created.append(host.create.remote(label, Controller, (plan, self.book, label), {}, label))
                 handle = HostedController(host, label)
             else:
                 options: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0}
@@ -111,7 +110,7 @@ class Launcher:
                     options["scheduling_strategy"] = self.pool.realized.scheduling_strategy(
                         routed[learner].workers[0].device
                     )
-                handle = ControllerActor.options(**options).remote(plan, rendezvous, label)
+                handle = ControllerActor.options(**options).remote(plan, self.book, label)
             controllers.append((handle, Watch(label)))
         return controllers, created
 

@@ -104,6 +104,8 @@ def test_a_resumed_async_run_trains_the_same_next_batches(ray_session, straight_
     shutil.rmtree(ckpts[-1])
     run_job(async_config(1, 4, rules_only=True), tmp_path / "stopped", JOB)
     straight, resumed = metrics(straight_k1), metrics(tmp_path / "stopped")
+    # steps 2 and 3 ran again, and were logged anew
+    assert resumed[2]["time/step"] != straight[2]["time/step"]
     for step in (2, 3):
         a = {
             k: v for k, v in resumed[step].items() if not k.startswith(("time/", "throughput/", "async/roll"))

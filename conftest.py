@@ -14,6 +14,10 @@ for _key, _value in {
     "RAY_USAGE_STATS_ENABLED": "0",
     # under `uv run`, Ray would package the whole checkout as every worker's working directory
     "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
+    # jobs run one after another in a test process keep their host processes for the next job on the same
+    # bundles (yatt_controller.warm): a host's start is seconds of imports; a job in a fresh process (the CLI
+    # tests) starts its own Ray and hosts as a user's does
+    "YATT_KEEP_HOSTS": "1",
 }.items():
     os.environ.setdefault(_key, _value)
 

@@ -340,12 +340,14 @@ def run_job(
     cfg = with_async_correction(with_schedule(cfg, plan))
     rows = job.dataset or train_rows
 
+    from yatt_controller import warm
     from yatt_controller.runner import Job
     from yatt_controller.runner import run as run_controllers
-    from yatt_placement.realize import realize, release
 
     stop_ray = _init_ray(cfg)
-    realized = realize(plan, cpus_per_device=cfg.placement.cpus_per_device)
+    # hosts kept between jobs (YATT_KEEP_HOSTS) only in a Ray that outlives this job: one it started stops
+    keep_hosts = warm.enabled() and stop_ray is None
+    realized = warm.realize(plan, cpus_per_device=cfg.placement.cpus_per_device)  # a warm group if it fits
     start = 0 if found is None else found[1].step + 1
     logger = StepLogger(run, cfg.run.num_steps, start, cfg.run.progress, started_at=started_at)
     runtime = Job(
@@ -361,12 +363,12 @@ def run_job(
     )
     failed = True
     try:
-        result = run_controllers(cfg.controller, runtime, realized)
+        result = run_controllers(cfg.controller, runtime, realized, keep_hosts=keep_hosts)
         failed = False
     finally:
         closers: list[Callable[[], Any]] = [
             logger.close,
-            functools.partial(release, realized),
+            functools.partial(warm.release, realized),
             stop_ray or (lambda: None),  # None: Ray was up already and stays
             run.close,
         ]

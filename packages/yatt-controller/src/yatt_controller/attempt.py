@@ -162,7 +162,9 @@ class Attempt:
             )
         self._take(reports)
 
-    def teardown(self) -> None:
+    def teardown(self, *, keep_hosts: bool = False) -> None:
+        """Collect the last reports, then kill the attempt's actors; with `keep_hosts` (a finished attempt)
+        its hosts are parked for the next job instead (`yatt_controller.warm`)."""
         self._drain()
         if self.book is not None:
             with contextlib.suppress(Exception):  # best effort after a failure: hosts replacements started
@@ -172,6 +174,8 @@ class Attempt:
                 ray.kill(actor, no_restart=True)
         if self.book is not None:  # the roster book and the controllers' rendezvous
             ray.kill(self.book, no_restart=True)
-        self.pool.shutdown()  # a single-mode thread blocked on a host now gets an error and ends
+        self.pool.shutdown(
+            park=keep_hosts
+        )  # a single-mode thread blocked on a host now gets an error and ends
         if self.single is not None:
             self.single.thread.join(timeout=10.0)

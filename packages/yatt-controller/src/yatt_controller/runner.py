@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from yatt_controller import warm
 from yatt_controller.attempt import Attempt
 from yatt_controller.controller import StepFn
 from yatt_controller.health import AttemptFailed
@@ -75,10 +76,19 @@ class RunResult:
     replicas_replaced: int = 0  # dead service replicas replaced without a restart, over all attempts
 
 
-def run(spec: ControllerSpec, job: Job, realized: Any, *, startup_timeout_s: float = 300.0) -> RunResult:
+def run(
+    spec: ControllerSpec,
+    job: Job,
+    realized: Any,
+    *,
+    startup_timeout_s: float = 300.0,
+    keep_hosts: bool | None = None,
+) -> RunResult:
     """Run `job.num_steps` steps under `spec` on a realized placement plan. A controller that has not
     answered a heartbeat within `startup_timeout_s` of its launch counts as hung. Driver bytes are counted
-    (Ray's API wrapped) only inside this call and only when `spec.count_driver_bytes`."""
+    (Ray's API wrapped) only inside this call and only when `spec.count_driver_bytes`. With `keep_hosts`
+    (default: `warm.enabled()`, the YATT_KEEP_HOSTS switch) the hosts of the attempt that finishes are parked
+    for the next job on the same bundles instead of killed (`yatt_controller.warm`)."""
     if job.batch_size < 1 or job.num_steps < 0:
         raise ValueError(
             f"Job needs batch_size >= 1 and num_steps >= 0, got {job.batch_size}, {job.num_steps}"
@@ -88,25 +98,33 @@ def run(spec: ControllerSpec, job: Job, realized: Any, *, startup_timeout_s: flo
     log = ReportLog(1 if spec.mode == "single" else spec.num_controllers, job.on_step)
     result = RunResult({}, 0, [], None, 0, job.num_steps)
     with count_driver_ray_bytes() if spec.count_driver_bytes else contextlib.nullcontext() as ledger:
-        _attempts(spec, job, realized, startup_timeout_s, log, result)
+        keep = warm.enabled() if keep_hosts is None else keep_hosts
+        _attempts(spec, job, realized, startup_timeout_s, log, result, keep)
     result.reports, result.report_bytes = log.ordered(), log.report_bytes
     result.driver_bytes = None if ledger is None else ledger.total
     return result
 
 
 def _attempts(
-    spec: ControllerSpec, job: Job, realized: Any, startup_timeout_s: float, log: ReportLog, result: RunResult
+    spec: ControllerSpec,
+    job: Job,
+    realized: Any,
+    startup_timeout_s: float,
+    log: ReportLog,
+    result: RunResult,
+    keep_hosts: bool,
 ) -> None:
     """Attempts until one finishes or no restart is left; failures, moves and replacements into `result`."""
     while True:
-        attempt, failure = Attempt(spec, job, realized, log, startup_timeout_s), None
+        attempt, failure, finished = Attempt(spec, job, realized, log, startup_timeout_s), None, False
         try:
             attempt.start()
             attempt.watch()
+            finished = True
         except AttemptFailed as exc:
             failure = exc
         finally:
-            attempt.teardown()  # collects the last reports first
+            attempt.teardown(keep_hosts=keep_hosts and finished)  # collects the last reports first
             if attempt.roster is not None:
                 result.moves += attempt.roster.moves
                 result.replicas_replaced += attempt.roster.replicas_replaced

@@ -21,7 +21,7 @@ from typing import Any
 
 import ray
 
-from yatt_controller import dispatch
+from yatt_controller import dispatch, warm
 from yatt_controller.types import Heartbeat, WorkerInfo
 
 HOST_THREADS = 32  # calls a host runs at once (different roles; each role's calls hold its lock)
@@ -62,6 +62,7 @@ class _Host:
         self._busy: dict[str, tuple[str, float]] = {}  # hosted key -> (the call it is in, since)
         self._busy_s: dict[str, float] = {}  # hosted key -> cumulative seconds in its calls (kept on destroy)
         self._sync_groups: dict[str, Any] = {}
+        self._environ = dict(os.environ)  # what `reset` puts back
 
     def _lock(self, *keys: str) -> contextlib.ExitStack:
         """The locks of `keys`' groups, taken in a fixed order (no two callers can wait on each other)."""
@@ -101,6 +102,28 @@ class _Host:
             del hosted, close
         gc.unfreeze()  # the departed object was frozen with the rest: its reference cycles are garbage now
         _freeze_heap()
+
+    def reset(self) -> bool:
+        """Empty this process for another job (`yatt_controller.warm`): every hosted object closed and dropped
+        (`destroy`), the weight-sync groups and busy times forgotten, the torch.distributed group a learner
+        set up destroyed, the environment as at the start. False when the process cannot be reused: Megatron's
+        parallel state or a vLLM engine's distributed environment was set up in it (neither undoes in place)."""
+        import sys
+
+        for key in list(self._objects):
+            self.destroy(key)
+        self._sync_groups.clear()
+        self._busy_s.clear()
+        os.environ.clear()
+        os.environ.update(self._environ)
+        if "vllm" in sys.modules or "megatron.core" in sys.modules:
+            return False
+        if "torch.distributed" in sys.modules:
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                dist.destroy_process_group()
+        return True
 
     def call(self, key: str, method: str, args: tuple, kwargs: dict) -> Any:
         with self._lock(key):
@@ -212,24 +235,31 @@ class HostPool:
 
     def host(self, device: int, role_label: str) -> HostRecord:
         if device not in self.hosts:
-            label = f"{self.label_prefix}device-{device}"
-            handle = _Host.options(  # type: ignore[attr-defined]  # a ray.remote class: stubs lack it
-                num_cpus=self.num_cpus_per_host,
-                num_gpus=_device_share(self.realized, device),
-                scheduling_strategy=self.realized.scheduling_strategy(device),
-                max_restarts=0,
-                max_concurrency=HOST_THREADS,  # one thread per concurrent call; a role's own calls are ordered
-                runtime_env={"env_vars": HOST_ENV},  # read by glibc when the process starts
-            ).remote(label, device)
+            label, share = f"{self.label_prefix}device-{device}", _device_share(self.realized, device)
+            handle = warm.take(self.realized, device, share, label)
+            if handle is None:
+                handle = _Host.options(  # type: ignore[attr-defined]  # a ray.remote class: stubs lack it
+                    num_cpus=self.num_cpus_per_host,
+                    num_gpus=share,
+                    scheduling_strategy=self.realized.scheduling_strategy(device),
+                    max_restarts=0,
+                    max_concurrency=HOST_THREADS,  # a thread per concurrent call; a role's own calls are ordered
+                    runtime_env={"env_vars": HOST_ENV},  # read by glibc when the process starts
+                ).remote(label, device)
             self.hosts[device] = HostRecord(handle, device, label)
         record = self.hosts[device]
         record.roles.append(role_label)
         return record
 
-    def shutdown(self) -> None:
-        """Kill every host (their bundles stay reserved for the next pool)."""
-        for record in self.hosts.values():
-            ray.kill(record.handle, no_restart=True)
+    def shutdown(self, *, park: bool = False) -> None:
+        """Kill every host (their bundles stay reserved for the next pool), or with `park` keep them, emptied,
+        for the next job on the same bundles (`yatt_controller.warm`; all of them or none)."""
+        parked = [
+            (r.device, _device_share(self.realized, r.device), r.label, r.handle) for r in self.hosts.values()
+        ]
+        if not (park and warm.park(self.realized, parked)):
+            for record in self.hosts.values():
+                ray.kill(record.handle, no_restart=True)
         self.hosts.clear()
 
 

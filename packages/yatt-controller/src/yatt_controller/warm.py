@@ -1,0 +1,144 @@
+"""Host processes kept warm between jobs that run one after another in one driver and one Ray session (a
+sweep, a notebook, a test suite). Opt in with `YATT_KEEP_HOSTS=1`.
+
+A host's start is mostly imports (torch, transformers, Ray's worker: about 6-7 s of CPU on a laptop-class
+core) before it builds its first model. With hosts kept, a job that finished parks its hosts, emptied
+(`_Host.reset`: every hosted object closed and dropped, the process's torch.distributed group destroyed, its
+environment as at its start), together with its placement group; the next job whose plan has the same bundles
+(number of devices, CPUs per device) takes that group, and each of its devices takes the parked host of that
+bundle when the host's device share and label match. Anything else goes: one warm set at most, so parked hosts
+never hold devices a differently shaped job needs.
+
+Never kept: the hosts of a failed or interrupted attempt (their state is suspect), a host whose process set up
+state that cannot be undone in place (Megatron's parallel state, a vLLM engine's distributed environment), or
+a host that does not answer its reset within `RESET_TIMEOUT_S`. `drop()` kills the parked hosts and returns the
+group to the cluster (an embedding program calls it when it is done with YATT)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+ENV = "YATT_KEEP_HOSTS"
+RESET_TIMEOUT_S = 30.0
+
+
+def enabled() -> bool:
+    """Whether this process keeps hosts between jobs (`YATT_KEEP_HOSTS` set to anything but "" or "0")."""
+    return os.environ.get(ENV, "") not in ("", "0")
+
+
+@dataclass
+class _Warm:
+    session: str  # the driver's Ray node id when parked: another session's handles are dead
+    group: Any  # the placement group the hosts sit in
+    bundles: tuple[int, float]  # (devices, CPUs per device)
+    hosts: dict[int, tuple[float, str, Any]] = field(default_factory=dict)  # device -> (share, label, handle)
+
+
+_warm: _Warm | None = None
+
+
+def _session() -> str:
+    return ray.get_runtime_context().get_node_id()
+
+
+def _current() -> _Warm | None:
+    """The warm set, if it belongs to this Ray session (forgotten otherwise: its session ended)."""
+    global _warm
+    if _warm is not None and (
+        not ray.is_initialized() or _warm.session != _session() or _removed(_warm.group)
+    ):
+        _warm = None
+    return _warm
+
+
+def _removed(group: Any) -> bool:
+    """Whether the group is gone (released by its owner: Ray killed the hosts in it)."""
+    from ray.util import placement_group_table
+
+    try:
+        return placement_group_table(group).get("state") in (None, "REMOVED")
+    except Exception:
+        return True
+
+
+def realize(plan: Any, *, cpus_per_device: float) -> Any:
+    """`yatt_placement.realize.realize`, or the warm placement group when it has the same bundles. A warm
+    set of another shape is dropped first (its hosts hold devices the new plan may need)."""
+    from yatt_placement.realize import RealizedPlan
+    from yatt_placement.realize import realize as reserve
+
+    warm = _current()
+    if warm is not None and warm.bundles == (plan.num_devices, float(cpus_per_device)):
+        return RealizedPlan(plan, warm.group, cpus_per_device)
+    drop()
+    return reserve(plan, cpus_per_device=cpus_per_device)
+
+
+def release(realized: Any) -> None:
+    """`yatt_placement.realize.release`, unless the plan's group holds the warm hosts (it stays with them)."""
+    from yatt_placement.realize import release as give_back
+
+    warm = _current()
+    if warm is not None and warm.group.id == realized.placement_group.id:
+        return
+    give_back(realized)
+
+
+def take(realized: Any, device: int, share: float, label: str) -> Any | None:
+    """The parked host of `device`'s bundle when it was made for the same share and label (None otherwise:
+    a mismatched one is killed, so its share of the bundle is free for the host made instead)."""
+    warm = _current()
+    if warm is None or warm.group.id != realized.placement_group.id or device not in warm.hosts:
+        return None
+    parked_share, parked_label, handle = warm.hosts.pop(device)
+    if (parked_share, parked_label) == (share, label):
+        return handle
+    ray.kill(handle, no_restart=True)
+    return None
+
+
+def park(realized: Any, hosts: list[tuple[int, float, str, Any]]) -> bool:
+    """Reset `hosts` ((device, share, label, handle) each) and keep them with `realized`'s group for the next
+    job. False, with nothing kept, when any host cannot be reused: the caller kills them all."""
+    global _warm
+    refs = [handle.reset.remote() for _, _, _, handle in hosts]
+    try:
+        ready = ray.get(refs, timeout=RESET_TIMEOUT_S)
+    except Exception:
+        return False
+    if not all(ready):
+        return False
+    warm = _current()
+    if warm is not None and warm.group.id != realized.placement_group.id:
+        drop()
+        warm = None
+    if warm is None:
+        bundles = (realized.plan.num_devices, float(realized.cpus_per_device))
+        warm = _warm = _Warm(_session(), realized.placement_group, bundles)
+    for device, share, label, handle in hosts:
+        old = warm.hosts.get(device)
+        if old is not None and old[2] != handle:
+            ray.kill(old[2], no_restart=True)
+        warm.hosts[device] = (share, label, handle)
+    return True
+
+
+def drop() -> None:
+    """Kill the parked hosts and return their placement group to the cluster."""
+    global _warm
+    warm, _warm = _current(), None
+    if warm is None:
+        return
+    from ray.util.placement_group import remove_placement_group
+
+    for _, _, handle in warm.hosts.values():
+        with contextlib.suppress(Exception):
+            ray.kill(handle, no_restart=True)
+    with contextlib.suppress(Exception):
+        remove_placement_group(warm.group)

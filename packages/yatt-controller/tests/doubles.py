@@ -362,3 +362,14 @@ def start_ray(*by_value, num_gpus: int = 8) -> None:
         include_dashboard=False,
         object_store_memory=512 * 2**20,
     )
+
+
+class ProcessWideLearner(CountingLearner):
+    """A CountingLearner that leaves process-wide state `_Host.reset` cannot undo in place (it stands for
+    Megatron's parallel state: a module of that name in sys.modules), so its host is never kept for a next job."""
+
+    def __init__(self, worker_info=None):
+        import types
+
+        super().__init__(worker_info=worker_info)
+        sys.modules.setdefault("megatron.core", types.ModuleType("megatron.core"))

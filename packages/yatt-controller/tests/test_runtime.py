@@ -209,6 +209,47 @@ def test_hosted_controllers_run_beside_their_learner_and_match_own_processes(clu
         assert a == b
 
 
+def test_a_finished_run_keeps_its_hosts_for_the_next_run_on_the_same_bundles(cluster):
+    """`keep_hosts`: the run that finishes parks its host processes, emptied (no hosted object, busy times from
+    zero); the next run on the same bundles takes them (same pids) and reports exactly what a run in fresh
+    hosts reports. A run that fails, or whose hosts hold process-wide state a reset cannot undo, parks none."""
+    from yatt_controller import warm
+
+    def parked_pids() -> list[int]:
+        kept = warm.cache().warm
+        handles = [] if kept is None else [handle for _, _, handle in kept.hosts.values()]
+        pids = ray.get([h.create.remote("probe", doubles.CountingLearner, (), {}) for h in handles])
+        ray.get([h.destroy.remote("probe") for h in handles])
+        return pids
+
+    warm.drop()  # hosts an earlier test of this module parked (the suite keeps hosts: conftest.py)
+    spec = ControllerSpec(num_controllers=2, heartbeat_interval_s=0.5)
+    job = dataclasses.replace(_job(num_steps=2), step_fn=doubles.pid_step)
+    fresh = run(spec, job, cluster, keep_hosts=False)
+    assert parked_pids() == []
+    before = dataclasses.replace(warm.cache())
+    first = run(spec, job, cluster, keep_hosts=True)
+    pids = parked_pids()
+    assert len(set(pids)) == 2 and warm.cache().parked == before.parked + 2
+    kept = warm.cache().warm
+    assert kept is not None and kept.bundles == (2, 1.0)
+    beats = ray.get([handle.ping.remote() for _, _, handle in kept.hosts.values()])
+    assert [beat.busy_s for beat in beats] == [{}, {}]  # nothing hosted, nothing counted
+    second = run(spec, job, cluster, keep_hosts=True)
+    assert warm.cache().reused == before.reused + 2 and parked_pids() == pids
+    for step in (0, 1):
+        assert [r.metrics for r in first.reports[step]] == [r.metrics for r in fresh.reports[step]]
+        assert [r.metrics for r in second.reports[step]] == [r.metrics for r in fresh.reports[step]]
+    # a failed run takes the parked hosts and kills them with its others
+    failing = dataclasses.replace(_job(num_steps=3), step_fn=doubles.failing_step)
+    with pytest.raises(ControllerFailure, match="bad reward"):
+        run(ControllerSpec(mode="single", heartbeat_interval_s=0.5), failing, cluster, keep_hosts=True)
+    assert parked_pids() == []
+    # hosts whose process a reset cannot clean are killed, not parked
+    run(spec, _job(num_steps=1, learner_cls=doubles.ProcessWideLearner), cluster, keep_hosts=True)
+    assert parked_pids() == []
+
+
 @pytest.mark.slow
 def test_resume_takes_the_newest_complete_checkpoint(cluster, tmp_path):
     spec = ControllerSpec(num_controllers=2, heartbeat_interval_s=0.5, checkpoint_every=1, keep_checkpoints=3)

@@ -17,6 +17,7 @@ group to the cluster (an embedding program calls it when it is done with YATT)."
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,9 +39,22 @@ class _Warm:
     group: Any  # the placement group the hosts sit in
     bundles: tuple[int, float]  # (devices, CPUs per device)
     hosts: dict[int, tuple[float, str, Any]] = field(default_factory=dict)  # device -> (share, label, handle)
+    owned: bool = False  # the group was handed over by `release` (else its owner still holds it)
 
 
-_warm: _Warm | None = None
+@dataclass
+class _Cache:
+    """This process's warm set (at most one) and how many hosts were parked and reused."""
+
+    warm: _Warm | None = None
+    parked: int = 0
+    reused: int = 0
+
+
+@functools.cache
+def cache() -> _Cache:
+    """The process's one `_Cache` (a per-process cache of host processes, like a cached function's)."""
+    return _Cache()
 
 
 def _session() -> str:
@@ -49,12 +63,12 @@ def _session() -> str:
 
 def _current() -> _Warm | None:
     """The warm set, if it belongs to this Ray session (forgotten otherwise: its session ended)."""
-    global _warm
-    if _warm is not None and (
-        not ray.is_initialized() or _warm.session != _session() or _removed(_warm.group)
+    kept = cache()
+    if kept.warm is not None and (
+        not ray.is_initialized() or kept.warm.session != _session() or _removed(kept.warm.group)
     ):
-        _warm = None
-    return _warm
+        kept.warm = None
+    return kept.warm
 
 
 def _removed(group: Any) -> bool:
@@ -74,7 +88,8 @@ def realize(plan: Any, *, cpus_per_device: float) -> Any:
     from yatt_placement.realize import realize as reserve
 
     warm = _current()
-    if warm is not None and warm.bundles == (plan.num_devices, float(cpus_per_device)):
+    if warm is not None and warm.owned and warm.bundles == (plan.num_devices, float(cpus_per_device)):
+        warm.owned = False  # the new job holds it until its own release
         return RealizedPlan(plan, warm.group, cpus_per_device)
     drop()
     return reserve(plan, cpus_per_device=cpus_per_device)
@@ -86,7 +101,10 @@ def release(realized: Any) -> None:
 
     warm = _current()
     if warm is not None and warm.group.id == realized.placement_group.id:
-        return
+        if warm.hosts:
+            warm.owned = True
+            return
+        cache().warm = None  # its hosts went (a failed attempt kills what it took): the group goes too
     give_back(realized)
 
 
@@ -98,6 +116,7 @@ def take(realized: Any, device: int, share: float, label: str) -> Any | None:
         return None
     parked_share, parked_label, handle = warm.hosts.pop(device)
     if (parked_share, parked_label) == (share, label):
+        cache().reused += 1
         return handle
     ray.kill(handle, no_restart=True)
     return None
@@ -106,7 +125,6 @@ def take(realized: Any, device: int, share: float, label: str) -> Any | None:
 def park(realized: Any, hosts: list[tuple[int, float, str, Any]]) -> bool:
     """Reset `hosts` ((device, share, label, handle) each) and keep them with `realized`'s group for the next
     job. False, with nothing kept, when any host cannot be reused: the caller kills them all."""
-    global _warm
     refs = [handle.reset.remote() for _, _, _, handle in hosts]
     try:
         ready = ray.get(refs, timeout=RESET_TIMEOUT_S)
@@ -120,19 +138,21 @@ def park(realized: Any, hosts: list[tuple[int, float, str, Any]]) -> bool:
         warm = None
     if warm is None:
         bundles = (realized.plan.num_devices, float(realized.cpus_per_device))
-        warm = _warm = _Warm(_session(), realized.placement_group, bundles)
+        warm = cache().warm = _Warm(_session(), realized.placement_group, bundles)
     for device, share, label, handle in hosts:
         old = warm.hosts.get(device)
         if old is not None and old[2] != handle:
             ray.kill(old[2], no_restart=True)
         warm.hosts[device] = (share, label, handle)
+    cache().parked += len(hosts)
     return True
 
 
 def drop() -> None:
-    """Kill the parked hosts and return their placement group to the cluster."""
-    global _warm
-    warm, _warm = _current(), None
+    """Kill the parked hosts, and return their placement group to the cluster when it was handed over by
+    `release` (a group its owner still holds stays)."""
+    warm = _current()
+    cache().warm = None
     if warm is None:
         return
     from ray.util.placement_group import remove_placement_group
@@ -140,5 +160,6 @@ def drop() -> None:
     for _, _, handle in warm.hosts.values():
         with contextlib.suppress(Exception):
             ray.kill(handle, no_restart=True)
-    with contextlib.suppress(Exception):
-        remove_placement_group(warm.group)
+    if warm.owned:
+        with contextlib.suppress(Exception):
+            remove_placement_group(warm.group)

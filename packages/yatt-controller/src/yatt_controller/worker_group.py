@@ -232,6 +232,7 @@ class HostPool:
         self.num_cpus_per_host = num_cpus_per_host
         self.label_prefix = label_prefix
         self.hosts: dict[int, HostRecord] = {}
+        self._own: set[str] = set()  # ids of the hosts this pool made or took from the warm set
 
     def host(self, device: int, role_label: str) -> HostRecord:
         if device not in self.hosts:
@@ -246,6 +247,7 @@ class HostPool:
                     max_concurrency=HOST_THREADS,  # a thread per concurrent call; a role's own calls are ordered
                     runtime_env={"env_vars": HOST_ENV},  # read by glibc when the process starts
                 ).remote(label, device)
+            self._own.add(handle._actor_id.hex())
             self.hosts[device] = HostRecord(handle, device, label)
         record = self.hosts[device]
         record.roles.append(role_label)
@@ -253,11 +255,13 @@ class HostPool:
 
     def shutdown(self, *, park: bool = False) -> None:
         """Kill every host (their bundles stay reserved for the next pool), or with `park` keep them, emptied,
-        for the next job on the same bundles (`yatt_controller.warm`; all of them or none)."""
+        for the next job on the same bundles (`yatt_controller.warm`; all of them or none). A pool that adopted
+        hosts a controller started (replacements) parks none: such a host lives only while its creator holds it."""
         parked = [
             (r.device, _device_share(self.realized, r.device), r.label, r.handle) for r in self.hosts.values()
         ]
-        if not (park and warm.park(self.realized, parked)):
+        own = {r.handle._actor_id.hex() for r in self.hosts.values()} <= self._own
+        if not (park and own and warm.park(self.realized, parked)):
             for record in self.hosts.values():
                 ray.kill(record.handle, no_restart=True)
         self.hosts.clear()

@@ -345,8 +345,16 @@ def run_job(
     from yatt_controller.runner import run as run_controllers
 
     stop_ray = _init_ray(cfg)
-    # hosts kept between jobs (YATT_KEEP_HOSTS) only in a Ray that outlives this job: one it started stops
-    keep_hosts = warm.enabled() and stop_ray is None
+    # hosts kept between jobs (YATT_KEEP_HOSTS) only in a Ray that outlives this job: one it started stops.
+    # A Megatron job starts hosts of its own: in hosts an earlier job had used, its checkpoint's barrier once
+    # waited forever (CI preview, after an FSDP2 job; not reproduced alone), and Megatron's hosts are never
+    # kept after it (its parallel state is process-wide)
+    from yatt_apps.runtime.workers import learner_backend
+
+    megatron = learner_backend(cfg) == "megatron"
+    if megatron:
+        warm.drop()
+    keep_hosts = warm.enabled() and stop_ray is None and not megatron
     realized = warm.realize(plan, cpus_per_device=cfg.placement.cpus_per_device)  # a warm group if it fits
     start = 0 if found is None else found[1].step + 1
     logger = StepLogger(run, cfg.run.num_steps, start, cfg.run.progress, started_at=started_at)

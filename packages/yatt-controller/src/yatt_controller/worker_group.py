@@ -110,19 +110,19 @@ class _Host:
         parallel state or a vLLM engine's distributed environment was set up in it (neither undoes in place)."""
         import sys
 
+        if "vllm" in sys.modules or "megatron.core" in sys.modules:
+            return False  # before any close: the caller kills this process anyway
         for key in list(self._objects):
             self.destroy(key)
         self._sync_groups.clear()
         self._busy_s.clear()
         os.environ.clear()
         os.environ.update(self._environ)
-        if "vllm" in sys.modules or "megatron.core" in sys.modules:
-            return False
         if "torch.distributed" in sys.modules:
             import torch.distributed as dist
 
             if dist.is_available() and dist.is_initialized():
-                dist.destroy_process_group()
+                dist.destroy_process_group()  # every group, the default one last
         return True
 
     def call(self, key: str, method: str, args: tuple, kwargs: dict) -> Any:

@@ -87,6 +87,8 @@ def test_killed_rollout_replica_is_replaced_without_a_restart(ray_session, tmp_p
     plan = {r.role: r.replicas for r in placement_plan(cfg, job).roles}
     assert plan == {"actor": [[0]], "rollout": [[1], [2]], "reward": [[1], [2]]}, plan
     dying = dataclasses.replace(job, build=functools.partial(build_services, rollout_cls=DyingRollout))
+    # the uninterrupted run first: its hosts are kept for the faulty run (a run that replaced a replica keeps none)
+    whole = run_job(cfg, tmp_path / "whole", job)
     faulty = run_job(cfg, tmp_path / "faulty", dying)
     assert Path(DyingRollout.marker).exists()  # the replica's process was killed mid-step
     assert faulty["restarts"] == 0, faulty["failures"]
@@ -94,7 +96,6 @@ def test_killed_rollout_replica_is_replaced_without_a_restart(ray_session, tmp_p
     # device of its own): both are replaced
     assert faulty["faults/replicas_replaced"] == 2.0
     assert faulty["step"] == cfg.run.num_steps - 1
-    whole = run_job(cfg, tmp_path / "whole", job)
     assert whole["restarts"] == 0 and whole["faults/replicas_replaced"] == 0.0
     assert _compared(faulty) == _compared(whole)
     logs = [(tmp_path / name / "metrics.jsonl").read_text().splitlines() for name in ("faulty", "whole")]

@@ -228,11 +228,11 @@ def test_dead_rollout_replica_is_replaced_and_its_calls_sent_again(
     )
     # the replica's process dies (os._exit) in the first call of step 1, with that step's calls in flight
     crashing = {"crash_at_call": CHUNKS * controllers, "marker": str(tmp_path / "crashed")}
+    whole = run(spec, _job({}), disaggregated)  # first: its hosts are kept for the faulty run
     faulty = run(spec, _job(crashing), disaggregated)
     assert Path(crashing["marker"]).exists()
     assert faulty.restarts == 0 and faulty.failures == []  # on_failure="fail": any failure would raise
     assert faulty.replicas_replaced == 1  # once, though every controller saw the death
-    whole = run(spec, _job({}), disaggregated)
     assert whole.replicas_replaced == 0
     counts = [faulty.reports[s][0].metrics.pop("faults/replicas_replaced") for s in range(3)]
     assert counts == [0.0, 1.0, 1.0]  # rank 0's running count: the replacement happened in step 1

@@ -344,13 +344,13 @@ def run_job(
     from yatt_controller.runner import Job
     from yatt_controller.runner import run as run_controllers
 
+    from yatt_apps.runtime.workers import learner_backend
+
     stop_ray = _init_ray(cfg)
     # hosts kept between jobs (YATT_KEEP_HOSTS) only in a Ray that outlives this job: one it started stops.
     # A Megatron job starts hosts of its own: in hosts an earlier job had used, its checkpoint's barrier once
     # waited forever (CI preview, after an FSDP2 job; not reproduced alone), and Megatron's hosts are never
     # kept after it (its parallel state is process-wide)
-    from yatt_apps.runtime.workers import learner_backend
-
     megatron = learner_backend(cfg) == "megatron"
     if megatron:
         warm.drop()

@@ -174,8 +174,7 @@ class Attempt:
                 ray.kill(actor, no_restart=True)
         if self.book is not None:  # the roster book and the controllers' rendezvous
             ray.kill(self.book, no_restart=True)
-        self.pool.shutdown(
-            park=keep_hosts
-        )  # a single-mode thread blocked on a host now gets an error and ends
+        # a single-mode thread blocked on a host now gets an error and ends
+        self.pool.shutdown(park=keep_hosts)
         if self.single is not None:
             self.single.thread.join(timeout=10.0)

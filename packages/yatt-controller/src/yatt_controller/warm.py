@@ -1,8 +1,8 @@
 """Host processes kept warm between jobs that run one after another in one driver and one Ray session (a
 sweep, a notebook, a test suite). Opt in with `YATT_KEEP_HOSTS=1`.
 
-A host's start is mostly imports (torch, transformers, Ray's worker: about 6-7 s of CPU on a laptop-class
-core) before it builds its first model. With hosts kept, a job that finished parks its hosts, emptied
+A host's start is mostly imports (torch, transformers, Ray's worker: about 6-7 s of CPU on the project's 2-core
+CI machine) before it builds its first model. With hosts kept, a job that finished parks its hosts, emptied
 (`_Host.reset`: every hosted object closed and dropped, the process's torch.distributed group destroyed, its
 environment as at its start), together with its placement group; the next job whose plan has the same bundles
 (number of devices, CPUs per device) takes that group, and each of its devices takes the parked host of that

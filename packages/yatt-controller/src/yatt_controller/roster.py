@@ -22,12 +22,7 @@ from typing import Any
 import ray
 
 from yatt_controller.collective import Rendezvous
-from yatt_controller.worker_group import HostRecord, WorkerGroup
-
-
-def host_id(handle: Any) -> str:
-    """A host actor's id (hex): how a process is named across controllers and the driver."""
-    return handle._actor_id.hex()
+from yatt_controller.worker_group import HostRecord, WorkerGroup, host_id
 
 
 @dataclass(frozen=True)

@@ -216,6 +216,11 @@ def _device_share(realized: Any, device: int) -> float:
     return min(share, 1.0)
 
 
+def host_id(handle: Any) -> str:
+    """A host actor's id (hex): how a process is named across controllers and the driver."""
+    return handle._actor_id.hex()
+
+
 @dataclass
 class HostRecord:
     handle: Any  # ray.actor.ActorHandle of a _Host
@@ -247,7 +252,7 @@ class HostPool:
                     max_concurrency=HOST_THREADS,  # a thread per concurrent call; a role's own calls are ordered
                     runtime_env={"env_vars": HOST_ENV},  # read by glibc when the process starts
                 ).remote(label, device)
-            self._own.add(handle._actor_id.hex())
+            self._own.add(host_id(handle))
             self.hosts[device] = HostRecord(handle, device, label)
         record = self.hosts[device]
         record.roles.append(role_label)
@@ -260,7 +265,7 @@ class HostPool:
         parked = [
             (r.device, _device_share(self.realized, r.device), r.label, r.handle) for r in self.hosts.values()
         ]
-        own = {r.handle._actor_id.hex() for r in self.hosts.values()} <= self._own
+        own = {host_id(r.handle) for r in self.hosts.values()} <= self._own
         if not (park and own and warm.park(self.realized, parked)):
             for record in self.hosts.values():
                 ray.kill(record.handle, no_restart=True)

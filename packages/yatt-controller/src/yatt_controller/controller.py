@@ -321,4 +321,4 @@ class Controller:
 
 
 # ray's stubs lack the actor option concurrency_groups (what gives `heartbeat` its own thread)
-ControllerActor = ray.remote(concurrency_groups={"health": 1})(Controller)  # type: ignore[call-overload]
+ControllerActor = ray.remote(concurrency_groups={"health": 1})(Controller)

@@ -122,7 +122,7 @@ def join_group(
         groups[group] = dist.ProcessGroupGloo(prefixed, rank, world, DEFAULT_TIMEOUT)
     else:
         # torch's stub makes `options` required; the binding defaults it (ProcessGroupNCCL::Options::create())
-        groups[group] = dist.ProcessGroupNCCL(prefixed, rank, world)  # type: ignore[call-arg]
+        groups[group] = dist.ProcessGroupNCCL(prefixed, rank, world)
 
 
 def _device(pg: Any) -> torch.device:

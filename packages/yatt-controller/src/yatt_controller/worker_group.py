@@ -44,7 +44,7 @@ def _freeze_heap() -> None:
 
 
 # ray's stubs lack the actor option concurrency_groups (documented, and what gives `ping` its own thread)
-@ray.remote(concurrency_groups={"health": 1})  # type: ignore[call-overload]
+@ray.remote(concurrency_groups={"health": 1})
 class _Host:
     """The process of one device. Each hosted role belongs to a lock group (`WorkerGroup.create(lock=...)`):
     calls of one group run one at a time; calls of different groups run concurrently (threads). Roles in the

@@ -142,7 +142,7 @@ class VLLMEngine:
             llm_kwargs.setdefault("enable_chunked_prefill", False)
         self.llm = LLM(
             model=str(model_dir),
-            dtype=dtype,  # type: ignore[arg-type]  # vLLM checks the name; its stub lists only Literal names
+            dtype=dtype,
             max_model_len=max_model_len,
             seed=seed,
             enforce_eager=enforce_eager,

@@ -118,7 +118,7 @@ def chunked_head(model: torch.nn.Module) -> ChunkedHead | None:
         transform = LogitTransform(softcap=None if cap is None else float(cap))
     elif kind == "scale":
         scale = inner.logit_scale  # Cohere keeps config.logit_scale as a float attribute
-        transform = LogitTransform(scale=float(scale))  # type: ignore[arg-type]
+        transform = LogitTransform(scale=float(scale))
     else:
         transform = LogitTransform()
     return ChunkedHead(inner=inner, head=head, transform=transform)

@@ -45,7 +45,7 @@ def install() -> tuple:
 
     real = torch.cuda.current_device, torch.cuda.synchronize, schedules.torch
     # Megatron only hands the "current device" on to tensor constructors, where a torch.device works
-    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment,return-value]
+    torch.cuda.current_device = lambda: torch.device("cpu")
     torch.cuda.synchronize = lambda device=None: None
     schedules.torch = _ScheduleTorch()
     mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)

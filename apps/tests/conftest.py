@@ -91,7 +91,7 @@ def ray_session(_shared_ray):
             ray.shutdown()
         if _OURS:  # ours was shut down by another module: its reaper and switches go too
             _OURS.pop("session").shutdown()
-        _OURS["session"] = local_ray.start(num_cpus=32, num_gpus=8)
+        _OURS["session"] = local_ray.start(num_cpus=32, num_gpus=16)
         _OURS["address"] = ray.get_runtime_context().gcs_address
         os.environ["YATT_TESTS_SHARED_RAY"] = _OURS["address"]  # the workspace conftest leaves this one up
     yield

@@ -304,8 +304,9 @@ def _listening(pids: set[int]) -> list[str]:
     )
 
 
-def test_kill_9_then_ctrl_c_then_resume_log_every_step_once(tmp_path):
-    """One 24-step run, stopped twice and resumed twice (`yatt` in a fresh process each time, its own Ray):
+def test_kill_9_then_ctrl_c_then_resume_log_every_step_once(tmp_path, yatt_cli):
+    """One 24-step run, stopped twice and resumed twice (`yatt` in a fresh process with its own Ray for the two
+    that are stopped; the last resume in this process, on the test process's Ray session):
     1. kill -9 of the driver alone once step 2 is logged (what a crash or the OOM killer does): the job's Ray
        listened on the loopback interface only, and no process of the driver's tree is left (its reaper ends
        the agents Ray does not fate-share);
@@ -366,7 +367,7 @@ def test_kill_9_then_ctrl_c_then_resume_log_every_step_once(tmp_path):
     # the newest checkpoint broken (one flipped byte): the last resume continues from the one before it,
     # saying which it skipped, and still logs each step once
     _corrupt(found[0])
-    out = _yatt("resume", str(run_dir), "--json", env=_env(_ray_tmp()))
+    assert yatt_cli("resume", str(run_dir))["step"] == 23
     why = "learner/extra-0.pt does not match its manifest entry (size or sha256)"
-    assert f"skipped checkpoint {found[0]}: {why}\n" in out.stderr, out.stderr[-3000:]
+    assert f"skipped checkpoint {found[0]}: {why}\n" in yatt_cli.stderr, yatt_cli.stderr[-3000:]
     assert _steps(run_dir) == list(range(24))

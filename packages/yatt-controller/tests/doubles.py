@@ -345,23 +345,42 @@ def move_step(ctx, batch: list[int]) -> dict[str, float]:
     }
 
 
-def start_ray(*by_value, num_gpus: int = 8) -> None:
-    """A local Ray for one test module (logical GPUs as devices); `by_value`: the test modules whose functions
-    and classes Ray workers get by value (they cannot import test modules), this one included."""
+# The GCS address of the Ray session the test modules of one test process share (the workspace conftest.py
+# leaves it running after a module; apps/tests/conftest.py sets it for the apps tests' session).
+SHARED_RAY = "YATT_TESTS_SHARED_RAY"
+
+
+def start_ray(*by_value, num_gpus: int = 16) -> None:
+    """A local Ray for one test module (logical GPUs as devices), shared with the other modules of the test
+    process: a shared session already up with room for `num_gpus` devices is used as it is (a Ray start is
+    seconds of two busy cores), any other one is shut down and a new one started and shared. `by_value`: the
+    test modules whose functions and classes Ray workers get by value (they cannot import test modules)."""
     import ray
     import ray.cloudpickle
 
     for module in (sys.modules[__name__], *by_value):
         ray.cloudpickle.register_pickle_by_value(module)
-    if ray.is_initialized():  # a session an earlier module left (e.g. one auto-started by a bare ray.put)
-        ray.shutdown()
+    if ray.is_initialized():
+        shared = ray.get_runtime_context().gcs_address == os.environ.get(SHARED_RAY)
+        if shared and ray.cluster_resources().get("GPU", 0) >= num_gpus:
+            end_module()  # hosts an earlier module's jobs parked hold bundles of their own
+            return
+        ray.shutdown()  # a session an earlier module left (e.g. one auto-started by a bare ray.put)
     ray.init(
         address="local",
         num_cpus=8,
-        num_gpus=num_gpus,
+        num_gpus=max(num_gpus, 16),
         include_dashboard=False,
         object_store_memory=512 * 2**20,
     )
+    os.environ[SHARED_RAY] = ray.get_runtime_context().gcs_address
+
+
+def end_module() -> None:
+    """A module's end: the hosts its runs parked (yatt_controller.warm) go; the shared session stays."""
+    from yatt_controller import warm
+
+    warm.drop()
 
 
 class ProcessWideLearner(CountingLearner):

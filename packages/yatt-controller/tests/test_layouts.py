@@ -23,7 +23,7 @@ pytest.importorskip("torch")
 def session():
     doubles.start_ray(sys.modules[__name__], num_gpus=16)
     yield
-    ray.shutdown()
+    doubles.end_module()
 
 
 def _realize(*roles: RolePlacement, num_devices: int, mode: str = "disaggregated"):

@@ -158,7 +158,6 @@ def test_a_view_adopts_a_new_version_in_place_keeping_its_ranks_and_window():
 def disaggregated():
     """Learner ranks on devices 0 and 2, one rollout replica on device 1 (no process shared with a learner):
     in parallel mode both controllers call the one replica, so both see its death."""
-    import ray
     import yatt_placement.realize as realize_mod
     from yatt_placement.types import PlacementPlan, RolePlacement
 
@@ -174,7 +173,7 @@ def disaggregated():
     realized = realize_mod.realize(plan, cpus_per_device=1.0)
     yield realized
     realize_mod.release(realized)
-    ray.shutdown()
+    doubles.end_module()
 
 
 CHUNKS = 4  # rollout calls per controller and step

@@ -36,7 +36,7 @@ def cluster():
     realized = realize_mod.realize(plan, cpus_per_device=1.0)
     yield realized
     realize_mod.release(realized)
-    ray.shutdown()
+    doubles.end_module()
 
 
 def _rows() -> list[int]:
@@ -235,8 +235,11 @@ def test_a_finished_run_keeps_its_hosts_for_the_next_run_on_the_same_bundles(clu
     assert kept is not None and kept.bundles == (2, 1.0)
     beats = ray.get([handle.ping.remote() for _, _, handle in kept.hosts.values()])
     assert [beat.busy_s for beat in beats] == [{}, {}]  # nothing hosted, nothing counted
+    book = warm.cache().book
+    assert book is not None  # the finished attempt's book is kept too
     second = run(spec, job, cluster, keep_hosts=True)
     assert warm.cache().reused == before.reused + 2 and parked_pids() == pids
+    assert warm.cache().books_reused == before.books_reused + 1 and warm.cache().book == book
     for step in (0, 1):
         assert [r.metrics for r in first.reports[step]] == [r.metrics for r in fresh.reports[step]]
         assert [r.metrics for r in second.reports[step]] == [r.metrics for r in fresh.reports[step]]
@@ -244,7 +247,7 @@ def test_a_finished_run_keeps_its_hosts_for_the_next_run_on_the_same_bundles(clu
     failing = dataclasses.replace(_job(num_steps=3), step_fn=doubles.failing_step)
     with pytest.raises(ControllerFailure, match="bad reward"):
         run(ControllerSpec(mode="single", heartbeat_interval_s=0.5), failing, cluster, keep_hosts=True)
-    assert parked_pids() == []
+    assert parked_pids() == [] and warm.cache().book is None
     # hosts whose process a reset cannot clean are killed, not parked
     run(spec, _job(num_steps=1, learner_cls=doubles.ProcessWideLearner), cluster, keep_hosts=True)
     assert parked_pids() == []

@@ -43,7 +43,7 @@ def cluster():
     realized = realize_mod.realize(plan, cpus_per_device=1.0)
     yield realized
     realize_mod.release(realized)
-    ray.shutdown()
+    doubles.end_module()
 
 
 def _build(pool: HostPool) -> Services:

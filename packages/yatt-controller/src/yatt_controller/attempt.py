@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from yatt_controller import recovery
+from yatt_controller import recovery, warm
 from yatt_controller.health import Health, Watch, summary
 from yatt_controller.replan import Replanner
 from yatt_controller.reports import ReportLog
@@ -56,7 +56,9 @@ class Attempt:
             services.weight_sync.setup()
         self.roster = make_roster(services)
         self.health.roster = self.roster
-        self.book = AttemptBookActor.remote(self.roster, self.spec.num_controllers)
+        self.book = warm.take_book(self.roster, self.spec.num_controllers)
+        if self.book is None:
+            self.book = AttemptBookActor.remote(self.roster, self.spec.num_controllers)
         if self.job.replan is not None:
             self.replanner = Replanner(self.job.replan, self.realized.plan, self.book, self.pool)
         path = recovery.resume_point(self.job.checkpoint_dir)
@@ -172,7 +174,9 @@ class Attempt:
         for actor, _ in self.controllers:
             if actor is not None and not isinstance(actor, HostedController):  # that one ends with its host
                 ray.kill(actor, no_restart=True)
-        if self.book is not None:  # the roster book and the controllers' rendezvous
+        if self.book is not None and keep_hosts:  # the roster book and the controllers' rendezvous
+            warm.park_book(self.book)
+        elif self.book is not None:
             ray.kill(self.book, no_restart=True)
         # a single-mode thread blocked on a host now gets an error and ends
         self.pool.shutdown(park=keep_hosts)

@@ -155,6 +155,10 @@ class AttemptBook(RosterBook, Rendezvous):
     Ray runs the actor on an event loop; the book's methods are quick and run there between awaits."""
 
     def __init__(self, roster: Roster, world_size: int) -> None:
+        self.reset(roster, world_size)
+
+    def reset(self, roster: Roster, world_size: int) -> None:
+        """Start over for another attempt (a kept book: `yatt_controller.warm.take_book`)."""
         RosterBook.__init__(self, roster)
         Rendezvous.__init__(self, world_size)
 

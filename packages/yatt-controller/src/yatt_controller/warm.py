@@ -9,10 +9,15 @@ environment as at its start), together with its placement group; the next job wh
 bundle when the host's device share and label match. Anything else goes: one warm set at most, so parked hosts
 never hold devices a differently shaped job needs.
 
-Never kept: the hosts of a failed or interrupted attempt (their state is suspect), a host whose process set up
-state that cannot be undone in place (Megatron's parallel state, a vLLM engine's distributed environment), or
-a host that does not answer its reset within `RESET_TIMEOUT_S`. `drop()` kills the parked hosts and returns the
-group to the cluster (an embedding program calls it when it is done with YATT)."""
+The attempt's book (`yatt_controller.roster.AttemptBook`: the roster book and the controllers' rendezvous, a
+small actor of its own, about 1 s of CPU to start) is kept the same way, whatever the next job's shape: the
+next attempt takes it and starts it over with its own roster (`take_book`, `park_book`).
+
+Never kept: the hosts and book of a failed or interrupted attempt (their state is suspect), a host whose
+process set up state that cannot be undone in place (Megatron's parallel state, a vLLM engine's distributed
+environment), or a host that does not answer its reset within `RESET_TIMEOUT_S`. `drop()` kills the parked
+hosts and book and returns the group to the cluster (an embedding program calls it when it is done with
+YATT)."""
 
 from __future__ import annotations
 
@@ -49,6 +54,8 @@ class _Cache:
     warm: _Warm | None = None
     parked: int = 0
     reused: int = 0
+    book: tuple[str, Any] | None = None  # (session, handle) of the parked attempt book
+    books_reused: int = 0
 
 
 @functools.cache
@@ -91,7 +98,7 @@ def realize(plan: Any, *, cpus_per_device: float) -> Any:
     if warm is not None and warm.owned and warm.bundles == (plan.num_devices, float(cpus_per_device)):
         warm.owned = False  # the new job holds it until its own release
         return RealizedPlan(plan, warm.group, cpus_per_device)
-    drop()
+    _drop_hosts()
     return reserve(plan, cpus_per_device=cpus_per_device)
 
 
@@ -134,7 +141,7 @@ def park(realized: Any, hosts: list[tuple[int, float, str, Any]]) -> bool:
         return False
     warm = _current()
     if warm is not None and warm.group.id != realized.placement_group.id:
-        drop()
+        _drop_hosts()
         warm = None
     if warm is None:
         bundles = (realized.plan.num_devices, float(realized.cpus_per_device))
@@ -148,9 +155,44 @@ def park(realized: Any, hosts: list[tuple[int, float, str, Any]]) -> bool:
     return True
 
 
+def take_book(roster: Any, world_size: int) -> Any | None:
+    """The parked attempt book, started over with `roster` and `world_size` (None when none is parked in this
+    session, or it does not answer)."""
+    kept = cache()
+    parked, kept.book = kept.book, None
+    if parked is None or not ray.is_initialized() or parked[0] != _session():
+        return None
+    try:
+        ray.get(parked[1].reset.remote(roster, world_size), timeout=RESET_TIMEOUT_S)
+    except Exception:
+        with contextlib.suppress(Exception):
+            ray.kill(parked[1], no_restart=True)
+        return None
+    kept.books_reused += 1
+    return parked[1]
+
+
+def park_book(handle: Any) -> None:
+    """Keep a finished attempt's book for the next attempt (one at most: an older one is killed)."""
+    kept = cache()
+    if kept.book is not None and kept.book[1] != handle:
+        with contextlib.suppress(Exception):
+            ray.kill(kept.book[1], no_restart=True)
+    kept.book = (_session(), handle)
+
+
 def drop() -> None:
-    """Kill the parked hosts, and return their placement group to the cluster when it was handed over by
-    `release` (a group its owner still holds stays)."""
+    """Kill the parked hosts and book, and return the hosts' placement group to the cluster when it was handed
+    over by `release` (a group its owner still holds stays)."""
+    kept = cache()
+    parked, kept.book = kept.book, None
+    if parked is not None and ray.is_initialized() and parked[0] == _session():
+        with contextlib.suppress(Exception):
+            ray.kill(parked[1], no_restart=True)
+    _drop_hosts()
+
+
+def _drop_hosts() -> None:
     warm = _current()
     cache().warm = None
     if warm is None:

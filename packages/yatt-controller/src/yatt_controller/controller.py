@@ -320,5 +320,5 @@ class Controller:
         return self.core.heartbeat(logged_through)
 
 
-# ray's stubs lack the actor option concurrency_groups (what gives `heartbeat` its own thread)
+# the concurrency group gives `heartbeat` its own thread
 ControllerActor = ray.remote(concurrency_groups={"health": 1})(Controller)

@@ -121,7 +121,7 @@ def join_group(
     if backend == "gloo":
         groups[group] = dist.ProcessGroupGloo(prefixed, rank, world, DEFAULT_TIMEOUT)
     else:
-        # torch's stub makes `options` required; the binding defaults it (ProcessGroupNCCL::Options::create())
+        # `options` left out: the binding defaults it (ProcessGroupNCCL::Options::create())
         groups[group] = dist.ProcessGroupNCCL(prefixed, rank, world)
 
 

@@ -43,7 +43,7 @@ def _freeze_heap() -> None:
     gc.freeze()
 
 
-# ray's stubs lack the actor option concurrency_groups (documented, and what gives `ping` its own thread)
+# the concurrency group gives `ping` its own thread
 @ray.remote(concurrency_groups={"health": 1})
 class _Host:
     """The process of one device. Each hosted role belongs to a lock group (`WorkerGroup.create(lock=...)`):

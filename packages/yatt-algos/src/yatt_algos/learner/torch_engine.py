@@ -35,7 +35,7 @@ def apply_lora(model: torch.nn.Module, cfg: LearnerConfig) -> torch.nn.Module:
 
     lora = LoraConfig(
         r=cfg.lora_rank,
-        lora_alpha=cfg.lora_alpha,
+        lora_alpha=cfg.lora_alpha,  # peft annotates int; a float works too (it scales by alpha / r)
         lora_dropout=cfg.lora_dropout,
         target_modules=list(cfg.lora_target_modules),
     )

@@ -350,9 +350,12 @@ def move_step(ctx, batch: list[int]) -> dict[str, float]:
 SHARED_RAY = "YATT_TESTS_SHARED_RAY"
 
 
-def start_ray(*by_value, num_gpus: int = 16) -> None:
+DEVICES = 16  # logical GPUs of the session: room for every module's plans
+
+
+def start_ray(*by_value) -> None:
     """A local Ray for one test module (logical GPUs as devices), shared with the other modules of the test
-    process: a shared session already up with room for `num_gpus` devices is used as it is (a Ray start is
+    process: a shared session already up with room for `DEVICES` devices is used as it is (a Ray start is
     seconds of two busy cores), any other one is shut down and a new one started and shared. `by_value`: the
     test modules whose functions and classes Ray workers get by value (they cannot import test modules)."""
     import ray
@@ -362,14 +365,14 @@ def start_ray(*by_value, num_gpus: int = 16) -> None:
         ray.cloudpickle.register_pickle_by_value(module)
     if ray.is_initialized():
         shared = ray.get_runtime_context().gcs_address == os.environ.get(SHARED_RAY)
-        if shared and ray.cluster_resources().get("GPU", 0) >= num_gpus:
+        if shared and ray.cluster_resources().get("GPU", 0) >= DEVICES:
             end_module()  # hosts an earlier module's jobs parked hold bundles of their own
             return
         ray.shutdown()  # a session an earlier module left (e.g. one auto-started by a bare ray.put)
     ray.init(
         address="local",
         num_cpus=8,
-        num_gpus=max(num_gpus, 16),
+        num_gpus=DEVICES,
         include_dashboard=False,
         object_store_memory=512 * 2**20,
     )

@@ -21,7 +21,7 @@ pytest.importorskip("torch")
 
 @pytest.fixture(scope="module")
 def session():
-    doubles.start_ray(sys.modules[__name__], num_gpus=16)
+    doubles.start_ray(sys.modules[__name__])
     yield
     doubles.end_module()
 

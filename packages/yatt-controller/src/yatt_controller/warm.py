@@ -158,17 +158,25 @@ def park(realized: Any, hosts: list[tuple[int, float, str, Any]]) -> bool:
 def take_book(roster: Any, world_size: int) -> Any | None:
     """The parked attempt book, started over with `roster` and `world_size` (None when none is parked in this
     session, or it does not answer)."""
+    book = _take_parked_book()
+    if book is None:
+        return None
+    try:
+        ray.get(book.reset.remote(roster, world_size), timeout=RESET_TIMEOUT_S)
+    except Exception:
+        with contextlib.suppress(Exception):
+            ray.kill(book, no_restart=True)
+        return None
+    cache().books_reused += 1
+    return book
+
+
+def _take_parked_book() -> Any | None:
+    """The parked book, out of the cache: its handle when it belongs to this Ray session (None otherwise)."""
     kept = cache()
     parked, kept.book = kept.book, None
     if parked is None or not ray.is_initialized() or parked[0] != _session():
         return None
-    try:
-        ray.get(parked[1].reset.remote(roster, world_size), timeout=RESET_TIMEOUT_S)
-    except Exception:
-        with contextlib.suppress(Exception):
-            ray.kill(parked[1], no_restart=True)
-        return None
-    kept.books_reused += 1
     return parked[1]
 
 
@@ -184,11 +192,10 @@ def park_book(handle: Any) -> None:
 def drop() -> None:
     """Kill the parked hosts and book, and return the hosts' placement group to the cluster when it was handed
     over by `release` (a group its owner still holds stays)."""
-    kept = cache()
-    parked, kept.book = kept.book, None
-    if parked is not None and ray.is_initialized() and parked[0] == _session():
+    book = _take_parked_book()
+    if book is not None:
         with contextlib.suppress(Exception):
-            ray.kill(parked[1], no_restart=True)
+            ray.kill(book, no_restart=True)
     _drop_hosts()
 
 

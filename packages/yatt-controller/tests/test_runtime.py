@@ -253,6 +253,62 @@ def test_a_finished_run_keeps_its_hosts_for_the_next_run_on_the_same_bundles(clu
     assert parked_pids() == []
 
 
+def _colocated(num_devices: int) -> PlacementPlan:
+    replicas = [[d] for d in range(num_devices)]
+    return PlacementPlan(
+        mode="colocated",
+        num_devices=num_devices,
+        roles=[
+            RolePlacement(role="actor", replicas=replicas, colocated_with=["rollout"]),
+            RolePlacement(role="rollout", replicas=replicas, colocated_with=["actor"]),
+        ],
+    )
+
+
+def test_a_warm_group_serves_smaller_plans_and_a_bigger_plan_replaces_it(cluster):
+    """The warm placement group takes any plan it fits (no more devices, same CPUs per device): a 1-device job
+    after a 2-device one runs in the same group on the parked host of bundle 0 (same pid, same reports as that
+    job in a fresh group), and bundle 1's parked host waits for the next job; a 3-device plan drops them all
+    and reserves a group of its own."""
+    from yatt_controller import warm
+
+    def parked() -> dict[int, int]:
+        kept = warm.cache().warm
+        hosts = {} if kept is None else {device: handle for device, (_, _, handle) in kept.hosts.items()}
+        pids = ray.get([h.create.remote("probe", doubles.CountingLearner, (), {}) for h in hosts.values()])
+        ray.get([h.destroy.remote("probe") for h in hosts.values()])
+        return dict(zip(hosts, pids, strict=True))
+
+    warm.drop()
+    job = dataclasses.replace(_job(num_steps=2), step_fn=doubles.pid_step)
+    one, single = _colocated(1), ControllerSpec(num_controllers=1, heartbeat_interval_s=0.5)
+    fresh_group = realize_mod.realize(one, cpus_per_device=1.0)
+    try:
+        fresh = run(single, job, fresh_group, keep_hosts=False)
+    finally:
+        realize_mod.release(fresh_group)
+
+    two = warm.realize(_colocated(2), cpus_per_device=1.0)
+    run(ControllerSpec(num_controllers=2, heartbeat_interval_s=0.5), job, two, keep_hosts=True)
+    warm.release(two)
+    pids = parked()
+    assert sorted(pids) == [0, 1] and len(set(pids.values())) == 2
+
+    reused = warm.cache().reused
+    small = warm.realize(one, cpus_per_device=1.0)
+    assert small.placement_group.id == two.placement_group.id and small.plan.num_devices == 1
+    again = run(single, job, small, keep_hosts=True)
+    warm.release(small)
+    assert warm.cache().reused == reused + 1 and parked() == pids  # bundle 0's host ran it, bundle 1's waited
+    for step in (0, 1):
+        assert [r.metrics for r in again.reports[step]] == [r.metrics for r in fresh.reports[step]]
+
+    bigger = warm.realize(_colocated(3), cpus_per_device=1.0)
+    assert bigger.placement_group.id != two.placement_group.id
+    assert parked() == {} and ray.util.placement_group_table(two.placement_group)["state"] == "REMOVED"
+    realize_mod.release(bigger)
+
+
 @pytest.mark.slow
 def test_resume_takes_the_newest_complete_checkpoint(cluster, tmp_path):
     spec = ControllerSpec(num_controllers=2, heartbeat_interval_s=0.5, checkpoint_every=1, keep_checkpoints=3)

@@ -4,10 +4,12 @@ sweep, a notebook, a test suite). Opt in with `YATT_KEEP_HOSTS=1`.
 A host's start is mostly imports (torch, transformers, Ray's worker: about 6-7 s of CPU on the project's 2-core
 CI machine) before it builds its first model. With hosts kept, a job that finished parks its hosts, emptied
 (`_Host.reset`: every hosted object closed and dropped, the process's torch.distributed group destroyed, its
-environment as at its start), together with its placement group; the next job whose plan has the same bundles
-(number of devices, CPUs per device) takes that group, and each of its devices takes the parked host of that
-bundle when the host's device share and label match. Anything else goes: one warm set at most, so parked hosts
-never hold devices a differently shaped job needs.
+environment as at its start), together with its placement group; the next job whose plan fits in that group
+(no more devices than it has bundles, the same CPUs per device) takes it, device i on bundle i, and each of its
+devices takes the parked host of that bundle when the host's device share and label match; the hosts of the
+bundles it does not use stay parked for a later job. A plan with more devices drops the warm set first: one
+warm set at most, so parked hosts never hold devices a bigger job needs. (A sweep or a test suite runs jobs of
+one to a few devices in turn: the largest group made so far serves them all.)
 
 The attempt's book (`yatt_controller.roster.AttemptBook`: the roster book and the controllers' rendezvous, a
 small actor of its own, about 1 s of CPU to start) is kept the same way, whatever the next job's shape: the
@@ -89,13 +91,16 @@ def _removed(group: Any) -> bool:
 
 
 def realize(plan: Any, *, cpus_per_device: float) -> Any:
-    """`yatt_placement.realize.realize`, or the warm placement group when it has the same bundles. A warm
-    set of another shape is dropped first (its hosts hold devices the new plan may need)."""
+    """`yatt_placement.realize.realize`, or the warm placement group when the plan fits in it (no more devices
+    than its bundles, the same CPUs per device; device i is bundle i, the bundles past the plan's devices keep
+    their parked hosts). A warm set the plan does not fit is dropped first (its hosts hold devices the new
+    plan may need)."""
     from yatt_placement.realize import RealizedPlan
     from yatt_placement.realize import realize as reserve
 
     warm = _current()
-    if warm is not None and warm.owned and warm.bundles == (plan.num_devices, float(cpus_per_device)):
+    devices, cpus = warm.bundles if warm is not None else (0, 0.0)
+    if warm is not None and warm.owned and plan.num_devices <= devices and cpus == float(cpus_per_device):
         warm.owned = False  # the new job holds it until its own release
         return RealizedPlan(plan, warm.group, cpus_per_device)
     _drop_hosts()

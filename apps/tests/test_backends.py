@@ -617,9 +617,12 @@ def test_megatron_logprobs_match_hf_at_tensor_parallel(tmp_path, tp):
     assert all(r["diff"] < 1e-4 for r in _spawn(tmp_path, MEGATRON_TP, tp))
 
 
-def test_workers_close_stops_their_engine_thread_and_rule_pool(policy_dir):
+def test_workers_close_stops_their_engine_thread_and_keeps_the_process_rule_pool(policy_dir):
     """What a host calls before it drops a worker whose role moved away: the engine's thread (which keeps the
-    engine and its memory alive) ends, and the reward's rule-worker processes exit."""
+    engine and its memory alive) ends. The reward's rule terms run on the process's rule pool (started with
+    the worker, not at the first request), which outlives the worker: the next reward worker here, or the
+    next job of a host kept warm, grades on the same supervisor instead of starting an interpreter."""
+    from yatt_apps.runtime.step_metrics import rule_pool
     from yatt_apps.runtime.workers import RewardWorker, RolloutWorker
     from yatt_multimodal.types import RewardRequest
 
@@ -627,11 +630,17 @@ def test_workers_close_stops_their_engine_thread_and_rule_pool(policy_dir):
     rules = msgspec.structs.replace(cfg, rewards=[r for r in cfg.rewards if r.kind != "genrm"])
     rollout = RolloutWorker(cfg, str(policy_dir))
     reward = RewardWorker(rules, "")  # the rule terms only
-    assert reward.reward.owns[0].worker_pids()  # its rule workers start with it, not at the first request
-    assert reward.score([RewardRequest(request_id="0", prompt="", response="4", reference="4")])["scores"]
-    thread, (pool,) = rollout.engine._worker, reward.reward.owns
+    pool = rule_pool()
     supervisor = pool._proc
-    assert thread.is_alive() and supervisor is not None and supervisor.poll() is None
+    assert reward.reward.owns == [] and pool.worker_pids()[0] == supervisor.pid  # started with the worker
+    request = RewardRequest(request_id="0", prompt="", response="4", reference="4")
+    scores = reward.score([request])["scores"]
+    assert scores[0] > 0.0  # the right answer: the exact-answer term and the others
+    thread = rollout.engine._worker
+    assert thread.is_alive() and supervisor.poll() is None
     rollout.close(), reward.close()
-    assert not thread.is_alive() and supervisor.wait(timeout=10) is not None
+    assert not thread.is_alive() and supervisor.poll() is None
+    after = RewardWorker(rules, "")
+    assert after.score([request])["scores"] == scores and rule_pool() is pool and pool._proc is supervisor
+    after.close()
     assert (rollout.engine, reward.engine, reward.reward) == (None, None, None)

@@ -87,15 +87,20 @@ def test_validation_verifies_answers_in_killable_workers(monkeypatch):
     sums = step_metrics.evaluate(ctx, lambda: rows, tiny_cpu(), tok)
     assert sums == {"val/correct": 1.0, "val/total": 3.0, "val/timeout": 1.0}
 
-    # a run's ValidationSet: the same grading processes serve every evaluation (no new interpreter each
-    # time), its killed worker replaced; a copy sent to another process carries the row function alone
+    # the process's grading processes serve every evaluation (no new interpreter each time), its killed
+    # worker replaced; a run's ValidationSet builds its rows once, and a copy sent to another process carries
+    # the row function alone
+    pool = step_metrics.rule_pool()
+    supervisor, restarts = pool._proc, pool.restarts
     val = step_metrics.ValidationSet(functools.partial(list, rows))
     assert [step_metrics.evaluate(ctx, val, tiny_cpu(), tok) for _ in range(2)] == [sums, sums]
-    pool = val.grader()
-    assert pool._proc.poll() is None and pool.restarts == 2  # one supervisor, one kill per evaluation
+    assert step_metrics.rule_pool() is pool and pool._proc is supervisor and supervisor.poll() is None
+    assert pool.restarts == restarts + 2  # one kill per evaluation
     copy = pickle.loads(pickle.dumps(val))
-    assert copy._pool is None and copy._cached is None and copy() == rows
+    assert copy._cached is None and copy() == rows
+    # a closed pool (an embedding program's cleanup) is replaced at the next use
     pool.close()
+    assert step_metrics.rule_pool() is not pool and not step_metrics.rule_pool().closed
 
 
 # ---- quiet output ---------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ Ray's and are never touched.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import select
@@ -76,6 +77,10 @@ def start(num_cpus: int, num_gpus: int) -> LocalRay:
                 f"yatt: Ray's start timed out (attempt {attempt} of {START_ATTEMPTS}); retrying",
                 file=sys.stderr,
             )
+    # log_to_driver=False: nothing reads the worker output Ray's log monitor would forward, and it polls every
+    # worker's log files ten times a second for the whole run (about 3 core-seconds per test session here)
+    with contextlib.suppress(Exception):
+        ray._private.worker._global_node.kill_log_monitor()
     ray_roots = sorted(set(descendants([os.getpid()], depth=1)) - before)  # GCS, raylet, monitors
     return LocalRay(Reaper.spawn(ray_roots), restore=(before_env, before_flag, before_uv))
 

@@ -6,8 +6,8 @@ run's last step.
 
 from __future__ import annotations
 
-import contextlib
-import weakref
+import os
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -22,35 +22,41 @@ VAL_TIMEOUT_S = 10.0  # per validation answer: math_verify of a short answer tak
 
 
 class ValidationSet:
-    """A run's validation rows, called like the plain `() -> rows` function it wraps, and the killable
-    processes that grade the policy's answers on them (`grader()`). Both live in the controller's process
-    for the whole run: the rows are built once, and the grading pool (a fresh interpreter importing
-    math_verify and sympy: about 3.5 s on an idle 2-core machine) starts at the first evaluation instead of
-    at every one. What is pickled to a controller is the row function alone."""
+    """A run's validation rows, called like the plain `() -> rows` function it wraps: built once in the
+    controller's process for the whole run. What is pickled to a controller is the row function alone."""
 
     def __init__(self, rows: Callable[[], list]) -> None:
         self.rows = rows
         self._cached: list | None = None
-        self._pool: Any = None
 
     def __call__(self) -> list:
         if self._cached is None:
             self._cached = self.rows()
         return self._cached
 
-    def grader(self) -> Any:
-        """The started `RuleWorkerPool` (2 workers), closed when this object is collected or the process
-        exits (its supervisor also ends with the process, kill -9 included)."""
-        if self._pool is None:
-            from yatt_multimodal.rule_workers import RuleWorkerPool
-
-            self._pool = RuleWorkerPool(num_workers=2)
-            self._pool.start()  # returns at once: the supervisor imports while the policy generates
-            weakref.finalize(self, self._pool.close)
-        return self._pool
-
     def __getstate__(self) -> dict[str, Any]:
-        return {"rows": self.rows, "_cached": None, "_pool": None}
+        return {"rows": self.rows, "_cached": None}
+
+
+_RULE_POOL: dict[int, Any] = {}  # process id -> this process's pool (a forked child makes its own)
+_RULE_POOL_LOCK = threading.Lock()
+
+
+def rule_pool() -> Any:
+    """This process's killable rule workers (a started `RuleWorkerPool` of 4), shared by everything that grades
+    answers here: a controller's validation and the rule terms of the reward worker beside it. They live as
+    long as the process, so a run's evaluations, and the runs of a host kept warm between jobs
+    (`YATT_KEEP_HOSTS`), reuse them: each start is a fresh interpreter importing math_verify and sympy, about
+    1 s of CPU. Their supervisor ends with the process (kill -9 included); one that was closed is replaced."""
+    from yatt_multimodal.rule_workers import RuleWorkerPool
+
+    with _RULE_POOL_LOCK:
+        pool = _RULE_POOL.get(os.getpid())
+        if pool is None or pool.closed:
+            _RULE_POOL.clear()
+            pool = _RULE_POOL[os.getpid()] = RuleWorkerPool(num_workers=4)
+            pool.start()  # returns at once: the supervisor imports while the policy generates
+        return pool
 
 
 def judge_sums(cfg: RunConfig, scored: Scored, kept: list[int]) -> dict[str, float]:
@@ -111,10 +117,9 @@ def sample_sums(
 def evaluate(ctx: StepContext, val_rows: Any, cfg: RunConfig, tok: Any) -> dict[str, float]:
     """Greedy accuracy (math_verify against the answer) on this controller's share of the validation rows.
     The policy's answers are untrusted text: they are verified in killable worker processes with a deadline
-    each (`RuleWorkerPool`), as the reward service does, so an answer that sends math_verify into an endless
+    each (`rule_pool()`, this process's), as the reward service does, so an answer that sends math_verify into an endless
     computation counts as wrong (`val/timeout`) instead of hanging the controller."""
     from yatt_multimodal.rewards import RuleReward
-    from yatt_multimodal.rule_workers import RuleWorkerPool
     from yatt_multimodal.rules import math_reward
     from yatt_multimodal.types import RewardRequest
     from yatt_rollout.types import SamplingParams
@@ -122,8 +127,6 @@ def evaluate(ctx: StepContext, val_rows: Any, cfg: RunConfig, tok: Any) -> dict[
     mine = val_rows()[ctx.rank :: ctx.world_size]
     if not mine:
         return {"val/correct": 0.0, "val/total": 0.0, "val/timeout": 0.0}
-    # the run's grading processes when the rows come with them, else a pool for this evaluation alone
-    shared = val_rows.grader() if isinstance(val_rows, ValidationSet) else None
     greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=cfg.sampling.max_new_tokens)
     ids = [render_prompt(tok, row, cfg.data.system_prompt) for row in mine]
     outs = sorted(generate(ctx, mine, ids, greedy, "eval", None), key=prompt_index)
@@ -136,8 +139,7 @@ def evaluate(ctx: StepContext, val_rows: Any, cfg: RunConfig, tok: Any) -> dict[
         )
         for i, (row, c) in enumerate(zip(mine, outs, strict=True))
     ]
-    with contextlib.nullcontext(shared) if shared is not None else RuleWorkerPool(num_workers=2) as pool:
-        batch = RuleReward("val", math_reward, timeout_s=VAL_TIMEOUT_S, pool=pool).score_sync(requests)
+    batch = RuleReward("val", math_reward, timeout_s=VAL_TIMEOUT_S, pool=rule_pool()).score_sync(requests)
     correct = sum(r.score for r in batch.rewards if r.status == "ok")
     timeouts = sum(r.status == "timeout" for r in batch.rewards)
     return {"val/correct": float(correct), "val/total": float(len(mine)), "val/timeout": float(timeouts)}

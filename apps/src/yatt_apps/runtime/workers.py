@@ -465,6 +465,9 @@ class RewardWorker:
         self, cfg: RunConfig, judge_dir: str = "", *, shared_device: bool = True, worker_info: Any = None
     ) -> None:
         from yatt_multimodal.reward_specs import build_combined
+        from yatt_multimodal.rules import RULES
+
+        from yatt_apps.runtime.step_metrics import rule_pool
 
         set_threads(cfg)
         self.engine = self.reward = None
@@ -481,10 +484,10 @@ class RewardWorker:
                 cfg, spec, spec.engine, judge_dir, seed=cfg.run.seed + 1, shared_device=shared_device
             )
             resources = {"engine": engine, "codec": HFChatCodec(tok), "seed": cfg.run.seed + 1}
+        if any(spec.kind in RULES for spec in cfg.rewards):  # started now: they warm up while the roles load
+            resources["rule_pool"] = rule_pool()  # the process's, shared with validation and later jobs
         self.engine = resources.get("engine")
         self.reward = build_combined(cfg.rewards, **resources)
-        for pool in self.reward.owns:  # its rule workers import and warm up while the other roles load
-            pool.start()
 
     def sleep(self, level: int = 1) -> None:
         if self.engine is not None:
@@ -495,7 +498,8 @@ class RewardWorker:
             self.engine.wake_up()
 
     def close(self) -> None:
-        """The rule pool and the judge's engine stop (its host destroys this worker when the role moves)."""
+        """The judge's engine stops (its host destroys this worker when the role moves); the process's rule
+        pool stays for the next worker or job here."""
         if self.reward is not None:
             self.reward.close()
         if self.engine is not None:

@@ -162,6 +162,11 @@ class RuleWorkerPool:
         with open(children) as f:
             return [proc.pid, *(int(p) for p in f.read().split())]
 
+    @property
+    def closed(self) -> bool:
+        """Whether `close()` was called (a closed pool takes no more work)."""
+        return self._closed
+
     def close(self) -> None:
         """Stop the supervisor (which kills its workers) and fail what is still pending."""
         with self._lock:

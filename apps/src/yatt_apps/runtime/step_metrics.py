@@ -6,6 +6,7 @@ run's last step.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections.abc import Callable
@@ -38,8 +39,11 @@ class ValidationSet:
         return {"rows": self.rows, "_cached": None}
 
 
-_RULE_POOL: dict[int, Any] = {}  # process id -> this process's pool (a forked child makes its own)
-_RULE_POOL_LOCK = threading.Lock()
+@functools.cache
+def _rule_pools() -> tuple[dict[int, Any], threading.Lock]:
+    """The process's one holder of its rule pool (process id -> pool: a forked child makes its own) and the
+    lock that guards it (a per-process cache, like a cached function's)."""
+    return {}, threading.Lock()
 
 
 def rule_pool() -> Any:
@@ -50,11 +54,12 @@ def rule_pool() -> Any:
     1 s of CPU. Their supervisor ends with the process (kill -9 included); one that was closed is replaced."""
     from yatt_multimodal.rule_workers import RuleWorkerPool
 
-    with _RULE_POOL_LOCK:
-        pool = _RULE_POOL.get(os.getpid())
+    pools, lock = _rule_pools()
+    with lock:
+        pool = pools.get(os.getpid())
         if pool is None or pool.closed:
-            _RULE_POOL.clear()
-            pool = _RULE_POOL[os.getpid()] = RuleWorkerPool(num_workers=4)
+            pools.clear()
+            pool = pools[os.getpid()] = RuleWorkerPool(num_workers=4)
             pool.start()  # returns at once: the supervisor imports while the policy generates
         return pool
 

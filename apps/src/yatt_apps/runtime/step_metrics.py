@@ -121,9 +121,9 @@ def sample_sums(
 
 def evaluate(ctx: StepContext, val_rows: Any, cfg: RunConfig, tok: Any) -> dict[str, float]:
     """Greedy accuracy (math_verify against the answer) on this controller's share of the validation rows.
-    The policy's answers are untrusted text: they are verified in killable worker processes with a deadline
-    each (`rule_pool()`, this process's), as the reward service does, so an answer that sends math_verify into an endless
-    computation counts as wrong (`val/timeout`) instead of hanging the controller."""
+    The policy's answers are untrusted text: they are verified in this process's killable worker processes
+    (`rule_pool()`) with a deadline each, as the reward service does, so an answer that sends math_verify into
+    an endless computation counts as wrong (`val/timeout`) instead of hanging the controller."""
     from yatt_multimodal.rewards import RuleReward
     from yatt_multimodal.rules import math_reward
     from yatt_multimodal.types import RewardRequest

@@ -45,7 +45,9 @@ LoRA (`lora_rank` > 0): `load_adapter` swaps in pushed adapter factors through v
 (`vllm_lora`); every request admitted afterwards carries the current adapter.
 
 On CPU set `VLLM_CPU_KVCACHE_SPACE` (GiB) and `VLLM_ENABLE_V1_MULTIPROCESSING=0` before the first
-`import vllm`; `configure_cpu_env` sets both (if unset) and is called by the constructor.
+`import vllm`; `configure_cpu_env` sets both (if unset) and is called by the constructor. With
+`enforce_eager` (the default) on CPU the constructor also turns torch.compile off in its process and vLLM's
+worker processes (`eager_helpers`; TORCH_COMPILE_DISABLE=0 keeps it on).
 """
 
 from __future__ import annotations
@@ -71,6 +73,17 @@ def configure_cpu_env(kv_cache_gib: int = 1) -> None:
     """vllm-cpu settings that must be in the environment before vLLM starts; existing values win."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def eager_helpers() -> None:
+    """vLLM on CPU with `enforce_eager`: the model runs eagerly, but the sampler's `torch.compile`d helper
+    (each sampled token's rank among the logprobs) builds a C++ kernel in every engine process: 2 s of CPU
+    with a warm inductor cache, 9 s cold, for an op of microseconds. TORCH_COMPILE_DISABLE=1 (unless set
+    already) turns torch.compile off in this process and in the worker processes vLLM starts from it."""
+    if os.environ.setdefault("TORCH_COMPILE_DISABLE", "1") == "1":
+        import torch._dynamo
+
+        torch._dynamo.config.disable = True
 
 
 @dataclass
@@ -140,6 +153,8 @@ class VLLMEngine:
             # use offset" fails every request of that step (a GenRM judge's long prompts in a full batch).
             # Without chunked prefill a prompt is scheduled whole, or waits for the next step.
             llm_kwargs.setdefault("enable_chunked_prefill", False)
+            if enforce_eager:
+                eager_helpers()
         self.llm = LLM(
             model=str(model_dir),
             dtype=dtype,

@@ -369,13 +369,16 @@ def start_ray(*by_value) -> None:
             end_module()  # hosts an earlier module's jobs parked hold bundles of their own
             return
         ray.shutdown()  # a session an earlier module left (e.g. one auto-started by a bare ray.put)
-    ray.init(
-        address="local",
-        num_cpus=8,
-        num_gpus=DEVICES,
-        include_dashboard=False,
-        object_store_memory=512 * 2**20,
-    )
+    from yatt_controller.worker_group import host_env_inherited
+
+    with host_env_inherited():  # as a job's local Ray: hosts without a runtime_env of their own
+        ray.init(
+            address="local",
+            num_cpus=8,
+            num_gpus=DEVICES,
+            include_dashboard=False,
+            object_store_memory=512 * 2**20,
+        )
     os.environ[SHARED_RAY] = ray.get_runtime_context().gcs_address
 
 

@@ -4,6 +4,7 @@ checkpoint resume after a crash, and health (a killed worker, a hang). One Ray s
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import sys
 
@@ -97,6 +98,29 @@ def test_worker_group_dispatch_and_colocation(cluster):
             WorkerGroup.create(pool, "reference", doubles.CountingLearner)
     finally:
         pool.shutdown()
+
+
+def test_hosts_inherit_their_environment_from_a_local_ray_and_else_get_it_by_runtime_env(cluster):
+    """The module's Ray was started inside `host_env_inherited` (doubles.start_ray): its workers inherit
+    HOST_ENV and hosts are made without a runtime_env (no setup_worker step; the hosts' own environment is
+    checked in test_worker_group_dispatch_and_colocation). Without that record (a cluster started elsewhere) a
+    pool makes its hosts with HOST_ENV as runtime_env. The driver's own environment is as before."""
+    from ray.experimental import internal_kv
+    from yatt_controller import worker_group
+
+    before = os.environ.get("MALLOC_ARENA_MAX")
+    with worker_group.host_env_inherited():  # what a start sees: the variables its raylet inherits
+        assert os.environ.get("MALLOC_ARENA_MAX") == ("1" if before in (None, "1") else before)
+    assert os.environ.get("MALLOC_ARENA_MAX") == before  # the driver's own environment as before
+    assert worker_group._host_runtime_env() is None
+    recorded = internal_kv._internal_kv_get(worker_group._HOST_ENV_KEY)
+    internal_kv._internal_kv_del(worker_group._HOST_ENV_KEY)
+    try:
+        assert worker_group._host_runtime_env() == {"env_vars": worker_group.HOST_ENV}
+        assert HostPool(cluster)._runtime_env == {"env_vars": worker_group.HOST_ENV}
+    finally:
+        internal_kv._internal_kv_put(worker_group._HOST_ENV_KEY, recorded)
+    assert worker_group._host_runtime_env() is None
 
 
 def test_parallel_carries_no_samples_through_the_driver(cluster):

@@ -42,6 +42,7 @@ def start(num_cpus: int, num_gpus: int) -> LocalRay:
     """Start a local Ray on the loopback interface, with no dashboard, and its reaper."""
     import ray
     import ray._private.ray_constants as ray_constants
+    from yatt_controller.worker_group import host_env_inherited
 
     before_env, before_flag = os.environ.get(LOOPBACK_ENV), ray_constants.ENABLE_RAY_CLUSTER
     before_uv = ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV
@@ -55,15 +56,16 @@ def start(num_cpus: int, num_gpus: int) -> LocalRay:
     before = set(descendants([os.getpid()], depth=1))
     for attempt in range(1, START_ATTEMPTS + 1):
         try:
-            ray.init(
-                address="local",
-                num_cpus=num_cpus,
-                num_gpus=num_gpus,
-                include_dashboard=False,
-                object_store_memory=512 * 2**20,
-                log_to_driver=False,
-                logging_level=logging.WARNING,  # no "Started a local Ray instance" line in a normal run
-            )
+            with host_env_inherited():  # the hosts start without a runtime_env of their own
+                ray.init(
+                    address="local",
+                    num_cpus=num_cpus,
+                    num_gpus=num_gpus,
+                    include_dashboard=False,
+                    object_store_memory=512 * 2**20,
+                    log_to_driver=False,
+                    logging_level=logging.WARNING,  # no "Started a local Ray instance" line in a normal run
+                )
             break
         except Exception as exc:
             if STARTUP_TIMEOUT not in str(exc) or attempt == START_ATTEMPTS:

@@ -304,8 +304,11 @@ def _listening(pids: set[int]) -> list[str]:
     )
 
 
+STEPS = 16  # room for the two stops and the resumes: each stop leaves steps to run after it
+
+
 def test_kill_9_then_ctrl_c_then_resume_log_every_step_once(tmp_path, yatt_cli):
-    """One 24-step run, stopped twice and resumed twice (`yatt` in a fresh process with its own Ray for the two
+    """One 16-step run, stopped twice and resumed twice (`yatt` in a fresh process with its own Ray for the two
     that are stopped; the last resume in this process, on the test process's Ray session):
     1. kill -9 of the driver alone once step 2 is logged (what a crash or the OOM killer does): the job's Ray
        listened on the loopback interface only, and no process of the driver's tree is left (its reaper ends
@@ -314,12 +317,12 @@ def test_kill_9_then_ctrl_c_then_resume_log_every_step_once(tmp_path, yatt_cli):
        130, the resume hint with the last logged step and the checkpoint it continues from, no traceback, no
        Ray process left;
     3. its newest checkpoint broken, `yatt resume` to the end: it skips that checkpoint naming it, continues
-       from the one before, and steps 0..23 are logged once each (each resume redoes the steps after its
+       from the one before, and steps 0..15 are logged once each (each resume redoes the steps after its
        checkpoint)."""
     from yatt_controller import checkpoint
 
     run_dir, ray_tmp = tmp_path / "run", _ray_tmp()
-    sets = ["--set", "run.num_steps=24", "--set", "controller.checkpoint_every=2"]
+    sets = ["--set", f"run.num_steps={STEPS}", "--set", "controller.checkpoint_every=2"]
     proc = _start(["grpo", "--run-dir", str(run_dir), *SHORT, *sets], _env(ray_tmp))
     try:
         _wait_for_step(proc, run_dir, 2)  # the run is still going, Ray and its agents are up
@@ -345,17 +348,17 @@ def test_kill_9_then_ctrl_c_then_resume_log_every_step_once(tmp_path, yatt_cli):
     ray_tmp = _ray_tmp()
     proc = _start(["resume", str(run_dir)], _env(ray_tmp))
     _wait_for_step(proc, run_dir, killed[-1] + 2)
-    os.killpg(proc.pid, signal.SIGINT)  # controllers run ahead of the driver's log: 24 steps leave room
+    os.killpg(proc.pid, signal.SIGINT)  # controllers run ahead of the driver's log: 16 steps leave room
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 130, err[-3000:]
     logged = _steps(run_dir)
     assert (
-        logged == list(range(len(logged))) and len(killed) + 2 <= len(logged) < 24
+        logged == list(range(len(logged))) and len(killed) + 2 <= len(logged) < STEPS
     )  # stopped before the end
     found = checkpoint.latest(run_dir / "checkpoints")
     # controllers run ahead of the driver's log: the checkpoint may hold steps not logged yet (it carries
     # their reports, and the resumed run logs them first)
-    assert found is not None and found[1].step < 24
+    assert found is not None and found[1].step < STEPS
     assert err.endswith(
         f"interrupted at step {logged[-1]}; resume with: {yatt_command()} resume {run_dir}\n"
         f"(the run continues after the checkpoint of step {found[1].step})\n"
@@ -367,7 +370,7 @@ def test_kill_9_then_ctrl_c_then_resume_log_every_step_once(tmp_path, yatt_cli):
     # the newest checkpoint broken (one flipped byte): the last resume continues from the one before it,
     # saying which it skipped, and still logs each step once
     _corrupt(found[0])
-    assert yatt_cli("resume", str(run_dir))["step"] == 23
+    assert yatt_cli("resume", str(run_dir))["step"] == STEPS - 1
     why = "learner/extra-0.pt does not match its manifest entry (size or sha256)"
     assert f"skipped checkpoint {found[0]}: {why}\n" in yatt_cli.stderr, yatt_cli.stderr[-3000:]
-    assert _steps(run_dir) == list(range(24))
+    assert _steps(run_dir) == list(range(STEPS))

@@ -201,7 +201,12 @@ def main(argv: list[str] | None = None) -> dict:
     from yatt_placement.realize import realize, release
 
     del argv  # no options
-    ray.init(address="local", num_cpus=8, num_gpus=2, include_dashboard=False, object_store_memory=256 << 20)
+    # a program with a Ray session of its own (2 logical GPUs free) lends it; else a local Ray for this run
+    started = not ray.is_initialized()
+    if started:
+        ray.init(
+            address="local", num_cpus=8, num_gpus=2, include_dashboard=False, object_store_memory=256 << 20
+        )
     try:
         realized = realize(placement(), cpus_per_device=1.0)
         try:
@@ -212,7 +217,8 @@ def main(argv: list[str] | None = None) -> dict:
         finally:
             release(realized)
     finally:
-        ray.shutdown()
+        if started:
+            ray.shutdown()
     devices = {p.role: p.replicas for p in realized.plan.roles}
     result = {
         "placement": devices,

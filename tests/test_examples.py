@@ -87,11 +87,10 @@ def test_losses_in_your_loop():
 
 @pytest.mark.slow
 def test_controller_hosts_your_classes():
-    import ray
+    """Run on the test process's shared Ray session when one is up (the example uses a session its program
+    already has, as an embedding would, and starts its own otherwise)."""
     import ray.cloudpickle
 
-    if ray.is_initialized():  # a session an earlier test module left
-        ray.shutdown()
     module = _example("controller_hosts_your_classes")
     ray.cloudpickle.register_pickle_by_value(module)  # Ray workers cannot import examples/
     result = module.main([])

@@ -56,8 +56,10 @@ def pytest_collection_modifyitems(config, items):
 
 
 # The files that took a minute or more of a CI run (`--durations`), longest first. The suite's two workers take
-# whole files in collection order (`--dist loadfile`): a long file started last leaves the other worker idle
-# at the end, so these go first. A file missing here only runs in its usual place.
+# whole files in collection order (`--dist loadfile --no-loadscope-reorder`: without the second flag xdist
+# reorders the files by their number of tests, which put the long few-test files last and left one worker
+# about 100 s behind the other): a long file started last leaves the other worker idle at the end, so these
+# go first. A file missing here only runs in its usual place.
 HEAVIEST = (
     "apps/tests/test_backends.py",
     "apps/tests/test_run_lifecycle.py",

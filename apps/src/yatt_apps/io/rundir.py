@@ -283,39 +283,42 @@ def plot_summary(history: list[dict[str, float]], out: Path) -> Path | None:
     against step into one PNG (see `plot_panels`)."""
     if not history:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     steps = [row["step"] for row in history]
     panels = plot_panels(history)
-    # legends go below each panel (never over the data): room for up to ~6 legend rows under the axes
-    fig, axes = plt.subplots(1, len(panels) + 1, figsize=(4 * (len(panels) + 1), 4.6), squeeze=False)
-    axes = axes[0]
+    # a Figure of its own (no pyplot: no global figure state, nothing to close) on the Agg canvas, and a fixed
+    # layout: tight_layout measured every tick label once more before the real draw, about a third of the
+    # plot's time (a plot is drawn at the end of every run). Legends go below each panel (never over the
+    # data): the bottom margin leaves room for up to ~6 legend rows under the axes
+    fig = Figure(figsize=(4 * (len(panels) + 1), 4.6))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(panels) + 1, squeeze=False)[0]
+    fig.subplots_adjust(left=0.035, right=0.995, top=0.93, bottom=0.33, wspace=0.28)
     for ax, (title, series) in zip(axes, panels, strict=False):
         for key, points in series.items():
             ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", ms=3, label=key)
         if len(series) > 1:
             _legend_below(ax)
         ax.set_title(title, fontsize=9)
-        ax.set_xlabel("step")
     phases = phase_keys(history)
     bottom = [0.0] * len(steps)
     for phase in phases:
         values = [row.get(phase, 0.0) for row in history]
         axes[-1].bar(steps, values, bottom=bottom, label=phase.removeprefix(TIMING_PREFIX))
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
-    axes[-1].set_title("phase time (s)")
-    axes[-1].set_xlabel("step")
+    axes[-1].set_title("phase time (s)", fontsize=9)
     if phases:
         _legend_below(axes[-1])
-    fig.tight_layout()
+    for ax in axes:
+        ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=6, integer=True))  # steps are whole numbers
     partial = out.with_name(f".{out.name}.partial")  # a full disk leaves no half-written (0-byte) PNG
     try:
         fig.savefig(partial, dpi=90, format="png")
         partial.replace(out)
     finally:
-        plt.close(fig)
         partial.unlink(missing_ok=True)
     return out

@@ -237,7 +237,8 @@ class RunConfig(_Config, frozen=True, kw_only=True):
     rewards: list[RewardSpec] = []
     algo: AlgoConfig = AlgoConfig()
     optim: OptimConfig = OptimConfig()
-    learner: LearnerConfig = LearnerConfig()
+    # the jobs score response tokens only: the output projection and log-softmax skip the prompt's positions
+    learner: LearnerConfig = LearnerConfig(score_prompt_tokens=False)
     controller: ControllerSpec = ControllerSpec()
     placement: PlacementConfig = PlacementConfig()
     rollout: RolloutSpec = RolloutSpec()

@@ -216,10 +216,11 @@ class SFTWorker:
         """One optimizer step on this rank's batch: loss = mean NLL over all ranks' response tokens."""
         from yatt_algos.learner.torch_backend import causal_lm_forward
 
-        chunk = self.learner.engine.learner.logits_chunk_size
+        cfg = self.learner.engine.learner
+        chunk, score_prompt = cfg.logits_chunk_size, cfg.score_prompt_tokens
 
         def forward(model, mb, grad):  # temperature 1: the data's likelihood, not a sampling distribution
-            return causal_lm_forward(model, mb, chunk_size=chunk, temperature=1.0)
+            return causal_lm_forward(model, mb, chunk_size=chunk, temperature=1.0, score_prompt=score_prompt)
 
         self.weights.release()  # the weights change
         stats = self.learner.engine.update(batch, forward, _sft_objective, ("response_mask",))

@@ -348,6 +348,12 @@ class LearnerConfig(_Config, frozen=True, kw_only=True):
     lora_dropout: float = 0.0
     lora_target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
     logits_chunk_size: int = 1024  # positions per chunk in logprob and entropy
+    # torch backend: False runs the output projection and log-softmax only where the target is a response
+    # token (`response_mask`), as TRL's `logits_to_keep` does: the prompt's positions get 0, which no policy or
+    # value loss, KL or entropy reads (the jobs' default; about 2.8x less learner time at a 32k vocabulary with
+    # prompts twice the response). True scores every real token (this library's default: the logprobs of the
+    # whole sequence)
+    score_prompt_tokens: bool = True
     value_clip_range: float = 0.2  # the critic's clipped value loss
     temperature: float = 1.0  # logits are divided by the rollout's sampling temperature before log_softmax
     # which learner a job builds: the torch backend with DDP or FSDP2 over its ranks, or Megatron-Core (TP, PP:

@@ -134,3 +134,32 @@ def test_sum_pi_squared_equals_the_full_logits_one():
     )
     torch.testing.assert_close(lp, out["logprobs"], atol=1e-6, rtol=0)
     torch.testing.assert_close(spi, out["sum_pi_squared"], atol=1e-6, rtol=0)
+
+
+def test_response_only_scoring_equals_the_full_head_on_the_response_and_skips_the_prompt():
+    """`score_prompt=False` (the jobs' `learner.score_prompt_tokens=false`): the head runs only where the target
+    is a response token; there the log-probs, entropy and every gradient of a response-masked loss are those of
+    the full head (to float rounding: the chunks hold other rows), the prompt's positions are 0, and a micro-batch with no response token (a DP
+    rank's filler) still scores its real tokens so its loss has a graph."""
+    model = tiny_lm(seed=5)
+    mb = _batch(model.config.vocab_size)
+    response = mb["attention_mask"] & (torch.arange(11)[None] >= torch.tensor([[4], [6], [3]]))
+    mb = {**mb, "response_mask": response}
+    full = causal_lm_forward(model, mb, chunk_size=4, entropy="grad")
+    only = causal_lm_forward(model, mb, chunk_size=4, entropy="grad", score_prompt=False)
+    for key in ("logprobs", "entropy"):
+        torch.testing.assert_close(only[key] * response, full[key] * response, atol=1e-6, rtol=0, msg=key)
+        assert float(only[key].detach()[~response].abs().sum()) == 0.0, key  # the prompt's are 0
+        assert float(full[key].detach()[~response & mb["attention_mask"]].abs().sum()) > 0.1, key
+
+    def masked(out):
+        return {k: v * response for k, v in out.items()}
+
+    g_full, g_only = _loss_and_grads(model, masked(full)), _loss_and_grads(model, masked(only))
+    assert g_full.keys() == g_only.keys() and "lm_head.weight" in g_only
+    for name in g_full:
+        torch.testing.assert_close(g_only[name], g_full[name], atol=1e-6, rtol=1e-5, msg=name)
+    filler = {**mb, "response_mask": torch.zeros_like(response)}
+    out = causal_lm_forward(model, filler, chunk_size=4, score_prompt=False)
+    assert out["logprobs"].requires_grad
+    torch.testing.assert_close(out["logprobs"], full["logprobs"], atol=1e-6, rtol=0)

@@ -74,16 +74,18 @@ def causal_lm_forward(
     temperature: float = 1.0,
     entropy: str = "none",
     sum_pi_squared: bool = False,
+    score_prompt: bool = True,
 ) -> dict[str, torch.Tensor]:
     """`token_outputs` of an HF causal LM (or a Qwen2-VL style VLM, see `vision_kwargs`) on the micro-batch:
     logprobs [b, t] (and entropy [b, t]; and "sum_pi_squared" [b, t], sum_v pi(v)^2 of the distribution
     that predicted each token, when asked) aligned to mb["input_ids"].
 
     The model runs to its final hidden states; the output projection, final logit transform, temperature and
-    log-softmax then run `chunk_size` tokens at a time over the positions whose target is not padding,
+    log-softmax then run `chunk_size` tokens at a time over the positions whose target is not padding
+    (with `score_prompt=False`, whose target is a response token, `mb["response_mask"]`; 0 elsewhere),
     recomputed in backward (`lm_head.head_token_outputs`, `chunked_logprobs`), so the [b, t, V] logits never
     exist. A model type whose final transform is unknown takes the full logits (with a warning): the fallback
-    where no backbone/projection split is known."""
+    where no backbone/projection split is known (it scores every non-padding token)."""
     kwargs = {
         "input_ids": mb["input_ids"],
         "attention_mask": mb["attention_mask"].long(),
@@ -105,9 +107,16 @@ def causal_lm_forward(
     if hidden is None:
         raise RuntimeError(f"{type(head.inner).__name__}'s forward did not call its lm_head")
     b, t, width = hidden.shape
-    # hidden[:, i] predicts input_ids[:, i + 1]; only the positions whose target is a real token run the head
-    # (their outputs are the only ones `_shift_right` keeps: padding costs no [chunk, V] work)
-    rows = mask[:, 1:].reshape(-1).nonzero().squeeze(-1)  # [n] flat indices into [b * (t - 1)]
+    # hidden[:, i] predicts input_ids[:, i + 1]; only the positions whose target is a token the caller scores
+    # run the head: with `score_prompt=False` and a response mask in the micro-batch, the response's tokens
+    # (no policy or value loss, KL or entropy reads the prompt's: their outputs are 0, as TRL's
+    # `logits_to_keep` skips them), else every real token. Padding costs no [chunk, V] work either way
+    scored = mask
+    if not score_prompt and "response_mask" in mb:
+        response = mask & mb["response_mask"].bool()
+        if bool(response[:, 1:].any()):  # a filler micro-batch (no response token) keeps its graph
+            scored = response
+    rows = scored[:, 1:].reshape(-1).nonzero().squeeze(-1)  # [n] flat indices into [b * (t - 1)]
     labels = mb["input_ids"][:, 1:].reshape(-1)[rows].long()
     flat = head_token_outputs(
         hidden[:, :-1].reshape(b * (t - 1), width)[rows],
@@ -192,7 +201,12 @@ class TorchPolicyLearner:
         def forward(model: torch.nn.Module, mb: Batch, grad: bool) -> dict[str, torch.Tensor]:
             def plain() -> dict[str, torch.Tensor]:
                 return causal_lm_forward(
-                    model, mb, chunk_size=cfg.logits_chunk_size, temperature=cfg.temperature, entropy=entropy
+                    model,
+                    mb,
+                    chunk_size=cfg.logits_chunk_size,
+                    temperature=cfg.temperature,
+                    entropy=entropy,
+                    score_prompt=cfg.score_prompt_tokens,
                 )
 
             return plain() if routing is None else routed_forward(model, mb, routing, grad, plain)
@@ -253,6 +267,7 @@ class TorchPolicyLearner:
                     chunk_size=cfg.logits_chunk_size,
                     temperature=cfg.temperature,
                     sum_pi_squared=True,
+                    score_prompt=cfg.score_prompt_tokens,
                 )
 
             return plain() if routing is None else routed_forward(model, mb, routing, grad, plain)

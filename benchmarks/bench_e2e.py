@@ -13,7 +13,9 @@ What is compared. One GRPO step = generate G completions for each of P prompts, 
 - the same update: one optimizer step per batch (YATT `algo.num_updates_per_batch=1`, whole-batch mini- and
   micro-batches; TRL `num_iterations=1`, `steps_per_generation=1`), the whole batch in one forward/backward
   per rank. Both therefore skip the separate old-policy forward (the training forward's detached logprobs are
-  the old ones) and run the reference forward beside the update.
+  the old ones) and run the reference forward beside the update; both run the output projection and
+  log-softmax over the completion's tokens only (TRL's `logits_to_keep`, YATT's jobs' default
+  `learner.score_prompt_tokens=false`).
 
 YATT runs the real app: `yatt_apps.runtime.launch.run_job` with the `tiny_cpu` preset minus the judge, in each
 layout of `--layouts` (`2c2d`: two parallel controllers on two logical devices, a learner rank each over gloo

@@ -253,18 +253,23 @@ def step_function(cfg: DpoConfig, policy_dir: str, val_rows: ValRows, plan: Plac
     )
 
 
-def pair_forward(model: Any, mb: dict[str, Any], *, chunk_size: int) -> dict[str, Any]:
+def pair_forward(
+    model: Any, mb: dict[str, Any], *, chunk_size: int, score_prompt: bool = True
+) -> dict[str, Any]:
     """Per-token log-probs [b, t] of the chosen and the rejected sequences of a micro-batch of pairs, in one
-    forward of the 2b sequences (0 outside each sequence's response)."""
+    forward of the 2b sequences (0 outside each sequence's response; `score_prompt=False`: the output
+    projection runs at the responses' positions only)."""
     import torch
     from yatt_algos.learner.torch_backend import causal_lm_forward
 
     both = {
         "input_ids": torch.cat([mb["input_ids"], mb["rejected_input_ids"]]),
         "attention_mask": torch.cat([mb["chosen_attention_mask"], mb["rejected_attention_mask"]]),
+        "response_mask": torch.cat([mb["chosen_response_mask"], mb["rejected_response_mask"]]),
     }
     # temperature 1: the data's likelihood, not a sampling distribution
-    chosen, rejected = causal_lm_forward(model, both, chunk_size=chunk_size)["logprobs"].chunk(2)
+    out = causal_lm_forward(model, both, chunk_size=chunk_size, score_prompt=score_prompt)
+    chosen, rejected = out["logprobs"].chunk(2)
     return {
         "chosen_logprobs": chosen * mb["chosen_response_mask"],
         "rejected_logprobs": rejected * mb["rejected_response_mask"],
@@ -300,8 +305,9 @@ class DPOWorker(SFTWorker):
         )  # what a weight push reads (SFTWorker's)
 
     def _forward(self):
-        chunk = self.learner.engine.learner.logits_chunk_size
-        return lambda model, mb, grad: pair_forward(model, mb, chunk_size=chunk)
+        cfg = self.learner.engine.learner
+        chunk, score_prompt = cfg.logits_chunk_size, cfg.score_prompt_tokens
+        return lambda model, mb, grad: pair_forward(model, mb, chunk_size=chunk, score_prompt=score_prompt)
 
     def _reference_logps(self, batch: dict[str, Any]) -> dict[str, Any]:
         """The reference's per-token log-probs [B, T] of both sequences, one no-grad forward per micro-batch."""

@@ -81,7 +81,13 @@ def teacher_dir(cfg: RunConfig, policy_dir: str) -> str:
 
 
 def token_logprobs(
-    model: Any, batch: dict[str, Any], *, chunk_size: int, micro_batch_size: int, temperature: float = 1.0
+    model: Any,
+    batch: dict[str, Any],
+    *,
+    chunk_size: int,
+    micro_batch_size: int,
+    temperature: float = 1.0,
+    score_prompt: bool = True,
 ) -> Any:
     """Log-probs [B, T] of each token of `batch["input_ids"]` under `model` (its logits / `temperature`) given
     the tokens before it (0 at position 0), no grad, in micro-batches, on the model's device; returned on the
@@ -94,7 +100,9 @@ def token_logprobs(
     with torch.no_grad():
         for start in range(0, batch["input_ids"].shape[0], micro_batch_size):
             mb = {k: v[start : start + micro_batch_size].to(dev) for k, v in batch.items()}
-            out = causal_lm_forward(model, mb, chunk_size=chunk_size, temperature=temperature)
+            out = causal_lm_forward(
+                model, mb, chunk_size=chunk_size, temperature=temperature, score_prompt=score_prompt
+            )
             parts.append(out["logprobs"].float().cpu())
     return torch.cat(parts)
 
@@ -150,6 +158,7 @@ class TeacherWorker(RewardWorker):
         self.temperature = temperature  # the teacher's logits / temperature: < 1 sharpens the target
         self.topk = topk  # > 0: also the top-k ids and log-probs (and the tail's) at every response position
         self.chunk_size = cfg.learner.logits_chunk_size
+        self.score_prompt = cfg.learner.score_prompt_tokens  # only the response's tokens are taught
         self.micro_batch_size = cfg.optim.micro_batch_size or 32
         # the student's tokenizer renders prompts exactly as the controllers did (one vocabulary: checked)
         self.tok = load_tokenizer(policy_dir)
@@ -180,7 +189,13 @@ class TeacherWorker(RewardWorker):
         batch = pad_batch(prompts, [list(r.response_token_ids) for r in requests], self.tok.pad_token_id)
         sizes = {"chunk_size": self.chunk_size, "micro_batch_size": self.micro_batch_size}
         if not self.topk:
-            lp = token_logprobs(self.teacher.model, batch, temperature=self.temperature, **sizes)
+            lp = token_logprobs(
+                self.teacher.model,
+                batch,
+                temperature=self.temperature,
+                score_prompt=self.score_prompt,
+                **sizes,
+            )
             mask = batch["response_mask"]
             return {"teacher_logprobs": [lp[i][mask[i]].tolist() for i in range(len(requests))]}
         out = topk_logprobs(self.teacher.model, batch, self.topk, temperature=self.temperature, **sizes)

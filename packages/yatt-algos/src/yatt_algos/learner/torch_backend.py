@@ -195,7 +195,7 @@ class TorchPolicyLearner:
     def model(self) -> torch.nn.Module:
         return self.engine.model
 
-    def _forward(self, entropy: str, routing: BatchRouting | None = None):
+    def _forward(self, entropy: str, routing: BatchRouting | None = None, *, sum_pi_squared: bool = False):
         cfg = self.engine.learner
 
         def forward(model: torch.nn.Module, mb: Batch, grad: bool) -> dict[str, torch.Tensor]:
@@ -206,6 +206,7 @@ class TorchPolicyLearner:
                     chunk_size=cfg.logits_chunk_size,
                     temperature=cfg.temperature,
                     entropy=entropy,
+                    sum_pi_squared=sum_pi_squared,
                     score_prompt=cfg.score_prompt_tokens,
                 )
 
@@ -256,22 +257,8 @@ class TorchPolicyLearner:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(logprobs [B, T], sum_pi_squared [B, T]) without grad: the optimal token baselines' inputs
         (`advantages.optimal_token_baseline`'s old_logprobs and sum_pi_squared), from one forward."""
-        cfg = self.engine.learner
         batch, routing = self._routing(batch)
-
-        def forward(model: torch.nn.Module, mb: Batch, grad: bool) -> dict[str, torch.Tensor]:
-            def plain() -> dict[str, torch.Tensor]:
-                return causal_lm_forward(
-                    model,
-                    mb,
-                    chunk_size=cfg.logits_chunk_size,
-                    temperature=cfg.temperature,
-                    sum_pi_squared=True,
-                    score_prompt=cfg.score_prompt_tokens,
-                )
-
-            return plain() if routing is None else routed_forward(model, mb, routing, grad, plain)
-
+        forward = self._forward("none", routing, sum_pi_squared=True)
         out = self.engine.infer(batch, forward, self.micro_batch_size)
         return out["logprobs"], out["sum_pi_squared"]
 

@@ -76,3 +76,17 @@ def test_a_users_model_path_replaces_the_presets_warm_started_model(tmp_path):
     assert (both.model.warm_start, both.judge.warm_start) == ("none", "none")
     with pytest.raises(ValueError, match=r"warm-starts a tiny text model.*\$\.model"):
         build_config(RunConfig, tiny_cpu(), None, ["model.path=/m", "model.warm_start=policy"])
+
+
+def test_the_jobs_score_response_tokens_only_unless_set():
+    """Every job's config (RunConfig and the jobs' subclasses, presets included) scores response tokens only
+    (`learner.score_prompt_tokens=false`, the learner's head skips the prompt); `--set` turns it back on, and
+    the library's own default is unchanged."""
+    from yatt_algos.types import LearnerConfig
+    from yatt_apps.config import RunConfig, SftConfig, tiny_cpu
+
+    assert LearnerConfig().score_prompt_tokens is True
+    for cfg in (RunConfig(), SftConfig(), tiny_cpu()):
+        assert cfg.learner.score_prompt_tokens is False, type(cfg).__name__
+    on = build_config(RunConfig, tiny_cpu(), None, ["learner.score_prompt_tokens=true"])
+    assert on.learner.score_prompt_tokens is True and on.learner.backend == tiny_cpu().learner.backend

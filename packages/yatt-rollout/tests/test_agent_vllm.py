@@ -4,6 +4,7 @@ token-in/token-out contract holds on both engines; and episodes advance on their
 an episode's next turn into its running batch): one whose tool waits for another's second turn completes.
 Skipped where vllm is not importable."""
 
+import importlib.util
 import os
 import threading
 
@@ -11,7 +12,6 @@ import pytest
 
 torch = pytest.importorskip("torch")
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", "/tmp/yatt-inductor-cache")
-pytest.importorskip("vllm")
 
 from yatt_rollout.agent import AgentDriver  # noqa: E402
 from yatt_rollout.hf_engine import HFEngine  # noqa: E402
@@ -19,7 +19,10 @@ from yatt_rollout.tiny import save_tiny, tiny_causal_lm, train_tokenizer  # noqa
 from yatt_rollout.types import GenerateRequest, Message, Observation, Prompt, SamplingParams, StepResult  # noqa: E402
 from yatt_rollout.vllm_engine import VLLMEngine  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm"),
+]
 CONTEXT = 256
 
 

@@ -4,6 +4,7 @@ weight updates by buckets. One vLLM engine for the module (its first generate co
 is not importable."""
 
 import asyncio
+import importlib.util
 import os
 import threading
 import time
@@ -14,7 +15,6 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", "/tmp/yatt-inductor-cache")
-pytest.importorskip("vllm")
 
 from yatt_rollout.buckets import make_buckets  # noqa: E402
 from yatt_rollout.hf_engine import HFEngine  # noqa: E402
@@ -22,7 +22,10 @@ from yatt_rollout.tiny import save_tiny, tiny_causal_lm, train_tokenizer  # noqa
 from yatt_rollout.types import GenerateRequest, Generator, Prompt, SamplingParams  # noqa: E402
 from yatt_rollout.vllm_engine import VLLMEngine  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm"),
+]
 CONTEXT = 128
 PROMPTS = ["12 + 7 =", "3", "25 + 25 = 50, 1 + 1 =", "9 + 9"]
 

@@ -4,6 +4,7 @@ of the HF model with the merged weights, a second push replaces the first (one a
 engine's rank and the folder it reads follow vLLM's rules. One vLLM engine for the module."""
 
 import copy
+import importlib.util
 import json
 import os
 
@@ -13,7 +14,6 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", "/tmp/yatt-inductor-cache")
-pytest.importorskip("vllm")
 
 from yatt_rollout.adapters import nbytes  # noqa: E402
 from yatt_rollout.tiny import save_tiny, tiny_causal_lm, train_tokenizer  # noqa: E402
@@ -21,7 +21,10 @@ from yatt_rollout.types import GenerateRequest, Prompt, SamplingParams  # noqa: 
 from yatt_rollout.vllm_engine import VLLMEngine  # noqa: E402
 from yatt_rollout.vllm_lora import max_lora_rank, write_adapter  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm"),
+]
 CONTEXT = 128
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 

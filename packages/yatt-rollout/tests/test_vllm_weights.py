@@ -3,6 +3,7 @@ fresh engine built from A (to 1e-5) and differ after B; every byte of every vLLM
 replayed update (fused qkv / gate_up equal the concatenated HF tensors); the shared-memory transport lands
 the same bytes; a bad bucket fails in the caller. Skipped where vllm is not importable."""
 
+import importlib.util
 import os
 
 import pytest
@@ -10,14 +11,16 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", "/tmp/yatt-inductor-cache")
-pytest.importorskip("vllm")
 
 from yatt_rollout.buckets import make_buckets  # noqa: E402
 from yatt_rollout.tiny import save_tiny, tiny_causal_lm, train_tokenizer  # noqa: E402
 from yatt_rollout.types import GenerateRequest, Prompt, SamplingParams, WeightBucket  # noqa: E402
 from yatt_rollout.vllm_engine import VLLMEngine  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm"),
+]
 CONTEXT = 128
 PROMPTS = ["12 + 7 =", "3", "25 + 25 = 50, 1 + 1 =", "9 + 9"]
 

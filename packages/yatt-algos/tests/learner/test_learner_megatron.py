@@ -5,12 +5,17 @@ On CPU the Megatron model runs only inside `megatron_cpu_shim` (conftest: a test
 docstring); the `gpu`-marked test runs the same parity on CUDA with no shim and skips without a GPU.
 """
 
+import importlib.util
+
 import pytest
 import torch
 from yatt_algos.learner.megatron_convert import arch_from_hf, hf_to_megatron, megatron_to_hf
 from yatt_algos.types import AlgoConfig, OptimConfig
 
-pytest.importorskip("megatron.core", reason="needs the megatron extra")
+# found, not imported: collecting this file in every worker would import megatron (1.5-1.8 s)
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("megatron.core") is None, reason="needs the megatron extra"
+)
 pytest.importorskip("transformers", reason="the tiny test models are HF models")
 
 # eps 1e-6: see test_learner_torch.OPTIM

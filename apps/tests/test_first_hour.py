@@ -70,14 +70,14 @@ def test_maybe_evaluate_runs_on_the_schedule(monkeypatch):
 
 
 def test_validation_verifies_answers_in_killable_workers(monkeypatch):
-    """An answer that sends math_verify into an endless power tower counts as wrong and is named
+    """An answer that sends math_verify into an endless expansion counts as wrong and is named
     (`val/timeout`) after the deadline; the others are graded as usual. The generation is a test double
     (fixed completions); the verification is the real worker pool."""
     from yatt_apps.io.data import PromptRow
 
     rows = [PromptRow(prompt="1 + 2 =", answer="3"), PromptRow(prompt="2 + 2 =", answer="4")]
     rows.append(PromptRow(prompt="3 + 3 =", answer="6"))
-    answers = ["3", r"\boxed{9^{9^{9^{9^{9}}}}}", "7"]
+    answers = ["3", r"\boxed{(x+1)^{100000}}", "7"]
     outs = [SimpleNamespace(request_id=f"eval-p{i}", token_ids=[i]) for i in range(3)]
     monkeypatch.setattr(step_metrics, "render_prompt", lambda tok, row, system: [0])
     monkeypatch.setattr(step_metrics, "generate", lambda *args: outs)

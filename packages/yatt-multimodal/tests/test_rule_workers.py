@@ -17,7 +17,8 @@ from yatt_multimodal.types import RewardRequest, RewardSpec
 
 pytest.importorskip("math_verify")
 
-HANGS = "\\boxed{9^{9^{9^{9}}}}"  # sympy evaluates the power: minutes inside one C call holding the GIL
+# sympy expands the power: minutes in one call (a numeric power tower no longer gets that far: `oversized_answer`)
+HANGS = "\\boxed{(x+1)^{100000}}"
 
 
 def _req(response, rid, reference="5"):
@@ -111,6 +112,18 @@ def test_a_worker_that_dies_mid_chunk_fails_its_job_and_the_rest_run_again():
         assert [(o.status, o.value) for o in outcomes] == [("ok", 1.0), ("error", 0.0), ("ok", 0.0)]
         assert outcomes[1].error == "rule worker died (signal SIGKILL)"
         assert alone.restarts == 1
+
+
+def test_the_supervisors_warm_up_runs_every_answer_shape_through_to_a_verdict():
+    """The warm-up pays each parse path's first-call cost (5-30 ms: an expression, an equation, a fraction in
+    words) before the workers fork: each of its answers must be one math_verify parses and accepts, or the
+    path it stands for would stay cold until a step's first answer of that shape."""
+    from yatt_multimodal.math_answers import verify_math
+    from yatt_multimodal.rule_workers import _WARM_UP_ANSWERS
+
+    assert len(_WARM_UP_ANSWERS) == 5
+    assert [verify_math(response, reference) for response, reference in _WARM_UP_ANSWERS] == [True] * 5
+    assert [verify_math(response, "999") for response, _ in _WARM_UP_ANSWERS] == [False] * 5
 
 
 def test_math_verify_prints_no_timeout_disabled_notice(pool, capfd, caplog):

@@ -3,9 +3,10 @@ exact match, and the async runner's timeouts, errors, weights and failure policy
 
 import asyncio
 import threading
+import time
 
 import pytest
-from yatt_multimodal.math_answers import extract_boxed, verify_math
+from yatt_multimodal.math_answers import MAX_ANSWER_DIGITS, extract_boxed, oversized_answer, verify_math
 from yatt_multimodal.rewards import CombinedReward, RewardStepFailed, RuleReward, resolve_failures
 from yatt_multimodal.rule_workers import RuleWorkerPool
 from yatt_multimodal.rules import build_rule
@@ -66,6 +67,37 @@ def test_equivalent_forms_accepted(backend, response, reference):
 @pytest.mark.parametrize(("response", "reference"), WRONG + MALFORMED)
 def test_wrong_and_malformed_rejected(backend, response, reference):
     assert verify_math(response, reference, backend=backend) is False
+
+
+# Answers a policy under RL wrote in the tiny GRPO job (the first three: seed 0, steps 85-217 of bench_e2e's
+# async layout), each of which held math_verify until the rule's 10 s deadline; then a tower and factorials.
+RUNAWAY = [
+    "42^4441444444444",
+    "44447472^4444444",
+    "44444444^7474444",
+    "\\boxed{9^{9^{9^{9}}}}",
+    "99999999999!",
+    "1600!",
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_runaway_powers_and_factorials_are_wrong_without_being_evaluated(backend):
+    assert [oversized_answer(text) for text in RUNAWAY] == [True] * len(RUNAWAY)
+    started = time.perf_counter()
+    assert [verify_math(text, "12", backend=backend) for text in RUNAWAY] == [False] * len(RUNAWAY)
+    assert time.perf_counter() - started < 5.0  # not a timing test: unguarded, the first one never returns
+    # the bound is the number of digits (log10 a^b = b log10 a; log10 n! from lgamma), towers from the inside
+    assert MAX_ANSWER_DIGITS == 4300
+    assert not oversized_answer("10^{4299}") and oversized_answer("10^{4301}")  # 4300 and 4302 digits
+    assert not oversized_answer("1500!") and oversized_answer("1600!")  # 4115 and 4465 digits
+    assert oversized_answer("2^{2^{14}}") and not oversized_answer("2^{2^{13}}")  # 4933 and 2467 digits
+    assert not oversized_answer("9^{9}") and oversized_answer("9^{9^{9}}")
+    for harmless in ["0.5^{99999999}", "1^{99999999999999}", "2^{0.5}", "x^{99999}", "10!", "2^10 + 3**2"]:
+        assert not oversized_answer(harmless)
+    # only the answer counts: a large power in the reasoning before a boxed answer is not judged
+    assert verify_math("since 2^{99999999} is huge, \\boxed{5}", "5", backend=backend) is True
+    assert verify_math("\\boxed{3^{4}}", "81", backend=backend) is True
 
 
 def test_verify_math_bad_arguments():

@@ -7,11 +7,17 @@ math-verify's timeout uses `signal.alarm`, which fails outside the main thread a
 (a huge integer power) anyway. The time is bounded by running the rule in a killable worker process
 (`yatt_multimodal.rule_workers`, which `rules.build_rule` uses); math-verify's notice that its own timeout is
 off ("Timeout is disabled ...") is therefore expected and filtered from its loggers, nothing else is.
+
+Before either backend runs, an answer holding a literal power or factorial of more than `MAX_ANSWER_DIGITS`
+digits is judged wrong without being evaluated (`oversized_answer`): a policy under RL writes such answers
+(`42^4441444444444`, seen in the tiny GRPO job within 100 steps), and each would hold its step for the whole
+deadline. Other runaway answers (a symbolic power to expand, `(x+1)^{100000}`) still meet the deadline.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import re
 from functools import cache
 from typing import Literal
@@ -36,6 +42,45 @@ def extract_boxed(text: str) -> str | None:
     return None
 
 
+# CPython's limit on converting an int to text (sys.int_info.default_max_str_digits): no reference states an
+# answer longer than that, and a value this long is what evaluating a runaway power or factorial heads for
+MAX_ANSWER_DIGITS = 4300
+# a number starts where no digit precedes it, and its digits are never given back: a long run of digits is
+# scanned once, not once per position in it; `1e99`-style values are this module's own (a reduced level)
+_NUMBER = r"(?<![\d.])(\d++(?:\.\d++)?(?:e\d++)?)"
+_POWER = re.compile(_NUMBER + r"\s*(?:\^|\*\*)\s*(?:\{\s*" + _NUMBER + r"\s*\}|" + _NUMBER + ")")
+_FACTORIAL = re.compile(r"(?<!\d)(\d++)\s*!")
+_MAX_REDUCTIONS = 64  # powers reduced in one answer (a tower reduces one level each) before giving up
+
+
+def oversized_answer(text: str) -> bool:
+    """Whether `text` holds a literal factorial `n!` or power `a^b` (`^`, `**`, `^{b}`; a tower is reduced from
+    the inside out) whose value has more than MAX_ANSWER_DIGITS digits. Estimated from logarithms: nothing
+    that large is computed."""
+    for match in _FACTORIAL.finditer(text):
+        digits = match.group(1).lstrip("0")
+        if len(digits) > 6 or math.lgamma(int(digits or "0") + 1) / math.log(10) > MAX_ANSWER_DIGITS:
+            return True
+    for _ in range(_MAX_REDUCTIONS):
+        matches = list(_POWER.finditer(text))
+        if not matches:
+            return False
+        last = matches[-1]  # the innermost level of a tower, whose value is the next level's exponent
+        base_text, exponent_text = last.group(1), last.group(2) or last.group(3)
+        base, exponent = float(base_text), float(exponent_text)  # a digit string past 1e308 reads as inf
+        digits = exponent * math.log10(base) if base > 1 and exponent > 0 else 0.0
+        if digits > MAX_ANSWER_DIGITS:
+            return True
+        if base <= 1 or exponent == 0:
+            value = "1" if base == 1 or exponent == 0 else "0"
+        elif digits < 15 and not {".", "e"} & set(base_text + exponent_text):
+            value = str(int(base_text) ** int(exponent_text))
+        else:
+            value = f"1e{int(digits)}"  # its number of digits: all the next level reads
+        text = text[: last.start()] + value + text[last.end() :]
+    return False
+
+
 def math_verify_available() -> bool:
     try:
         import math_verify  # noqa: F401
@@ -46,9 +91,14 @@ def math_verify_available() -> bool:
 
 def verify_math(response: str, reference: str, *, backend: MathBackend = "auto") -> bool:
     """True when the final answer in `response` equals `reference` mathematically (`1/2`, `0.5` and
-    `\\frac{1}{2}` are one answer). A response with no extractable answer is wrong, never an error."""
+    `\\frac{1}{2}` are one answer). A response with no extractable answer is wrong, never an error; so is one
+    whose answer (the boxed one, else the whole response) holds a power or factorial of more than
+    MAX_ANSWER_DIGITS digits (`oversized_answer`), unevaluated."""
     if not reference.strip():
         raise ValueError("verify_math: reference is empty; a math reward needs the expected answer")
+    boxed = extract_boxed(response)
+    if oversized_answer(response if boxed is None else boxed):
+        return False
     if backend == "auto":
         backend = "math_verify" if math_verify_available() else "sympy"
     if backend == "math_verify":

@@ -1,7 +1,8 @@
 """Rule rewards with hard limits: worker processes that can be killed, a deadline per request.
 
-A rule that parses untrusted text can run unbounded: math_verify/sympy given `\\boxed{9^{9^{9^{9}}}}` computes
-a power inside one C call that holds the GIL for minutes, so neither a thread timeout nor `signal.alarm` can
+A rule that parses untrusted text can run unbounded: math_verify/sympy given `\\boxed{(x+1)^{100000}}` expands
+the power for minutes (a numeric tower like `9^{9^{9}}` computes inside one C call that holds the GIL; those
+`math_answers.oversized_answer` now refuses unevaluated), so neither a thread timeout nor `signal.alarm` can
 stop it. Here each request runs in a worker process; the one that overruns its deadline is SIGKILLed and
 replaced, and that request's outcome is "timeout". The rest of the batch runs on the other workers.
 
@@ -531,14 +532,27 @@ def _answer(job_id: int, status: str, value: float, error: str) -> bytes:
     return data
 
 
+# answers of each shape math_verify parses by a path of its own (boxed, an expression, an equation, a fraction
+# in text, a number with words): the first of each costs 5-30 ms (lazy imports, compiled patterns, sympy's
+# caches) in the process that runs it, so the supervisor runs them before it forks its workers
+_WARM_UP_ANSWERS = [
+    ("\\boxed{1}", "1"),
+    ("7 + 3", "10"),
+    ("x = -5", "-5"),
+    ("it is 1/2", "0.5"),
+    ("12 apples", "12"),
+]
+
+
 def _warm_up() -> None:
-    """Import the rules and run math_verify once, so every forked worker starts warm."""
+    """Import the rules and run math_verify on each shape of answer, so every forked worker starts warm."""
     from yatt_multimodal import rules  # noqa: F401
     from yatt_multimodal.math_answers import verify_math
 
     # math-verify or sympy missing: the rules that need them say so per request
     with contextlib.suppress(Exception):
-        verify_math("\\boxed{1}", "1")
+        for response, reference in _WARM_UP_ANSWERS:
+            verify_math(response, reference)
 
 
 def main(argv: list[str]) -> None:

@@ -339,8 +339,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, help="timed steps")
     parser.add_argument("--num-rows", type=int, default=256, help="rows of the arithmetic task")
     args = parser.parse_args(argv)
-    if args.quick:
-        defaults = dict(prompts=16, group_size=4, max_new_tokens=16, warmup=1, steps=3)
+    if args.quick:  # two warm-up steps, as the full mode: a side's first steps pay one-time costs (YATT: each
+        # engine's and rule worker's first batch, new padded lengths; TRL: its first generate and reward call)
+        defaults = dict(prompts=16, group_size=4, max_new_tokens=16, warmup=2, steps=3)
     else:
         defaults = dict(prompts=32, group_size=8, max_new_tokens=32, warmup=2, steps=8)
     for key, value in defaults.items():

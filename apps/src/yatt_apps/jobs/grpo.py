@@ -161,11 +161,18 @@ def rollout_logprobs(batch: dict, responses: list) -> Any:
     import torch
 
     out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
+    flat: list[float] = []  # row after row, as a boolean index walks the mask: one assignment for the batch
+    counts = batch["response_mask"].sum(1).tolist()
     for row, completion in enumerate(responses):
         logprobs = completion.logprobs
         if hasattr(completion, "response_mask"):  # a multi-turn trajectory: the model's tokens only
             logprobs = [v for v, m in zip(logprobs, completion.response_mask, strict=True) if m]
-        out[row, batch["response_mask"][row]] = torch.tensor(logprobs)
+        if len(logprobs) != counts[row]:
+            raise ValueError(
+                f"rollout_logprobs: row {row} has {len(logprobs)} logprobs for {counts[row]} tokens"
+            )
+        flat.extend(logprobs)
+    out[batch["response_mask"].bool()] = torch.tensor(flat, dtype=torch.float32)
     return out
 
 

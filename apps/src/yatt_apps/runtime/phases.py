@@ -406,12 +406,14 @@ def push_weights(ctx: StepContext, cfg: RunConfig, plan: PlacementPlan) -> None:
     """The steps' last phase: the engines wake (where they slept) and version v+1 reaches every rollout
     replica; all controllers wait. Streamed bucket by bucket unless generation may overlap the push
     (`algo.max_staleness > 0`: an engine must not run between two buckets of one version)."""
+    from yatt_apps.runtime.workers import learner_gathers_weights
+
     with ctx.phase("weight_sync"):
         wake_engines(ctx, cfg, plan)
         if pairwise_push(ctx, cfg, plan):
             push_pairs(ctx, ctx.policy_version + 1)
         else:
-            sync_weights(ctx, stream=not cfg.algo.max_staleness)
+            sync_weights(ctx, stream=not cfg.algo.max_staleness, gather=learner_gathers_weights(cfg))
 
 
 def pairwise_push(ctx: StepContext, cfg: RunConfig, plan: PlacementPlan) -> bool:
@@ -448,13 +450,15 @@ def push_pairs(ctx: StepContext, version: int) -> None:
         ctx.state[SYNC_BYTES] = ctx.state.get(SYNC_BYTES, 0) + received
 
 
-def sync_weights(ctx: StepContext, *, stream: bool = True) -> None:
+def sync_weights(ctx: StepContext, *, stream: bool = True, gather: bool = True) -> None:
     """Version v+1 to every rollout replica: the in-process copy where a replica shares a learner rank's
     process, the broadcast group elsewhere (`push_version`)."""
-    push_version(ctx, ctx.policy_version + 1, stream=stream)
+    push_version(ctx, ctx.policy_version + 1, stream=stream, gather=gather)
 
 
-def push_version(ctx: StepContext, version: int, *, stream: bool = True, first: bool = False) -> None:
+def push_version(
+    ctx: StepContext, version: int, *, stream: bool = True, first: bool = False, gather: bool = True
+) -> None:
     """The learner's weights to every rollout replica as `version`; every controller calls it together.
 
     An FSDP2 (or Megatron tensor-parallel) export is a collective over every learner rank. `stream`: the
@@ -464,13 +468,14 @@ def push_version(ctx: StepContext, version: int, *, stream: bool = True, first: 
     from freeing a bucket still being pushed. A rank so holds one bucket of unsharded weights beyond its
     shards. Else every rank gathers the whole model first and one push reads it. DDP gathers nothing: one
     push reads the live weights. `first`: the push when an attempt starts (`initial_push`: no replica was
-    replaced yet, so rank 0 re-forms no sync)."""
+    replaced yet, so rank 0 re-forms no sync). `gather=False`: the caller knows the learner ranks hold nothing
+    for a push (`learner_gathers_weights`), so they are not asked (one call less per push)."""
     if ctx.weight_sync is None:
         raise ValueError("sync_weights: the job's services define no weight_sync")
     learner, pushed, received = learner_of(ctx), 0, 0
-    if not stream:
+    if gather and not stream:
         ctx.get(learner.broadcast("gather_weights"))
-    else:
+    elif gather:
         bucket_bytes = ctx.weight_sync.bucket_bytes
         while max(ctx.get(learner.broadcast("next_weight_bucket", bucket_bytes))) > 0:
             ctx.barrier()  # every rank holds bucket i (its gather is done)

@@ -51,6 +51,12 @@ def sync_backend() -> str:
     return "nccl" if device() == "cuda" else "gloo"
 
 
+def learner_gathers_weights(cfg: RunConfig) -> bool:
+    """Whether a weight push reads tensors the learner ranks gather for it first (FSDP2, Megatron, and every
+    LoRA learner: `LearnerWeights`); else it reads DDP's live weights and the ranks have nothing to do."""
+    return learner_backend(cfg) != "ddp" or cfg.learner.lora_rank > 0
+
+
 def learner_backend(cfg: RunConfig) -> str:
     """ddp, fsdp2 or megatron; the older `learner.data_parallel='fsdp2'` alone also means fsdp2."""
     if cfg.learner.backend == "ddp" and cfg.learner.data_parallel == "fsdp2":

@@ -136,7 +136,17 @@ def _load_weights(
 
 def dead_hosts(handles: list[Any], timeout_s: float = 10.0) -> set[str]:
     """Ids of the hosts among `handles` whose process is dead (their ping fails); a slow answer is alive."""
-    refs = [(handle.ping.remote(), host_id(handle)) for handle in handles]
+    return dead_among(ping_hosts(handles), timeout_s)
+
+
+def ping_hosts(handles: list[Any]) -> list[tuple[Any, str]]:
+    """A ping sent to each of `handles`: (its ref, the host's id), for `dead_among` (the caller may do other
+    work while they travel)."""
+    return [(handle.ping.remote(), host_id(handle)) for handle in handles]
+
+
+def dead_among(refs: list[tuple[Any, str]], timeout_s: float = 10.0) -> set[str]:
+    """Ids of the hosts whose ping (`ping_hosts`) fails within `timeout_s`; a slow answer is alive."""
     if refs:
         ray.wait([ref for ref, _ in refs], num_returns=len(refs), timeout=timeout_s)
     dead = set()

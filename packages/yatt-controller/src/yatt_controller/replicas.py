@@ -20,7 +20,7 @@ from typing import Any
 
 import ray
 
-from yatt_controller.replace import dead_hosts, replace_replicas, wanted_replicas
+from yatt_controller.replace import dead_among, dead_hosts, ping_hosts, replace_replicas, wanted_replicas
 from yatt_controller.roster import Roster, host_id
 from yatt_controller.worker_group import HostPool, WorkerGroup, routed_views
 
@@ -137,8 +137,9 @@ class Replacements:
         sync = self.weight_sync
         if sync is None:
             return
+        pings = ping_hosts([host for host, _, _ in sync.remote])  # they travel while the book answers
         self.adopt()
-        for dead in sorted(dead_hosts([host for host, _, _ in sync.remote]) - self.roster.fixed_hosts()):
+        for dead in sorted(dead_among(pings) - self.roster.fixed_hosts()):
             self._replace(dead, "repair")
         if self.roster.version == self.synced:
             return

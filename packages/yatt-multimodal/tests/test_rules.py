@@ -93,8 +93,16 @@ def test_runaway_powers_and_factorials_are_wrong_without_being_evaluated(backend
     assert not oversized_answer("1500!") and oversized_answer("1600!")  # 4115 and 4465 digits
     assert oversized_answer("2^{2^{14}}") and not oversized_answer("2^{2^{13}}")  # 4933 and 2467 digits
     assert not oversized_answer("9^{9}") and oversized_answer("9^{9^{9}}")
-    for harmless in ["0.5^{99999999}", "1^{99999999999999}", "2^{0.5}", "x^{99999}", "10!", "2^10 + 3**2"]:
-        assert not oversized_answer(harmless)
+    small = [
+        "0.5^{99999999}",
+        "1^{99999999999999}",
+        "2^{0.5}",
+        "x^{99999}",
+        "10!",
+        "2^10 + 3**2",
+        "1600 != x",
+    ]
+    assert [oversized_answer(text) for text in small] == [False] * len(small)
     # only the answer counts: a large power in the reasoning before a boxed answer is not judged
     assert verify_math("since 2^{99999999} is huge, \\boxed{5}", "5", backend=backend) is True
     assert verify_math("\\boxed{3^{4}}", "81", backend=backend) is True

@@ -49,7 +49,7 @@ MAX_ANSWER_DIGITS = 4300
 # scanned once, not once per position in it; `1e99`-style values are this module's own (a reduced level)
 _NUMBER = r"(?<![\d.])(\d++(?:\.\d++)?(?:e\d++)?)"
 _POWER = re.compile(_NUMBER + r"\s*(?:\^|\*\*)\s*(?:\{\s*" + _NUMBER + r"\s*\}|" + _NUMBER + ")")
-_FACTORIAL = re.compile(r"(?<!\d)(\d++)\s*!")
+_FACTORIAL = re.compile(r"(?<!\d)(\d++)\s*!(?!=)")  # `!=` is no factorial
 _MAX_REDUCTIONS = 64  # powers reduced in one answer (a tower reduces one level each) before giving up
 
 
@@ -58,8 +58,8 @@ def oversized_answer(text: str) -> bool:
     the inside out) whose value has more than MAX_ANSWER_DIGITS digits. Estimated from logarithms: nothing
     that large is computed."""
     for match in _FACTORIAL.finditer(text):
-        digits = match.group(1).lstrip("0")
-        if len(digits) > 6 or math.lgamma(int(digits or "0") + 1) / math.log(10) > MAX_ANSWER_DIGITS:
+        n = match.group(1).lstrip("0")
+        if len(n) > 6 or math.lgamma(int(n or "0") + 1) / math.log(10) > MAX_ANSWER_DIGITS:
             return True
     for _ in range(_MAX_REDUCTIONS):
         matches = list(_POWER.finditer(text))

@@ -3,7 +3,6 @@ exact match, and the async runner's timeouts, errors, weights and failure policy
 
 import asyncio
 import threading
-import time
 
 import pytest
 from yatt_multimodal.math_answers import MAX_ANSWER_DIGITS, extract_boxed, oversized_answer, verify_math
@@ -82,11 +81,16 @@ RUNAWAY = [
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_runaway_powers_and_factorials_are_wrong_without_being_evaluated(backend):
+def test_runaway_powers_and_factorials_are_wrong_without_being_evaluated(backend, monkeypatch):
+    from yatt_multimodal import math_answers
+
     assert [oversized_answer(text) for text in RUNAWAY] == [True] * len(RUNAWAY)
-    started = time.perf_counter()
-    assert [verify_math(text, "12", backend=backend) for text in RUNAWAY] == [False] * len(RUNAWAY)
-    assert time.perf_counter() - started < 5.0  # not a timing test: unguarded, the first one never returns
+    with monkeypatch.context() as patched:  # neither backend may see them (either would run for minutes)
+        for name in ("_verify_with_math_verify", "_verify_with_sympy"):
+            patched.setattr(
+                math_answers, name, lambda response, reference: pytest.fail(f"{response} evaluated")
+            )
+        assert [verify_math(text, "12", backend=backend) for text in RUNAWAY] == [False] * len(RUNAWAY)
     # the bound is the number of digits (log10 a^b = b log10 a; log10 n! from lgamma), towers from the inside
     assert MAX_ANSWER_DIGITS == 4300
     assert not oversized_answer("10^{4299}") and oversized_answer("10^{4301}")  # 4300 and 4302 digits

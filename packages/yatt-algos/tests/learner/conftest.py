@@ -137,13 +137,18 @@ def dp_batch() -> dict[str, torch.Tensor]:
     return batch
 
 
-def init_megatron(rank: int, world: int, port: int, *, tp: int = 1, pp: int = 1) -> None:
-    """A gloo process group on 127.0.0.1 and Megatron's parallel state over it (the caller owns both)."""
+def init_megatron(rank: int, world: int, port: int, *, tp: int = 1, pp: int = 1) -> bool:
+    """A gloo process group on 127.0.0.1 and Megatron's parallel state over it (the caller owns both). A
+    one-process world reuses a default group the process already has (an in-process vLLM engine, run earlier
+    in the same test worker, leaves one behind). Returns whether it made the process group."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    made = not (world == 1 and dist.is_initialized() and dist.get_world_size() == 1)
+    if made:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    return made
 
 
 def free_port() -> int:

@@ -50,6 +50,18 @@ def test_a_hanging_answer_times_out_and_the_pool_serves_the_next_request(pool):
     assert len(pool.worker_pids()) == 1 + 2  # the supervisor and its two workers
 
 
+def test_a_runaway_power_is_wrong_at_once_on_the_jobs_reward_path(pool):
+    """The answers the tiny GRPO job's policy wrote (each a 10 s timeout before `oversized_answer`) score 0
+    with status ok through the pool, as a job's reward worker runs them: no deadline reached, no worker
+    killed."""
+    reward = build_rule(RewardSpec(kind="math_verify"), timeout_s=2.0, pool=pool)
+    restarts = pool.restarts
+    runaway = ["42^4441444444444", "44447472^4444444", "\\boxed{9^{9^{9^{9}}}}", "99999999999!"]
+    batch = reward.score_sync([_req(text, f"r{i}", reference="12") for i, text in enumerate(runaway)])
+    assert [(r.status, r.score) for r in batch.rewards] == [("ok", 0.0)] * len(runaway)
+    assert batch.metrics.num_timeout == 0 and pool.restarts == restarts
+
+
 def test_jobs_queued_behind_a_hanging_one_on_its_worker_go_to_the_next_worker():
     """A worker gets several jobs at once (they run without a round trip through the supervisor between them);
     when one hangs, only it times out: the jobs queued behind it go back and are answered by the replacement,

@@ -19,6 +19,12 @@ from collections.abc import Iterator
 from typing import Any
 
 
+def push_reads_gathered(backend: str, lora: bool) -> bool:
+    """Whether a weight push reads tensors the learner ranks gather for it first (FSDP2, Megatron, and every
+    LoRA learner); else it reads DDP's live weights and the ranks have nothing to do for it."""
+    return backend != "ddp" or lora
+
+
 class LearnerWeights:
     """What a learner rank serves a weight push (`named_weights`): under DDP the live weights; under FSDP2 and
     Megatron, whose export is a collective that every rank runs together, the tensors this rank holds
@@ -40,7 +46,7 @@ class LearnerWeights:
 
     def _holds(self) -> bool:
         """Whether a push reads held tensors (else DDP's live weights, read when the push asks)."""
-        return self.backend != "ddp" or self.lora
+        return push_reads_gathered(self.backend, self.lora)
 
     def gather_all(self) -> int:
         """Run the whole collective export on this rank (FSDP2 all-gathers its shards, Megatron its TP shards)

@@ -52,9 +52,10 @@ def sync_backend() -> str:
 
 
 def learner_gathers_weights(cfg: RunConfig) -> bool:
-    """Whether a weight push reads tensors the learner ranks gather for it first (FSDP2, Megatron, and every
-    LoRA learner: `LearnerWeights`); else it reads DDP's live weights and the ranks have nothing to do."""
-    return learner_backend(cfg) != "ddp" or cfg.learner.lora_rank > 0
+    """`learner_weights.push_reads_gathered` for this job's learner: what its `LearnerWeights` decide."""
+    from yatt_apps.runtime.learner_weights import push_reads_gathered
+
+    return push_reads_gathered(learner_backend(cfg), cfg.learner.lora_rank > 0)
 
 
 def learner_backend(cfg: RunConfig) -> str:

@@ -112,6 +112,33 @@ def test_runaway_powers_and_factorials_are_wrong_without_being_evaluated(backend
     assert verify_math("\\boxed{3^{4}}", "81", backend=backend) is True
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_reference_is_parsed_once_and_cached_verdicts_are_the_same(backend, monkeypatch):
+    from yatt_multimodal import math_answers
+
+    cache = {"math_verify": math_answers._parsed_reference, "sympy": math_answers._to_sympy}[backend]
+    pairs = EQUIVALENT + WRONG + MALFORMED
+    cache.cache_clear()
+    first = [verify_math(response, reference, backend=backend) for response, reference in pairs]
+    assert first == [True] * len(EQUIVALENT) + [False] * (len(WRONG) + len(MALFORMED))
+    # the same pairs again, every reference's parse now taken from the cache: the same verdicts
+    hits = cache.cache_info().hits
+    assert [verify_math(response, reference, backend=backend) for response, reference in pairs] == first
+    assert cache.cache_info().hits - hits >= len({reference for _, reference in pairs})
+    # a group's four responses share their reference: math-verify parses it once for the four
+    if backend == "math_verify":
+        import math_verify
+
+        parsed: list[str] = []
+        real = math_verify.parse
+        monkeypatch.setattr(math_verify, "parse", lambda text, **kw: parsed.append(text) or real(text, **kw))
+        group = ["\\boxed{\\dfrac{3}{7}}", "\\boxed{0.43}", "3/7", "\\boxed{6/14}"]
+        verdicts = [verify_math(response, "\\frac{3}{7}", backend=backend) for response in group]
+        assert verdicts == [True, False, True, True]
+        assert parsed.count("$\\frac{3}{7}$") == 1  # the reference's parse, once; then each response's
+        assert len(parsed) == 1 + len(group)
+
+
 def test_verify_math_bad_arguments():
     with pytest.raises(ValueError, match="reference is empty"):
         verify_math("\\boxed{1}", "  ")

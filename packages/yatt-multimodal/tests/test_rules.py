@@ -113,10 +113,10 @@ def test_runaway_powers_and_factorials_are_wrong_without_being_evaluated(backend
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_reference_is_parsed_once_and_cached_verdicts_are_the_same(backend, monkeypatch):
+def test_parses_are_cached_and_cached_verdicts_are_the_same(backend, monkeypatch):
     from yatt_multimodal import math_answers
 
-    cache = {"math_verify": math_answers._parsed_reference, "sympy": math_answers._to_sympy}[backend]
+    cache = {"math_verify": math_answers._parsed, "sympy": math_answers._to_sympy}[backend]
     pairs = EQUIVALENT + WRONG + MALFORMED
     cache.cache_clear()
     first = [verify_math(response, reference, backend=backend) for response, reference in pairs]
@@ -125,18 +125,24 @@ def test_a_reference_is_parsed_once_and_cached_verdicts_are_the_same(backend, mo
     hits = cache.cache_info().hits
     assert [verify_math(response, reference, backend=backend) for response, reference in pairs] == first
     assert cache.cache_info().hits - hits >= len({reference for _, reference in pairs})
-    # a group's four responses share their reference: math-verify parses it once for the four
-    if backend == "math_verify":
-        import math_verify
+    if backend == "sympy":
+        return
+    # math-verify: a group's reference is parsed once, and each short boxed answer once; an unboxed response
+    # (the whole text) and a long boxed answer are parsed each time
+    import math_verify
 
-        parsed: list[str] = []
-        real = math_verify.parse
-        monkeypatch.setattr(math_verify, "parse", lambda text, **kw: parsed.append(text) or real(text, **kw))
-        group = ["\\boxed{\\dfrac{3}{7}}", "\\boxed{0.43}", "3/7", "\\boxed{6/14}"]
-        verdicts = [verify_math(response, "\\frac{3}{7}", backend=backend) for response in group]
-        assert verdicts == [True, False, True, True]
-        assert parsed.count("$\\frac{3}{7}$") == 1  # the reference's parse, once; then each response's
-        assert len(parsed) == 1 + len(group)
+    parsed: list[str] = []
+    real = math_verify.parse
+    monkeypatch.setattr(math_verify, "parse", lambda text, **kw: parsed.append(text) or real(text, **kw))
+    cache.cache_clear()
+    group = ["\\boxed{\\dfrac{3}{7}}", "\\boxed{0.43}", "3/7", "\\boxed{\\dfrac{3}{7}}", "3/7"]
+    assert [verify_math(response, "\\frac{3}{7}") for response in group] == [True, False, True, True, True]
+    assert parsed == ["$\\frac{3}{7}$", "$\\dfrac{3}{7}$", "$0.43$", "3/7", "3/7"]
+    long_answer = "+".join(["1"] * 150)  # 299 characters: past MAX_CACHED_ANSWER_CHARS
+    assert len(long_answer) > math_answers.MAX_CACHED_ANSWER_CHARS
+    parsed.clear()
+    assert [verify_math(f"\\boxed{{{long_answer}}}", "150") for _ in range(2)] == [True, True]
+    assert parsed == ["$150$", f"${long_answer}$", f"${long_answer}$"]
 
 
 def test_verify_math_bad_arguments():

@@ -304,11 +304,13 @@ def _listening(pids: set[int]) -> list[str]:
     )
 
 
-STEPS = 16  # room for the two stops and the resumes: each stop leaves steps to run after it
+# room for the two stops and the resumes: each stop leaves steps to run after it, however fast the steps are
+# (at 16, a resumed run could log its last step before its Ctrl-C arrived)
+STEPS = 32
 
 
 def test_kill_9_then_ctrl_c_then_resume_log_every_step_once(tmp_path, yatt_cli):
-    """One 16-step run, stopped twice and resumed twice (`yatt` in a fresh process with its own Ray for the two
+    """One 32-step run, stopped twice and resumed twice (`yatt` in a fresh process with its own Ray for the two
     that are stopped; the last resume in this process, on the test process's Ray session):
     1. kill -9 of the driver alone once step 2 is logged (what a crash or the OOM killer does): the job's Ray
        listened on the loopback interface only, and no process of the driver's tree is left (its reaper ends
@@ -317,7 +319,7 @@ def test_kill_9_then_ctrl_c_then_resume_log_every_step_once(tmp_path, yatt_cli):
        130, the resume hint with the last logged step and the checkpoint it continues from, no traceback, no
        Ray process left;
     3. its newest checkpoint broken, `yatt resume` to the end: it skips that checkpoint naming it, continues
-       from the one before, and steps 0..15 are logged once each (each resume redoes the steps after its
+       from the one before, and steps 0..31 are logged once each (each resume redoes the steps after its
        checkpoint)."""
     from yatt_controller import checkpoint
 
@@ -348,7 +350,7 @@ def test_kill_9_then_ctrl_c_then_resume_log_every_step_once(tmp_path, yatt_cli):
     ray_tmp = _ray_tmp()
     proc = _start(["resume", str(run_dir)], _env(ray_tmp))
     _wait_for_step(proc, run_dir, killed[-1] + 2)
-    os.killpg(proc.pid, signal.SIGINT)  # controllers run ahead of the driver's log: 16 steps leave room
+    os.killpg(proc.pid, signal.SIGINT)  # controllers run ahead of the driver's log: STEPS leave room
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 130, err[-3000:]
     logged = _steps(run_dir)

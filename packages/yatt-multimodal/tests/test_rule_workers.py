@@ -80,6 +80,30 @@ def test_jobs_queued_behind_a_hanging_one_on_its_worker_go_to_the_next_worker():
         assert alone.restarts == 1
 
 
+def test_a_replaced_worker_serves_every_later_batch():
+    """Each batch holds a hanging answer, so each kills and replaces the worker: the replacement answers its
+    first chunk and every batch after it. (A replaced worker's socket once stayed tied to a copy of its slot:
+    the supervisor never saw it finish a chunk again, so a one-worker pool hung on its second batch, and a
+    pool of n after n timeouts.)"""
+    for workers in (1, 2):
+        with RuleWorkerPool(num_workers=workers) as small:
+            reward = build_rule(RewardSpec(kind="math_verify"), timeout_s=1.0, pool=small)
+            for batch_index in range(workers + 2):
+                requests = [_req("\\boxed{5}", "a"), _req(HANGS, "b"), _req("\\boxed{4}", "c")]
+                started = time.monotonic()
+                outcomes = gathered(small.submit_many(reward.fn, requests, reward.timeout_s)).result(
+                    timeout=30
+                )
+                assert [(o.status, o.value) for o in outcomes] == [
+                    ("ok", 1.0),
+                    ("timeout", 0.0),
+                    ("ok", 0.0),
+                ], (workers, batch_index)
+                assert time.monotonic() - started < 10
+                assert small.restarts == batch_index + 1
+            assert len(small.worker_pids()) == 1 + workers
+
+
 def test_answers_held_for_one_write_come_back_whole_and_once():
     """A worker writes its chunk's answers to the caller together, in writes of at most PIPE_BUF bytes (two
     workers share the results pipe, and a longer write could interleave with the other's): answers of about

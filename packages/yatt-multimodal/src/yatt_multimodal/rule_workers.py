@@ -330,7 +330,10 @@ def _set_progress(progress: mmap.mmap, index: int, written: int, started: float)
 _DONE = b"d"  # a worker's one message to the supervisor: its chunk is done
 
 
-@dataclass
+# eq=False: a slot is compared by identity. The selector keeps each worker socket's slot as its key's data and
+# `selectors.modify` replaces that data only when it compares unequal: with field equality, a replacement
+# worker's socket kept pointing at a copy of its slot, and the supervisor never saw it finish a chunk again.
+@dataclass(eq=False)
 class _Slot:
     pid: int
     sock: socket.socket

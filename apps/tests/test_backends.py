@@ -622,19 +622,22 @@ def test_workers_close_stops_their_engine_thread_and_keeps_the_process_rule_pool
     engine and its memory alive) ends. The reward's rule terms run on the process's rule pool (started with
     the worker, not at the first request), which outlives the worker: the next reward worker here, or the
     next job of a host kept warm, grades on the same supervisor instead of starting an interpreter."""
-    from yatt_apps.runtime.step_metrics import rule_pool
+    from yatt_apps.runtime.step_metrics import rule_pool, rule_workers
     from yatt_apps.runtime.workers import RewardWorker, RolloutWorker
     from yatt_multimodal.types import RewardRequest
 
     cfg = tiny_cpu()
     rules = msgspec.structs.replace(cfg, rewards=[r for r in cfg.rewards if r.kind != "genrm"])
     rollout = RolloutWorker(cfg, str(policy_dir))
+    rule_pool().close()  # an earlier test's: the worker starts the process's pool, sized for its host
     reward = RewardWorker(rules, "")  # the rule terms only
     pool = rule_pool()
     supervisor = pool._proc
     assert reward.reward.owns == [] and pool.worker_pids()[0] == supervisor.pid  # started with the worker
+    assert pool.num_workers == rule_workers(cfg)  # its host's share of the cores (1 to 4)
     request = RewardRequest(request_id="0", prompt="", response="4", reference="4")
     scores = reward.score([request])["scores"]
+    assert len(pool.worker_pids()) == 1 + rule_workers(cfg)  # the supervisor and its workers, forked by now
     assert scores[0] > 0.0  # the right answer: the exact-answer term and the others
     thread = rollout.engine._worker
     assert thread.is_alive() and supervisor.poll() is None

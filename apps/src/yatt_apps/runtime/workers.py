@@ -474,7 +474,7 @@ class RewardWorker:
         from yatt_multimodal.reward_specs import build_combined
         from yatt_multimodal.rules import RULES
 
-        from yatt_apps.runtime.step_metrics import rule_pool
+        from yatt_apps.runtime.step_metrics import rule_pool, rule_workers
 
         set_threads(cfg)
         self.engine = self.reward = None
@@ -492,7 +492,8 @@ class RewardWorker:
             )
             resources = {"engine": engine, "codec": HFChatCodec(tok), "seed": cfg.run.seed + 1}
         if any(spec.kind in RULES for spec in cfg.rewards):  # started now: they warm up while the roles load
-            resources["rule_pool"] = rule_pool()  # the process's, shared with validation and later jobs
+            # the process's, shared with validation and later jobs
+            resources["rule_pool"] = rule_pool(rule_workers(cfg))
         self.engine = resources.get("engine")
         self.reward = build_combined(cfg.rewards, **resources)
 

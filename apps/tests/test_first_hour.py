@@ -122,7 +122,7 @@ def loud_transformers():
 
 def test_a_host_starts_a_rule_worker_per_core_of_its_share(monkeypatch):
     """`rule_workers`: the cores this process may run on over the node's devices, 1 to 4 (four workers a host on
-    the tiny job's two cores and two devices spent 0.23 ms of CPU an answer, one 0.13)."""
+    the tiny job's two cores and two devices spent 30 ms of CPU a step grading, one 16)."""
     import os
 
     def workers(cores: int, devices: int) -> int:

@@ -53,7 +53,7 @@ def rule_workers(cfg: RunConfig) -> int:
     """How many rule worker processes a host starts: its device's share of the node's cores (the cores this
     process may run on over `placement.cluster.devices_per_node`), at least 1 and at most MAX_RULE_WORKERS.
     More workers than cores only share them, and each then grades fewer answers a step on colder caches: on
-    the tiny job's two cores and two devices, four workers a host spent 0.23 ms of CPU an answer, one 0.13."""
+    the tiny job's two cores and two devices, four workers a host spent 30 ms of CPU a step grading, one 16."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return min(MAX_RULE_WORKERS, max(1, cores // max(1, cfg.placement.cluster.devices_per_node)))
 

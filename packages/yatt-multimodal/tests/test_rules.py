@@ -145,6 +145,68 @@ def test_parses_are_cached_and_cached_verdicts_are_the_same(backend, monkeypatch
     assert parsed == ["$150$", f"${long_answer}$", f"${long_answer}$"]
 
 
+def _restore_sympy_parse_expr(monkeypatch):
+    """Undo `share_sympy_namespace` when the test ends: every module that holds sympy's parse_expr gets it back."""
+    import sys
+
+    from sympy.parsing import sympy_parser
+
+    for module in ("sympy.parsing.sympy_parser", "sympy.parsing", "math_verify.parser"):
+        if module in sys.modules:
+            monkeypatch.setattr(sys.modules[module], "parse_expr", sympy_parser.parse_expr)
+
+
+def test_the_shared_namespace_is_the_one_sympy_builds_for_each_parse():
+    from sympy.parsing import sympy_parser
+    from yatt_multimodal.math_answers import sympy_namespace
+
+    built: list[dict] = []
+
+    def capture(tokens, local_dict, global_dict):  # a transformation sees the globals parse_expr made
+        built.append(dict(global_dict))
+        return tokens
+
+    steps = (capture, *sympy_parser.standard_transformations)
+    assert sympy_parser.parse_expr("2*x + 1", transformations=steps) is not None
+    ours = sympy_namespace()
+    assert len(ours) > 900 and built[0].keys() == ours.keys()
+    assert all(built[0][name] is ours[name] for name in ours)  # the same objects, not equal copies
+
+
+def test_a_shared_namespace_gives_the_same_parses_and_verdicts_without_building_it(monkeypatch):
+    import math_verify.parser
+    import sympy
+    from sympy.parsing import sympy_parser
+    from yatt_multimodal import math_answers
+    from yatt_multimodal.rule_workers import _warm_up
+
+    _restore_sympy_parse_expr(monkeypatch)
+    pairs = EQUIVALENT + WRONG + MALFORMED + [("7 + 3", "10"), ("it is 25", "25"), ("(2^3)*5", "40")]
+    texts = ["7 + 3", "25", "2**10 - 1", "max(3, 4)", "x**2 + 2*x + 1", "Rational(3, 7)", "1/2"]
+    math_answers._parsed.cache_clear()
+    before_verdicts = [verify_math(response, reference) for response, reference in pairs]
+    before_parses = [sympy_parser.parse_expr(text, evaluate=False) for text in texts]
+    builds = []
+    real_exec = exec
+    monkeypatch.setattr(sympy_parser, "exec", lambda *a: builds.append(a) or real_exec(*a), raising=False)
+    sympy.Number("26")
+    assert len(builds) == 1  # unshared: each parse builds the namespace (`from sympy import *`)
+    builds.clear()
+    _warm_up()  # what the rule pool's supervisor runs before it forks its workers
+    shared = sympy_parser.parse_expr
+    math_answers.share_sympy_namespace()  # idempotent: one wrapper, not a wrapper of it
+    assert sympy_parser.parse_expr is shared and shared.shares_namespace
+    assert math_verify.parser.parse_expr is shared and sympy.parsing.parse_expr is shared
+    math_answers._parsed.cache_clear()
+    assert [verify_math(response, reference) for response, reference in pairs] == before_verdicts
+    assert before_verdicts[: len(EQUIVALENT)] == [True] * len(EQUIVALENT)
+    assert [sympy_parser.parse_expr(text, evaluate=False) for text in texts] == before_parses
+    assert sympy.sympify("max(2, 5)") == 5 and sympy.Number("25") == 25  # sympify of a string goes through it
+    assert builds == []  # not one `from sympy import *`
+    sympy_parser.parse_expr("x + 1", global_dict={"Symbol": sympy.Symbol, "Integer": sympy.Integer})
+    assert builds == []  # a caller's own globals are used as given
+
+
 def test_verify_math_bad_arguments():
     with pytest.raises(ValueError, match="reference is empty"):
         verify_math("\\boxed{1}", "  ")

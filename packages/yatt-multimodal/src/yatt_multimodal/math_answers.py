@@ -118,6 +118,68 @@ def _as_latex(text: str) -> str:
     return text if "$" in text or "\\boxed" in text else f"${text}$"
 
 
+# --- sympy's parse namespace, built once ------------------------------------------------------------------
+
+
+@lru_cache(maxsize=1)
+def sympy_namespace() -> dict:
+    """The globals sympy's `parse_expr` builds for every call given no `global_dict`: `from sympy import *`,
+    Python's builtin functions, and `max`/`min` as sympy's `Max`/`Min` (the same names bound to the same
+    objects). Building it walks sympy's ~900 exported names: 0.17 ms in a small process, 0.3-0.7 ms in a
+    large one, for every number and expression math-verify parses (`Number("25")` goes through it too). Built
+    once here; each parse gets a copy (5 us), as eval adds `__builtins__` to the dict it is given."""
+    import builtins
+    import types
+
+    import sympy
+
+    namespace: dict = {}
+    exec("from sympy import *", namespace)
+    for name, obj in vars(builtins).items():
+        if isinstance(obj, types.BuiltinFunctionType):
+            namespace[name] = obj
+    namespace["max"], namespace["min"] = sympy.Max, sympy.Min
+    return namespace
+
+
+def share_sympy_namespace() -> None:
+    """Make sympy's `parse_expr` (and so `sympify` of a string, and math-verify's expression parser) use a copy
+    of `sympy_namespace()` when it is given no `global_dict`, instead of building it again: the same parse,
+    ~0.3 ms less each. It replaces `sympy.parsing.sympy_parser.parse_expr` (and the names math-verify and
+    `sympy.parsing` imported) for the whole process, so YATT calls it only in processes of its own: the rule
+    workers (`rule_workers`). Idempotent."""
+    import sys
+
+    from sympy.parsing import sympy_parser
+
+    original = sympy_parser.parse_expr
+    if getattr(original, "shares_namespace", False):
+        return
+    namespace = sympy_namespace()
+
+    def parse_expr(
+        s,
+        local_dict=None,
+        transformations=sympy_parser.standard_transformations,
+        global_dict=None,
+        evaluate=True,
+    ):
+        if global_dict is None:
+            global_dict = dict(namespace)
+        return original(
+            s,
+            local_dict=local_dict,
+            transformations=transformations,
+            global_dict=global_dict,
+            evaluate=evaluate,
+        )
+
+    parse_expr.__doc__, parse_expr.shares_namespace = original.__doc__, True  # type: ignore[attr-defined]
+    for module in ("sympy.parsing.sympy_parser", "sympy.parsing", "math_verify.parser"):
+        if module in sys.modules and getattr(sys.modules[module], "parse_expr", None) is original:
+            sys.modules[module].parse_expr = parse_expr  # type: ignore[attr-defined]
+
+
 class _TimeoutOffNotice(logging.Filter):
     """Drops math-verify's "Timeout is disabled" warning: the timeout is off on purpose (see the docstring)."""
 
@@ -125,6 +187,7 @@ class _TimeoutOffNotice(logging.Filter):
         return not str(record.msg).startswith("Timeout is disabled")
 
 
+@lru_cache(maxsize=1)  # once a process: it ran for every answer (18 us, two getLogger and a filter scan)
 def _quiet_timeout_notice() -> None:
     for name in ("math_verify.parser", "math_verify.grader"):  # the two modules that warn
         logger = logging.getLogger(name)
@@ -219,7 +282,9 @@ def _to_sympy(text: str):
         return None
     transformations = (*standard_transformations, implicit_multiplication_application, convert_xor)
     try:
-        return parse_expr(normalised, transformations=transformations, evaluate=True)
+        return parse_expr(
+            normalised, transformations=transformations, global_dict=dict(sympy_namespace()), evaluate=True
+        )
     except Exception:  # sympy raises SyntaxError, TokenError, TypeError... on malformed answers
         return None
 

@@ -548,12 +548,16 @@ _WARM_UP_ANSWERS = [
 
 
 def _warm_up() -> None:
-    """Import the rules and run math_verify on each shape of answer, so every forked worker starts warm."""
+    """Import the rules, share sympy's parse namespace (`math_answers.share_sympy_namespace`) and run math_verify on
+    each shape of answer, so every forked worker starts warm."""
     from yatt_multimodal import rules  # noqa: F401
-    from yatt_multimodal.math_answers import verify_math
+    from yatt_multimodal.math_answers import share_sympy_namespace, verify_math
 
     # math-verify or sympy missing: the rules that need them say so per request
+    with contextlib.suppress(ImportError):  # first: its own name for parse_expr is replaced too
+        import math_verify.parser  # noqa: F401
     with contextlib.suppress(Exception):
+        share_sympy_namespace()  # every parse here skips `from sympy import *` (a process of our own)
         for response, reference in _WARM_UP_ANSWERS:
             verify_math(response, reference)
 

@@ -81,6 +81,12 @@ class CountingLearner:
         self.total += sum(s["x"] for s in samples) + sum(len(s["media"]) for s in samples)
         return float(self.total)
 
+    def identity(self, obj: object) -> tuple[int, int, str]:
+        """This process, the id of the object it was given and the thread it runs on."""
+        import threading
+
+        return os.getpid(), id(obj), threading.current_thread().name
+
     def pid(self) -> int:
         return os.getpid()
 
@@ -167,19 +173,27 @@ def media_step(ctx, batch: list[int]) -> dict[str, float]:
 
 
 def pid_step(ctx, batch: list[int]) -> dict[str, float]:
-    """media_step, plus whether this controller runs in the process of its (first) learner rank."""
-    beside = float(os.getpid() == ctx.get(ctx.learner.rank_zero("pid")))
-    return {**media_step(ctx, batch), "in_learner_process": ctx.all_reduce({"n": beside})["n"]}
+    """media_step, plus whether this controller runs in the process of its (first) learner rank, and whether
+    its call there ran in process (`local_calls`: a `LocalRef`, on the host's own thread, and the rank got the
+    caller's own list, not a copy)."""
+    from yatt_controller import local_calls
+
+    ref = ctx.learner.rank_zero("identity", batch)
+    pid, object_id, thread = ctx.get(ref)
+    here = local_calls.is_local(ref) and object_id == id(batch) and thread.startswith("host-here")
+    counts = ctx.all_reduce({"n": float(os.getpid() == pid), "here": float(here)})
+    return {**media_step(ctx, batch), "in_learner_process": counts["n"], "called_in_process": counts["here"]}
 
 
 BLOB_BYTES = 10 * 2**20
 
 
 def blob_step(ctx, batch: list[int]) -> dict[str, float]:
-    """Fetches a 10 MiB array from a service with a plain `ray.get` (not the runtime's `ctx.get`)."""
-    import ray
+    """Fetches a 10 MiB array from a service with `local_calls.get` (a plain `ray.get` that also takes a call
+    run in process: not the runtime's `ctx.get`)."""
+    from yatt_controller import local_calls
 
-    array = ray.get(ctx.services["rollout"].rank_zero("blob", BLOB_BYTES))
+    array = local_calls.get(ctx.services["rollout"].rank_zero("blob", BLOB_BYTES))
     return {"blob_bytes": float(array.nbytes), "num_samples": float(len(batch))}
 
 

@@ -155,7 +155,8 @@ def test_parallel_carries_no_samples_through_the_driver(cluster):
 
 
 def test_driver_bytes_count_what_a_driver_side_step_fetches(cluster):
-    # single mode runs the step in the driver: its plain ray.get of a 10 MiB array is counted, twice
+    # single mode runs the step in the driver: its fetch of a 10 MiB array is counted, twice, though the
+    # rollout role beside it answers in process (`local_calls`): the driver still handles every byte
     job = dataclasses.replace(_job(num_steps=2), step_fn=doubles.blob_step)
     single = run(
         ControllerSpec(mode="single", heartbeat_interval_s=0.5, count_driver_bytes=True), job, cluster
@@ -227,10 +228,30 @@ def test_hosted_controllers_run_beside_their_learner_and_match_own_processes(clu
     )
     assert [r.metrics["in_learner_process"] for r in hosted.reports[1]] == [2.0, 2.0]  # both controllers
     assert [r.metrics["in_learner_process"] for r in own.reports[1]] == [0.0, 0.0]
+    # a hosted controller's calls to the roles beside it run in process (`local_calls`), the others via Ray
+    assert [r.metrics["called_in_process"] for r in hosted.reports[1]] == [2.0, 2.0]
+    assert [r.metrics["called_in_process"] for r in own.reports[1]] == [0.0, 0.0]
+    where = {"in_learner_process", "called_in_process"}
     for s in (0, 1):
-        a = [{k: v for k, v in r.metrics.items() if k != "in_learner_process"} for r in hosted.reports[s]]
-        b = [{k: v for k, v in r.metrics.items() if k != "in_learner_process"} for r in own.reports[s]]
+        a = [{k: v for k, v in r.metrics.items() if k not in where} for r in hosted.reports[s]]
+        b = [{k: v for k, v in r.metrics.items() if k not in where} for r in own.reports[s]]
         assert a == b
+
+
+def test_get_and_wait_take_object_refs_and_calls_in_process_together(cluster):
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from yatt_controller import local_calls
+
+    with ThreadPoolExecutor(2) as threads:
+        gate = threading.Event()
+        local, remote = local_calls.LocalRef(threads.submit(gate.wait, 5), "gate"), ray.put("stored")
+        assert local_calls.wait([local, remote], num_returns=1) == ([remote], [local])
+        assert local_calls.wait([local, remote], num_returns=2, timeout=0.05) == ([remote], [local])
+        gate.set()
+        assert local_calls.get([local, remote]) == [True, "stored"]
+        assert local_calls.wait([local, remote], num_returns=2) == ([local, remote], [])
 
 
 def test_a_finished_run_keeps_its_hosts_for_the_next_run_on_the_same_bundles(cluster):

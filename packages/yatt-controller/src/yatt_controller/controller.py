@@ -22,6 +22,7 @@ from typing import Any
 
 import ray
 
+from yatt_controller import local_calls
 from yatt_controller.collective import Collective
 from yatt_controller.controller_checkpoint import ControllerCheckpoint
 from yatt_controller.controller_checkpoint import saved_reports as saved_reports  # re-exported
@@ -308,6 +309,15 @@ class Controller:
 
     def __init__(self, plan: ControllerPlan, rendezvous: Any, label: str) -> None:
         self.core = ControllerCore(plan, rendezvous, label=label)
+
+    def hosted_by(self, here: local_calls.Here) -> None:
+        """Its host process made it (`_Host.create`): the calls its views and weight sync make to the roles in
+        that process run in process (`local_calls`)."""
+        plan = self.core.plan
+        for view in [*plan.services.values(), *([plan.learner] if plan.learner is not None else [])]:
+            view.traffic.here = here
+        if plan.weight_sync is not None:
+            plan.weight_sync.here = here
 
     def prepare(self, path: str | None) -> int:
         return self.core.prepare(None if path is None else Path(path))

@@ -24,9 +24,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-import ray
 
-from yatt_controller import checkpoint
+from yatt_controller import checkpoint, local_calls
 from yatt_controller.types import StepReport
 
 if TYPE_CHECKING:
@@ -90,10 +89,10 @@ class ControllerCheckpoint:
         sharded, background = [], self.plan.checkpoint_async
         for prefix, group in self.plan.stateful():
             if writes_shards(group):
-                ray.get(group.broadcast("save_checkpoint_shards", str(staging / prefix), background))
+                local_calls.get(group.broadcast("save_checkpoint_shards", str(staging / prefix), background))
                 sharded.append((prefix, group))
                 continue
-            parts = ray.get(group.broadcast("checkpoint_state"))
+            parts = local_calls.get(group.broadcast("checkpoint_state"))
             for worker, data in zip(group.workers, parts, strict=True):
                 if data:
                     part = f"{prefix}-{worker.group_dp_rank}.{worker.tp_rank}.bin"
@@ -110,7 +109,7 @@ class ControllerCheckpoint:
         step, version, files, sharded = self._pending
         self._pending = None
         for prefix, group in sharded:
-            for written in ray.get(group.broadcast("finish_checkpoint_shards")):
+            for written in local_calls.get(group.broadcast("finish_checkpoint_shards")):
                 files.update({f"{prefix}/{name}": tuple(entry) for name, entry in written.items()})
         col, root = self.ctx.collective, self.plan.checkpoint_dir
         everything = {k: v for part in col.all_gather(files) for k, v in part.items()}
@@ -162,7 +161,7 @@ class ControllerCheckpoint:
                 part = f"{prefix}-{worker.group_dp_rank}.{worker.tp_rank}.bin"
                 data = (path / part).read_bytes() if part in manifest.files else b""
                 loads.append(worker.submit("load_checkpoint_state", (data,), {}))
-        ray.get(loads)
+        local_calls.get(loads)
         return manifest.step + 1
 
 

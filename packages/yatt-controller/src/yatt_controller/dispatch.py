@@ -24,6 +24,8 @@ from typing import Any, Protocol
 
 import ray
 
+from yatt_controller import local_calls
+
 
 class Worker(Protocol):
     dp_rank: int
@@ -203,10 +205,10 @@ class Dispatcher:
     def fetch(self, refs: Any, *, timeout: float | None = None) -> Any:
         """`ray.get` of one ref or a list of refs. A ref whose worker's process died is sent again, after its
         replica is replaced, when its call was tracked; otherwise the death is raised."""
-        single = isinstance(refs, ray.ObjectRef)
+        single = isinstance(refs, ray.ObjectRef | local_calls.LocalRef)
         listed: list[ray.ObjectRef] = [refs] if single else list(refs)
         try:
-            values = ray.get(refs, timeout=timeout)
+            values = local_calls.get(refs, timeout=timeout)  # a call in process is one `LocalRef`
         except ray.exceptions.RayActorError:
             again = [self._again(ref, timeout) for ref in listed]
             values = again[0] if single else again
@@ -218,7 +220,7 @@ class Dispatcher:
         """The value of `ref`, sent again (at most MAX_TRIES sends in all) while its worker dies."""
         for tries in range(1, MAX_TRIES + 1):
             try:
-                value = ray.get(ref, timeout=timeout)
+                value = local_calls.get(ref, timeout=timeout)
                 self._pop(ref)
                 return value
             except ray.exceptions.RayActorError as exc:
@@ -242,9 +244,9 @@ class InflightWindow:
 
     def admit(self, submit: Callable[[], ray.ObjectRef]) -> ray.ObjectRef:
         if len(self._pending) >= self.max_inflight:
-            _, self._pending = ray.wait(self._pending, num_returns=1)
+            _, self._pending = local_calls.wait(self._pending, num_returns=1)
             if self._pending:  # drop whatever else finished meanwhile, without blocking
-                _, self._pending = ray.wait(self._pending, num_returns=len(self._pending), timeout=0)
+                _, self._pending = local_calls.wait(self._pending, num_returns=len(self._pending), timeout=0)
             self.waits += 1
         ref = submit()
         self._pending.append(ref)
@@ -264,6 +266,8 @@ class Traffic:
     def __init__(self, max_inflight: int, dispatcher: Dispatcher | None = None) -> None:
         self.window = InflightWindow(max_inflight)
         self.dispatcher = dispatcher
+        # the host process its controller lives in (`local_calls.Here`): its workers there are called in process
+        self.here: local_calls.Here | None = None
         self._outstanding: dict[int, list[ray.ObjectRef]] = {}  # dp rank -> call_one refs not seen done
         self._next_rank = 0
         self._choosing = threading.Lock()
@@ -276,7 +280,7 @@ class Traffic:
         with self._choosing:  # shared by every thread calling this view
             for rank, refs in self._outstanding.items():
                 if refs:
-                    _, self._outstanding[rank] = ray.wait(refs, num_returns=len(refs), timeout=0)
+                    _, self._outstanding[rank] = local_calls.wait(refs, num_returns=len(refs), timeout=0)
             order = [(self._next_rank + i) % size for i in range(size)]
             rank = min(order, key=lambda r: len(self._outstanding.get(r, ())))  # min keeps the first of ties
             self._next_rank = (rank + 1) % size

@@ -18,6 +18,8 @@ from typing import Any
 
 import ray
 
+from yatt_controller import local_calls
+
 
 @dataclass
 class Stage:
@@ -98,7 +100,7 @@ def run_stream(
 
     submit_ready()
     while pending:
-        (ref,), _ = ray.wait(list(pending), num_returns=1)
+        (ref,), _ = local_calls.wait(list(pending), num_returns=1)  # object refs and calls in process
         done = time.perf_counter()
         i, k, submitted = pending.pop(ref)
         inflight[k] -= 1

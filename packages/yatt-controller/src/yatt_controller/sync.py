@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import ray
 
+from yatt_controller import local_calls
 from yatt_controller.worker_group import Worker, WorkerGroup
 
 SyncMode = Literal["auto", "broadcast", "colocated"]
@@ -61,6 +62,9 @@ class WeightSync:
         self.generation = 0  # bumped by every retarget: each target set gets a broadcast group of its own
         self.group_name = ""  # the formed broadcast group ("" when no target is remote)
         self.last_local_bytes = self.last_broadcast_bytes = 0
+        # the host process of the controller holding this copy (`Controller.hosted_by`): its pushes there run
+        # in process (`local_calls`)
+        self.here: local_calls.Here | None = None
         self._assign(targets)
 
     def _assign(self, targets: Sequence[WorkerGroup]) -> None:
@@ -145,19 +149,24 @@ class WeightSync:
         its own learner ranks (full colocation whose sources all hold the same weights, DDP). Every pair
         belongs to one controller's sources, so the controllers' shares together are the whole push."""
         pairs = self.pairs if sources is None else [(s, d) for s, d in self.pairs if s.label in sources]
-        local = [dst.host.sync_local.remote(src.key, dst.key, version) for src, dst in pairs]
+        local = [
+            local_calls.call(self.here, dst.host, "sync_local", src.key, dst.key, version)
+            for src, dst in pairs
+        ]
         received = []
         if self.remote and sources is None:
             if not self.group_name:
                 raise ValueError("WeightSync.push: remote targets but no broadcast group; call setup() first")
             sender = self.source.workers[0]
-            buckets = ray.get(sender.host.sync_plan.remote(sender.key, self.bucket_bytes))
-            sent = sender.host.sync_send.remote(self.group_name, sender.key, buckets)
+            buckets = local_calls.get(
+                local_calls.call(self.here, sender.host, "sync_plan", sender.key, self.bucket_bytes)
+            )
+            sent = local_calls.call(self.here, sender.host, "sync_send", self.group_name, sender.key, buckets)
             received = [
                 host.sync_recv.remote(self.group_name, keys, buckets, version)
                 for host, keys, _ in self.remote
             ]
-            ray.get(sent)
-        self.last_local_bytes = sum(ray.get(local))
+            local_calls.get(sent)
+        self.last_local_bytes = sum(local_calls.get(local))
         self.last_broadcast_bytes = sum(ray.get(received))
         return self.last_local_bytes + self.last_broadcast_bytes

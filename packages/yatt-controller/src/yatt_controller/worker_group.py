@@ -9,6 +9,7 @@ and `tp_rank` = position inside the replica. Calls go through the explicit dispa
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import gc
 import inspect
@@ -22,7 +23,7 @@ from typing import Any
 
 import ray
 
-from yatt_controller import dispatch, warm
+from yatt_controller import dispatch, local_calls, warm
 from yatt_controller.types import Heartbeat, WorkerInfo
 
 HOST_THREADS = 32  # calls a host runs at once (different roles; each role's calls hold its lock)
@@ -102,6 +103,10 @@ class _Host:
         self._busy_s: dict[str, float] = {}  # hosted key -> cumulative seconds in its calls (kept on destroy)
         self._sync_groups: dict[str, Any] = {}
         self._environ = dict(os.environ)  # what `reset` puts back
+        # the threads of this process's calls to itself (`local_calls`: a hosted controller's calls to the
+        # roles beside it), made on first use
+        self._threads: concurrent.futures.ThreadPoolExecutor | None = None
+        self._here = local_calls.Here(ray.get_runtime_context().get_actor_id(), self)
 
     def _lock(self, *keys: str) -> contextlib.ExitStack:
         """The locks of `keys`' groups, taken in a fixed order (no two callers can wait on each other)."""
@@ -117,7 +122,10 @@ class _Host:
         with self._guard:
             self._groups[key] = lock
         with self._lock(key):
-            self._objects[key] = cls(*args, **kwargs)
+            self._objects[key] = hosted = cls(*args, **kwargs)
+            adopt = getattr(hosted, "hosted_by", None)
+            if callable(adopt):  # a hosted controller: its calls to this process run in process
+                adopt(self._here)
             _freeze_heap()
         return os.getpid()
 
@@ -173,6 +181,19 @@ class _Host:
             finally:
                 self._busy_s[key] = self._busy_s.get(key, 0.0) + time.perf_counter() - start
                 self._busy.pop(key, None)
+
+    def call_here(self, method: str, *args: Any) -> local_calls.LocalRef:
+        """`method(*args)` of this host (`call`, `sync_local`...) run on one of its own threads: the call this
+        process would otherwise send itself through Ray (`local_calls`)."""
+        with self._guard:
+            if self._threads is None:
+                self._threads = concurrent.futures.ThreadPoolExecutor(
+                    HOST_THREADS, thread_name_prefix="host-here"
+                )
+            threads = self._threads
+        what = f"{self._label}: {method}({args[0] if args else ''})"
+        local_calls.count_sent(args)
+        return local_calls.LocalRef(threads.submit(getattr(self, method), *args), what)
 
     def serve(self, key: str, method: str, args: tuple) -> Any:
         """A long call of a hosted driver-side object (a controller's `run`), under its key's lock. Not
@@ -329,9 +350,13 @@ class Worker:
     def window(self) -> dispatch.InflightWindow | None:
         return None if self.traffic is None else self.traffic.window
 
-    def submit(self, method: str, args: tuple, kwargs: dict) -> ray.ObjectRef:
-        def go() -> ray.ObjectRef:
-            return self.host.call.remote(self.key, method, args, kwargs)
+    def submit(self, method: str, args: tuple, kwargs: dict) -> ray.ObjectRef | local_calls.LocalRef:
+        """The call through Ray, or in process (a `LocalRef`) when the worker's host is the process of the
+        controller whose view this worker is in (`Traffic.here`)."""
+
+        def go() -> ray.ObjectRef | local_calls.LocalRef:
+            here = None if self.traffic is None else self.traffic.here
+            return local_calls.call(here, self.host, "call", self.key, method, args, kwargs)
 
         return self.traffic.window.admit(go) if self.traffic is not None else go()
 
@@ -487,7 +512,8 @@ class WorkerGroup:
             self.dp_size, lambda r: dispatch.to_rank(workers, r, method, args, kwargs)
         )
         dispatcher = self.traffic.dispatcher
-        if dispatcher is not None:  # a dead replica is replaced and the call sent again (replace.py)
+        # a dead replica is replaced and the call sent again (replace.py); a call in process has none to lose
+        if dispatcher is not None and not local_calls.is_local(ref):
             dispatcher.track(self, rank, ref, method, args, kwargs)
         return ref
 

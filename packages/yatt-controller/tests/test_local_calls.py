@@ -64,6 +64,36 @@ def test_a_timeout_is_rays_timeout_error(threads):
     assert local_calls.get(ref) is True
 
 
+def test_a_calls_own_timeout_error_is_its_own_and_a_bad_num_returns_is_refused(threads):
+    def socket_timeout():
+        raise TimeoutError("the judge's socket timed out")
+
+    ref = _call(threads, socket_timeout)
+    with pytest.raises(TimeoutError, match="the judge's socket timed out") as raised:
+        local_calls.get(ref, timeout=5)
+    assert not isinstance(raised.value, ray.exceptions.GetTimeoutError)
+    with pytest.raises(ValueError, match=r"num_returns must be in \[1, 1\], got 2"):
+        local_calls.wait([ref], num_returns=2)
+
+
+def test_a_failed_call_nobody_fetched_is_reported(threads, capsys):
+    def broken():
+        raise RuntimeError("the engine ran out of blocks")
+
+    ref = _call(threads, broken)
+    ref.future.exception()  # finished
+    del ref
+    assert (
+        "failed and its result was never fetched: broken: RuntimeError('the engine ran out of blocks')"
+        in (capsys.readouterr().err)
+    )
+    fetched = _call(threads, broken)
+    with pytest.raises(RuntimeError):
+        local_calls.get(fetched)
+    del fetched
+    assert capsys.readouterr().err == ""  # its caller saw the error
+
+
 def test_the_byte_ledger_counts_a_call_in_process_as_it_would_one_through_ray(threads):
     payload = b"x" * 1000
     with count_driver_ray_bytes() as ledger:

@@ -17,6 +17,7 @@ never meets a dead worker: its process is the caller's.
 from __future__ import annotations
 
 import concurrent.futures
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,16 +25,26 @@ from typing import Any
 
 import ray
 
-_POLL_S = 0.0005  # a wait over both kinds looks at each this often
+_POLL_S = 0.001  # a wait over both kinds looks at each this often (Ray's wait counts whole milliseconds)
 
 
 class LocalRef:
     """The pending result of a call run in this process (a future), where an object ref would stand."""
 
-    __slots__ = ("future", "what")
+    __slots__ = ("fetched", "future", "what")
 
     def __init__(self, future: concurrent.futures.Future, what: str) -> None:
-        self.future, self.what = future, what
+        self.future, self.what, self.fetched = future, what, False
+
+    def __del__(self) -> None:
+        # as Ray logs an object ref's error that nobody fetched (a tp peer's, whose ref `to_rank` drops)
+        future = self.future
+        if not self.fetched and future.done() and not future.cancelled() and future.exception() is not None:
+            print(
+                f"a call in process failed and its result was never fetched: {self.what}: "
+                f"{future.exception()!r}",
+                file=sys.stderr,
+            )
 
     def __repr__(self) -> str:
         return f"LocalRef({self.what}, {'done' if self.future.done() else 'running'})"
@@ -109,6 +120,8 @@ def wait(
     local = [ref for ref in listed if isinstance(ref, LocalRef)]
     if not local:
         return ray.wait(listed, num_returns=num_returns, timeout=timeout)
+    if not 1 <= num_returns <= len(listed):
+        raise ValueError(f"wait: num_returns must be in [1, {len(listed)}], got {num_returns}")
     remote = [ref for ref in listed if not isinstance(ref, LocalRef)]
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
@@ -120,9 +133,12 @@ def wait(
             picked = {_key(ref) for ref in ready}
             return ready, [ref for ref in listed if _key(ref) not in picked]
         running = [ref.future for ref in local if not ref.future.done()]
-        if remote:  # both kinds: look at each in turn
-            ray.wait(remote, num_returns=1, timeout=_shortest(left, _POLL_S))
-            concurrent.futures.wait(running, timeout=0 if not running else _shortest(left, _POLL_S))
+        pending = [ref for ref in remote if _key(ref) not in done]
+        if running and pending:  # both kinds still running: block on Ray's a millisecond at a time (its
+            # shortest timeout), then look at the local ones
+            ray.wait(pending, num_returns=1, timeout=_shortest(left, _POLL_S))
+        elif pending:
+            ray.wait(pending, num_returns=1, timeout=left)
         else:
             concurrent.futures.wait(running, timeout=left, return_when=concurrent.futures.FIRST_COMPLETED)
 
@@ -132,9 +148,12 @@ def _key(ref: Any) -> bytes:
 
 
 def _result(ref: LocalRef, timeout: float | None) -> Any:
+    ref.fetched = True
     try:
         value = ref.future.result(timeout=timeout)
     except concurrent.futures.TimeoutError as exc:
+        if ref.future.done():  # the call's own TimeoutError (a socket's...), not the wait's
+            raise
         raise ray.exceptions.GetTimeoutError(f"{ref.what}: no result within {timeout}s") from exc
     count_received(value)
     return value

@@ -4,10 +4,10 @@ The parallel-controller claim is that no sample passes through the driver. Rathe
 only what one module sends), `count_driver_ray_bytes()` wraps Ray's own API in the driver for the duration of
 a run: the arguments of every remote call (actor methods, remote functions, actor constructors), every
 `ray.put`, and every value `ray.get` returns, whoever calls it (the runtime, a step function running in the
-driver, a library), and the same of the calls the process runs in process (`local_calls`: a controller's calls
-to the roles in its own host). `ray.wait` moves no data and is free. Sizes are payload sizes (buffers, strings, arrays,
-tensors), measured without serialising: the accounting must not cost a copy itself; object refs count 0 (the
-bytes move when someone fetches them, and are counted there if it is the driver).
+driver, a library), and the same of the calls the process runs in process (`local_calls`: a controller's
+calls to the roles in its own host). `ray.wait` moves no data and is free. Sizes are payload sizes (buffers,
+strings, arrays, tensors), measured without serialising: the accounting must not cost a copy itself; object
+refs count 0 (the bytes move when someone fetches them, and are counted there if it is the driver).
 """
 
 from __future__ import annotations

@@ -4,9 +4,10 @@ same host (the rules' own lock group), and the rule workers' start-up inside the
 the reward worker). bench_e2e measures the step these make (README, "Asynchronous training")."""
 
 import msgspec
+import torch
 from yatt_apps.config import RunConfig, tiny_cpu
 from yatt_apps.runtime.job import reward_lock
-from yatt_apps.runtime.phases import chunks_per_replica, num_chunks
+from yatt_apps.runtime.phases import chunks_per_replica, num_chunks, pad_batch
 from yatt_apps.runtime.workers import RewardWorker
 
 
@@ -35,3 +36,13 @@ def test_rule_rewards_run_in_their_own_host_lock_group():
         pass
 
     assert reward_lock(_rules_only(judged), OwnReward) == "host"
+
+
+def test_pad_batch_right_pads_and_marks_the_response_tokens():
+    # worked by hand: prompt [5, 6] + response [7] -> width 4 (the longest row: [1] + [2, 3, 4]); an empty
+    # response marks no token
+    batch = pad_batch([[5, 6], [1], [8, 9, 10]], [[7], [2, 3, 4], []], 0)
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 0], [1, 2, 3, 4], [8, 9, 10, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 1, 0]]
+    assert batch["response_mask"].tolist() == [[0, 0, 1, 0], [0, 1, 1, 1], [0, 0, 0, 0]]
+    assert (batch["input_ids"].dtype, batch["response_mask"].dtype) == (torch.long, torch.bool)

@@ -189,8 +189,8 @@ BLOB_BYTES = 10 * 2**20
 
 
 def blob_step(ctx, batch: list[int]) -> dict[str, float]:
-    """Fetches a 10 MiB array from a service with `local_calls.get` (a plain `ray.get` that also takes a call
-    run in process: not the runtime's `ctx.get`)."""
+    """Fetches a 10 MiB array from a service with `local_calls.get` (`ray.get` that also takes a call run in
+    process), not the runtime's `ctx.get`: the driver's ledger counts it as any library's fetch."""
     from yatt_controller import local_calls
 
     array = local_calls.get(ctx.services["rollout"].rank_zero("blob", BLOB_BYTES))

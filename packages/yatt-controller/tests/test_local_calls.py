@@ -1,5 +1,5 @@
 """`local_calls`: refs of calls run in process mixed with object refs in `get` and `wait`, with Ray's meaning;
-errors raised as they are; a timeout as Ray's; the byte ledger counting calls in process. (A hosted
+errors raised as they are; a timeout as Ray's. (A hosted
 controller's calls reaching them: test_runtime.py, `pid_step`.)"""
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import ray
 from yatt_controller import local_calls
-from yatt_controller.ledger import count_driver_ray_bytes
 from yatt_controller.local_calls import LocalRef
 
 
@@ -92,17 +91,6 @@ def test_a_failed_call_nobody_fetched_is_reported(threads, capsys):
         local_calls.get(fetched)
     del fetched
     assert capsys.readouterr().err == ""  # its caller saw the error
-
-
-def test_the_byte_ledger_counts_a_call_in_process_as_it_would_one_through_ray(threads):
-    payload = b"x" * 1000
-    with count_driver_ray_bytes() as ledger:
-        local_calls.count_sent((payload,))  # what `_Host.call_here` counts of its arguments
-        assert local_calls.get(_call(threads, lambda: payload * 3)) == payload * 3
-    assert (ledger.sent, ledger.received) == (1000, 3000)
-    local_calls.count_sent((payload,))  # the ledger's hooks left with its block: nothing more counted
-    local_calls.get(_call(threads, lambda: payload))
-    assert (ledger.sent, ledger.received) == (1000, 3000)
 
 
 def test_here_is_one_process_and_pickles_as_none():

@@ -155,8 +155,9 @@ def test_parallel_carries_no_samples_through_the_driver(cluster):
 
 
 def test_driver_bytes_count_what_a_driver_side_step_fetches(cluster):
-    # single mode runs the step in the driver: its fetch of a 10 MiB array is counted, twice, though the
-    # rollout role beside it answers in process (`local_calls`): the driver still handles every byte
+    # single mode runs the step in the driver: its fetch of a 10 MiB array is counted, twice (the driver is no
+    # host process, so the fetch goes through Ray; a parallel controller's fetch from the rollout role beside
+    # it runs in process, which is why the step fetches with `local_calls.get`, not a plain `ray.get`)
     job = dataclasses.replace(_job(num_steps=2), step_fn=doubles.blob_step)
     single = run(
         ControllerSpec(mode="single", heartbeat_interval_s=0.5, count_driver_bytes=True), job, cluster

@@ -4,10 +4,10 @@ The parallel-controller claim is that no sample passes through the driver. Rathe
 only what one module sends), `count_driver_ray_bytes()` wraps Ray's own API in the driver for the duration of
 a run: the arguments of every remote call (actor methods, remote functions, actor constructors), every
 `ray.put`, and every value `ray.get` returns, whoever calls it (the runtime, a step function running in the
-driver, a library), and the same of the calls the process runs in process (`local_calls`: a controller's
-calls to the roles in its own host). `ray.wait` moves no data and is free. Sizes are payload sizes (buffers,
-strings, arrays, tensors), measured without serialising: the accounting must not cost a copy itself; object
-refs count 0 (the bytes move when someone fetches them, and are counted there if it is the driver).
+driver, a library). `ray.wait` moves no data and is free. Sizes are payload sizes (buffers, strings, arrays,
+tensors), measured without serialising: the accounting must not cost a copy itself; object refs count 0 (the
+bytes move when someone fetches them, and are counted there if it is the driver). The driver is never a
+host process, so it makes no calls in process (`local_calls`): all it moves goes through Ray.
 """
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import msgspec
-
-from yatt_controller import local_calls
 
 SCALAR_BYTES = 8  # a number or None on the wire: a fixed, small charge
 
@@ -120,7 +118,6 @@ def count_driver_ray_bytes() -> Iterator[ByteLedger]:
         return wrapper
 
     original_get, original_put = ray.get, ray.put
-    original_sent, original_received = local_calls.count_sent, local_calls.count_received
 
     @functools.wraps(original_get)
     def get(*args: Any, **kwargs: Any) -> Any:
@@ -136,14 +133,11 @@ def count_driver_ray_bytes() -> Iterator[ByteLedger]:
     owners: list[Any] = [ray.actor.ActorMethod, ray.actor.ActorClass, ray.remote_function.RemoteFunction]
     saved = [(owner, owner.__dict__["_remote"]) for owner in owners]
     try:
-        # calls this process runs in process count as they would through Ray
-        local_calls.count_sent, local_calls.count_received = ledger.count_sent, ledger.count_received
         ray.get, ray.put = get, put
         for owner, original in saved:
             owner._remote = submitting(original)
         yield ledger
     finally:
-        local_calls.count_sent, local_calls.count_received = original_sent, original_received
         ray.get, ray.put = original_get, original_put
         for owner, original in saved:
             owner._remote = original

@@ -82,17 +82,6 @@ def call(here: Here | None, handle: Any, method: str, *args: Any) -> Any:
     return host.call_here(method, *args) if host is not None else getattr(handle, method).remote(*args)
 
 
-# The byte ledger's hooks (`ledger.count_driver_ray_bytes` replaces them while it counts, as it replaces
-# `ray.get`): a call in process counts its arguments as sent and its result as received, as the same call
-# through Ray would (the driver of a single controller still handles every sample it hands to the roles).
-def count_sent(obj: object) -> None:
-    """What `_Host.call_here` hands over (nothing counts it unless a ledger is active)."""
-
-
-def count_received(obj: object) -> None:
-    """What `get` returns of a call in process (nothing counts it unless a ledger is active)."""
-
-
 def is_local(ref: Any) -> bool:
     return isinstance(ref, LocalRef)
 
@@ -155,7 +144,6 @@ def _result(ref: LocalRef, timeout: float | None) -> Any:
         if ref.future.done():  # the call's own TimeoutError (a socket's...), not the wait's
             raise
         raise ray.exceptions.GetTimeoutError(f"{ref.what}: no result within {timeout}s") from exc
-    count_received(value)
     return value
 
 

@@ -192,7 +192,6 @@ class _Host:
                 )
             threads = self._threads
         what = f"{self._label}: {method}({args[0] if args else ''})"
-        local_calls.count_sent(args)
         return local_calls.LocalRef(threads.submit(getattr(self, method), *args), what)
 
     def serve(self, key: str, method: str, args: tuple) -> Any:

@@ -304,14 +304,14 @@ def _listening(pids: set[int]) -> list[str]:
     )
 
 
-# room for the two stops and the resumes: each stop leaves steps to run after it, however fast the steps are
-# (at 16, a resumed run could log its last step before its Ctrl-C arrived; 48 since a hosted controller's
-# calls run in process and the tiny step got a quarter shorter)
-STEPS = 48
+# The run is started for more steps than the stops leave it time for, however fast the steps get (at 16, a
+# resumed run once logged its last step before its Ctrl-C arrived); the last resume shortens it with
+# `--set run.num_steps=N` (what a user does to change a run's length) to a few steps past its checkpoint.
+STEPS = 400
 
 
 def test_kill_9_then_ctrl_c_then_resume_log_every_step_once(tmp_path, yatt_cli):
-    """One 32-step run, stopped twice and resumed twice (`yatt` in a fresh process with its own Ray for the two
+    """One run, stopped twice and resumed twice (`yatt` in a fresh process with its own Ray for the two
     that are stopped; the last resume in this process, on the test process's Ray session):
     1. kill -9 of the driver alone once step 2 is logged (what a crash or the OOM killer does): the job's Ray
        listened on the loopback interface only, and no process of the driver's tree is left (its reaper ends
@@ -319,9 +319,9 @@ def test_kill_9_then_ctrl_c_then_resume_log_every_step_once(tmp_path, yatt_cli):
     2. `yatt resume`, then SIGINT to its process group (what a terminal's Ctrl-C does) two steps later: exit
        130, the resume hint with the last logged step and the checkpoint it continues from, no traceback, no
        Ray process left;
-    3. its newest checkpoint broken, `yatt resume` to the end: it skips that checkpoint naming it, continues
-       from the one before, and steps 0..31 are logged once each (each resume redoes the steps after its
-       checkpoint)."""
+    3. its newest checkpoint broken, `yatt resume --set run.num_steps=N` to the end (N a few steps past the
+       last one logged): it skips that checkpoint naming it, continues from the one before, and steps 0..N-1
+       are logged once each (each resume redoes the steps after its checkpoint)."""
     from yatt_controller import checkpoint
 
     run_dir, ray_tmp = tmp_path / "run", _ray_tmp()
@@ -373,7 +373,8 @@ def test_kill_9_then_ctrl_c_then_resume_log_every_step_once(tmp_path, yatt_cli):
     # the newest checkpoint broken (one flipped byte): the last resume continues from the one before it,
     # saying which it skipped, and still logs each step once
     _corrupt(found[0])
-    assert yatt_cli("resume", str(run_dir))["step"] == STEPS - 1
+    end = max(logged[-1], found[1].step) + 3
+    assert yatt_cli("resume", str(run_dir), "--set", f"run.num_steps={end}")["step"] == end - 1
     why = "learner/extra-0.pt does not match its manifest entry (size or sha256)"
     assert f"skipped checkpoint {found[0]}: {why}\n" in yatt_cli.stderr, yatt_cli.stderr[-3000:]
-    assert _steps(run_dir) == list(range(STEPS))
+    assert _steps(run_dir) == list(range(end))

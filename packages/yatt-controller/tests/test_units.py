@@ -6,6 +6,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import re
+import time
 
 import msgspec
 import pytest
@@ -141,6 +142,29 @@ def test_busy_readings_carry_a_poll_burst_and_drop_held_windows():
         "new": 0.1,
         "rollout": 0.5,
     }
+
+
+def test_a_host_ping_reads_its_calls_while_they_change():
+    """The health thread reads a host's calls while its call threads add and remove them: `longest_call`
+    iterates a copy. The stand-in call below adds a call the moment it is read, as a call thread can between
+    two items; reading the dict itself raises "dictionary changed size during iteration"."""
+    from yatt_controller.worker_group import longest_call
+
+    busy: dict[str, tuple[str, float]] = {}
+
+    class Call(tuple):
+        def __getitem__(self, i):
+            busy[f"started-{len(busy)}"] = ("learner.train", 30.0)
+            return tuple.__getitem__(self, i)
+
+    busy["engine"] = Call(("engine.generate", 20.0))
+    busy["reward"] = ("reward.score", 10.0)
+    assert longest_call(busy) == ("reward.score", 10.0)
+    assert len(busy) > 2  # the stand-in did change the dict while it was read
+    with pytest.raises(RuntimeError, match="changed size during iteration"):  # what ping used to do
+        min(busy.values(), key=lambda call: call[1])
+    phase, since = longest_call({})
+    assert phase == "" and abs(since - time.time()) < 5
 
 
 def test_payload_nbytes_counts_payload_not_structure():

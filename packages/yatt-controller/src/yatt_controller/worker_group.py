@@ -210,7 +210,7 @@ class _Host:
     def ping(self) -> Heartbeat:
         """Liveness, the longest call this host is in (`phase`, since `time_unix`; "" when idle) and the
         cumulative busy seconds of each hosted key (role)."""
-        busy, since = min(self._busy.values(), key=lambda b: b[1], default=("", time.time()))
+        busy, since = longest_call(self._busy)
         node = ray.get_runtime_context().get_node_id()
         return Heartbeat(
             actor=self._label, node_id=node, step=0, phase=busy, time_unix=since, busy_s=dict(self._busy_s)
@@ -263,6 +263,15 @@ class _Host:
 
         with self._lock(src_key, dst_key):
             return weight_sync.copy_local(self._objects[src_key], self._objects[dst_key], version)
+
+
+def longest_call(busy: dict[str, tuple[str, float]]) -> tuple[str, float]:
+    """The (call, since) of the call in `busy` (a host's, written by its call threads) that began first;
+    ("", now) when none. It reads a copy: the threads add and remove calls while the health thread asks, and
+    `list` copies in C, where no other thread runs (iterating the dict itself raised "dictionary changed size
+    during iteration" in a live ping, which the health monitor took for a failed controller)."""
+    calls = list(busy.values())
+    return min(calls, key=lambda call: call[1], default=("", time.time()))
 
 
 def _device_share(realized: Any, device: int) -> float:

@@ -48,6 +48,14 @@ same. `overlap_bound_over_trl` = 2 x TRL's one-thread tokens/s / TRL's best: abo
 does TRL's work per token, one role per core on two cores, can reach over TRL, since TRL already uses the
 second core with its second thread (`trl_tokens_per_s_by_threads`). It is an estimate from one run of each
 thread count, as noisy as they are.
+CPU time, measured, beside the estimate: over each run's timed steps the machine's busy CPU seconds (every
+core; on an idle machine, the run's own processes) are read from /proc at the end of the last warm-up step
+and of the last step (YATT: stamped by controller 0 as each step ends; TRL: its step callbacks), with each
+process's share. `yatt_tokens_per_cpu_s_by_layout` and `trl_tokens_per_cpu_s_by_threads` are completion tokens
+per busy CPU second; `cpu_bound_over_trl` = cores x YATT's best tokens per CPU second / TRL's best tokens/s:
+the most any schedule of YATT's CPU work as it is can reach over TRL on this machine (every core busy all
+the time). `yatt_machine_busy` is the share of the cores the best layout kept busy; `*_steal_s_per_step` the
+CPU time the hypervisor gave to other machines meanwhile (a noisy neighbour shows there).
 
 Differences that cannot be removed: YATT spreads the step over processes (learner, rollout engine with a KV
 cache and reward worker per device, weights pushed to the engine after each update; the reward worker scores
@@ -130,6 +138,103 @@ def throughput(tokens: list[float], step_s: list[float]) -> dict:
     }
 
 
+# ---- CPU time ------------------------------------------------------------------------------------------
+
+
+def cpu_reading() -> dict:
+    """The machine's busy CPU seconds so far (every core: user, nice, system, irq, softirq; not idle, iowait
+    or steal), the seconds the hypervisor gave to others (steal), and each process's own CPU seconds."""
+    import psutil
+
+    t = psutil.cpu_times()
+    procs = {}
+    for proc in psutil.process_iter(["name", "cpu_times"]):
+        times = proc.info["cpu_times"]
+        if times is not None:
+            procs[proc.pid] = (proc.info["name"] or "?", times.user + times.system)
+    busy = t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
+    return {"wall": time.perf_counter(), "busy": busy, "steal": getattr(t, "steal", 0.0), "procs": procs}
+
+
+def cpu_per_step(start: dict, end: dict, steps: int) -> dict:
+    """CPU seconds per step between two readings `steps` steps apart: the machine's (all its processes,
+    so an idle machine's is the run's own), the steal, and the processes that used the most (name[pid])."""
+    per_proc = {
+        f"{name}[{pid}]": (cpu - start["procs"].get(pid, (name, 0.0))[1]) / steps
+        for pid, (name, cpu) in end["procs"].items()
+    }
+    top = dict(sorted(per_proc.items(), key=lambda kv: -kv[1])[:6])
+    return {
+        "cpu_s_per_step": (end["busy"] - start["busy"]) / steps,
+        "steal_s_per_step": (end["steal"] - start["steal"]) / steps,
+        "wall_s_per_step": (end["wall"] - start["wall"]) / steps,
+        "top_processes": {k: round(v, 4) for k, v in top.items()},
+    }
+
+
+class StampedSteps:
+    """A job's step function that appends `step unix_time` to `path` as each of controller 0's steps ends: the
+    bounds of the timed steps' CPU window. (The driver's metrics.jsonl cannot give them: reports reach it
+    with the heartbeats, several steps at once.)"""
+
+    def __init__(self, step_fn, path: Path) -> None:
+        self.step_fn, self.path = step_fn, path
+
+    def __call__(self, ctx, batch):
+        out = self.step_fn(ctx, batch)
+        if ctx.rank == 0:
+            with open(self.path, "a") as f:
+                f.write(f"{ctx.step} {time.time()}\n")
+        return out
+
+
+def stamped(job, path: Path):
+    """`job` whose step function is wrapped in `StampedSteps` (pickled by value: the controllers' processes
+    do not import this file)."""
+    import dataclasses
+
+    import ray.cloudpickle
+
+    if __name__ != "__main__":
+        ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+    def step(*args, **kwargs):
+        return StampedSteps(job.step(*args, **kwargs), path)
+
+    return dataclasses.replace(job, step=step)
+
+
+class LogWatch:
+    """Reads the CPU clocks when the lines of `path` (`StampedSteps`: one a step) reach `first` and then
+    `last`, from a thread polling the file every 10 ms."""
+
+    def __init__(self, path: Path, first: int, last: int) -> None:
+        import threading
+
+        self.path, self.marks, self.readings = path, (first, last), {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.01) and len(self.readings) < 2:
+            try:
+                lines = self.path.read_bytes().count(b"\n")
+            except FileNotFoundError:
+                continue
+            for mark in self.marks:
+                if lines >= mark and mark not in self.readings:
+                    self.readings[mark] = cpu_reading()
+
+    def result(self) -> dict | None:
+        self._stop.set()
+        self._thread.join()
+        first, last = self.marks
+        if first not in self.readings or last not in self.readings:
+            return None
+        return cpu_per_step(self.readings[first], self.readings[last], last - first)
+
+
 # ---- YATT ------------------------------------------------------------------------------------------------
 
 
@@ -196,7 +301,11 @@ def run_yatt(policy_dir: str, root: Path, args: argparse.Namespace, layout: str)
         time.perf_counter(),
         root / f"yatt-run-{layout}-{Path(policy_dir).name}-L{args.max_new_tokens}",
     )
-    summary = run_job(cfg, run_dir, JOB)
+    # the timed steps' CPU: from the end of the last warm-up step to the end of the last step
+    stamps = root / f"{run_dir.name}.steps"
+    watch = LogWatch(stamps, max(args.warmup, 1), args.warmup + args.steps)
+    summary = run_job(cfg, run_dir, stamped(JOB, stamps))
+    cpu = watch.result()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     timed = [row for row in rows if row["step"] >= args.warmup]
     assert len(timed) == args.steps, f"YATT logged {len(rows)} steps, expected {args.warmup + args.steps}"
@@ -212,7 +321,17 @@ def run_yatt(policy_dir: str, root: Path, args: argparse.Namespace, layout: str)
         "final_reward": statistics.fmean(row["reward/mean"] for row in rows[-FINAL_STEPS:]),
         "driver_bytes": summary["driver_bytes"],
         "wall_s": time.perf_counter() - started,
+        "cpu": cpu,
+        "tokens_per_cpu_s": _tokens_per_cpu_s(rows, cpu, max(args.warmup, 1)),
     }
+
+
+def _tokens_per_cpu_s(rows: list[dict], cpu: dict | None, first: int) -> float | None:
+    """Completion tokens per busy CPU second over the steps the CPU readings span (after line `first`)."""
+    if cpu is None:
+        return None
+    tokens = [row["rollout/response_tokens"] for row in rows[first:]]
+    return statistics.fmean(tokens) / cpu["cpu_s_per_step"]
 
 
 # ---- TRL -------------------------------------------------------------------------------------------------
@@ -238,19 +357,25 @@ def format_reward(prompts, completions, answer, **_) -> list[float]:
     return [regex_reward(r, pattern=FORMAT_PATTERN, mode="search") for r in _requests(completions, answer)]
 
 
-def _step_timer(batch_completions: int):
-    """A TrainerCallback recording each optimizer step's wall time and completion tokens."""
+def _step_timer(batch_completions: int, warmup: int):
+    """A TrainerCallback recording each optimizer step's wall time and completion tokens, and the CPU
+    readings at the start of the first timed step and the end of each step after it (`cpu`: the last)."""
     from transformers import TrainerCallback
 
     class StepTimer(TrainerCallback):
         def __init__(self) -> None:
             self.step_s, self.tokens, self.rewards, self._start = [], [], [], 0.0
+            self.cpu: list[dict] = []
 
         def on_step_begin(self, args, state, control, **kwargs):
+            if len(self.step_s) == warmup:
+                self.cpu = [cpu_reading()]
             self._start = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
             self.step_s.append(time.perf_counter() - self._start)
+            if len(self.step_s) > warmup:
+                self.cpu[1:] = [cpu_reading()]
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "completions/mean_length" in logs:
@@ -300,7 +425,7 @@ def run_trl(policy_dir: str, root: Path, args: argparse.Namespace, threads: int)
         log_completions=False,
         reward_weights=[1.0, 0.5],
     )
-    timer = _step_timer(batch)
+    timer = _step_timer(batch, args.warmup)
     torch.set_num_threads(threads)
     started = time.perf_counter()
     rewards = [math_verify_reward, format_reward]
@@ -310,8 +435,11 @@ def run_trl(policy_dir: str, root: Path, args: argparse.Namespace, threads: int)
     trainer.train()
     assert len(timer.step_s) == len(timer.tokens) == args.warmup + args.steps, (timer.step_s, timer.tokens)
     timed = slice(args.warmup, None)
+    cpu = cpu_per_step(timer.cpu[0], timer.cpu[1], args.steps)
     return {
         **throughput(timer.tokens[timed], timer.step_s[timed]),
+        "cpu": cpu,
+        "tokens_per_cpu_s": statistics.fmean(timer.tokens[timed]) / cpu["cpu_s_per_step"],
         "torch_threads": threads,
         "final_reward": statistics.fmean(timer.rewards[-FINAL_STEPS:]),
         "wall_s": time.perf_counter() - started,
@@ -390,9 +518,10 @@ def bench_size(root: Path, args: argparse.Namespace, size: str) -> dict:
     runs += [(f"trl/{r['torch_threads']}t" + ("/again" if r.get("repeat") else ""), r) for r in trls]
     for name, res in runs:
         steps, tps = ", ".join(f"{s:.2f}" for s in res["step_s"]), res["tokens_per_s"]
+        cpu = res["cpu"] or {}
         print(
             f"  {name:10} {tps:9.1f} tokens/s median  ({res['tokens']:.0f} tokens in {res['seconds']:.2f} s; "
-            f"steps {steps}; wall {res['wall_s']:.1f} s)"
+            f"steps {steps}; wall {res['wall_s']:.1f} s; CPU {cpu.get('cpu_s_per_step', 0):.3f} s a step)"
         )
     out = {"size": size, "max_new_tokens": args.max_new_tokens}
     if trls:
@@ -444,6 +573,36 @@ def bench_size(root: Path, args: argparse.Namespace, size: str) -> dict:
         out["overlap_bound_over_trl"] = round(2 * max(one_thread) / trl["tokens_per_s"], 3)
     if trls and syncs:
         out["sync_ratio_yatt_over_trl"] = round(sync["tokens_per_s"] / trl["tokens_per_s"], 3)
+    out |= cpu_keys(trls, yatts, trl if trls else None, yatt if yatts else None)
+    return out
+
+
+def cpu_keys(trls: list[dict], yatts: list[dict], trl: dict | None, yatt: dict | None) -> dict:
+    """What the machine's CPU time says: each run's completion tokens per busy CPU second, and the most a
+    layout could reach over TRL with its CPU work as it is (`cpu_bound_over_trl`: every core busy all the
+    time, so tokens/s = cores x tokens per CPU second; no schedule of the same work does better). The best
+    runs' CPU seconds a step, how busy they kept the machine, the steal (CPU time the hypervisor gave to
+    others while they ran) and their processes that used the most."""
+    cores = os.cpu_count() or 1
+    out: dict = {}
+    if trls:
+        out["trl_tokens_per_cpu_s_by_threads"] = {
+            _trl_key(r): round(r["tokens_per_cpu_s"], 1) for r in trls if r["tokens_per_cpu_s"]
+        }
+    if yatts:
+        out["yatt_tokens_per_cpu_s_by_layout"] = {
+            r["layout"]: round(r["tokens_per_cpu_s"], 1) for r in yatts if r["tokens_per_cpu_s"]
+        }
+    for side, best in (("trl", trl), ("yatt", yatt)):
+        cpu = best and best["cpu"]
+        if cpu:
+            out[f"{side}_cpu_s_per_step"] = round(cpu["cpu_s_per_step"], 4)
+            out[f"{side}_machine_busy"] = round(cpu["cpu_s_per_step"] / (cores * cpu["wall_s_per_step"]), 3)
+            out[f"{side}_steal_s_per_step"] = round(cpu["steal_s_per_step"], 4)
+            out[f"{side}_cpu_top_processes"] = cpu["top_processes"]
+    bounds = [r["tokens_per_cpu_s"] for r in yatts if r["tokens_per_cpu_s"]]
+    if trl and bounds:
+        out["cpu_bound_over_trl"] = round(cores * max(bounds) / trl["tokens_per_s"], 3)
     return out
 
 

@@ -4,6 +4,7 @@ smallest one (learner 1, rollout and reward 1 of 2), one shared Ray session."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -58,6 +59,79 @@ def test_colocated_async_is_a_config_error(tmp_path, capsys):
     assert "rollout.partial=true needs algo.max_staleness > 0" in capsys.readouterr().err
 
 
+class _RecordingSync:
+    """A `WeightSync` stand-in recording the calls made on it; each push moves 1000 bytes."""
+
+    remote, bucket_bytes = True, 4096
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.pending = False
+
+    def push(self, version: int) -> int:
+        self.calls.append(f"push {version}")
+        return 1000
+
+    def start(self, version: int) -> None:
+        self.calls.append(f"start {version}")
+        self.pending = True
+
+    def settle(self) -> int:
+        self.calls.append("settle")
+        landed, self.pending = 1000 if self.pending else 0, False
+        return landed
+
+
+def test_a_background_push_lands_before_the_next_generation_and_counts_in_that_step():
+    """One async controller with a DDP learner: the step starts its push and goes on; the next call to the
+    rollout engines (or the learner) waits for it to land, and the step it lands in reports its bytes. The
+    real path: the rule-only async runs below (`straight_k1`: each sample within the bound, and a resumed
+    run's steps equal to the straight run's, `sync/bytes` included)."""
+    from types import SimpleNamespace
+
+    from yatt_apps.runtime.phases import (
+        SyncBytes,
+        background_push,
+        initial_push,
+        push_weights,
+        submit_rollout,
+    )
+
+    cfg = async_config(1, 2, rules_only=True)
+    assert background_push(cfg)
+    assert not background_push(async_config(1, 2))  # two controllers: each push is waited for
+    assert not background_push(PRESETS["tiny_cpu"]())  # on-policy
+    sync = _RecordingSync()
+    engine = SimpleNamespace(dp_size=1, call_one=lambda method, chunk: sync.calls.append(method) or chunk)
+    ctx = SimpleNamespace(
+        rank=0,
+        world_size=1,
+        policy_version=0,
+        state={},
+        weight_sync=sync,
+        learner=SimpleNamespace(broadcast=lambda method, *args: [0]),  # DDP: no bucket to gather
+        get=lambda refs: refs,
+        services={"rollout": engine},
+        barrier=lambda: None,
+        before_push=lambda: None,
+        phase=lambda name: contextlib.nullcontext(),
+    )
+    plan = placement_plan(cfg, JOB)
+
+    def step(ctx, batch):
+        submit_rollout(ctx, ["request"], per_replica=1)
+        push_weights(ctx, cfg, plan)
+        return {"loss": 0.0}
+
+    initial_push(ctx, 0, background=True)
+    assert sync.calls == ["start 0"] and sync.pending
+    stepped = SyncBytes(step)
+    assert stepped(ctx, []) == {"loss": 0.0, "sync/bytes": 1000.0}  # the first push landed in step 0
+    assert sync.calls == ["start 0", "settle", "generate", "start 1"] and ctx.policy_version == 1
+    assert stepped(ctx, []) == {"loss": 0.0, "sync/bytes": 1000.0}  # step 0's push landed in step 1
+    assert sync.calls[4:] == ["settle", "generate", "start 2"] and ctx.policy_version == 2
+
+
 def metrics(run_dir) -> dict[int, dict]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {row["step"]: row for row in rows}
@@ -90,6 +164,10 @@ def test_staleness_is_bounded_and_generation_overlaps_training(ray_session, requ
     assert steps[3]["async/staleness_max"] == k and steps[0]["async/staleness_max"] == 0
     assert steps[3]["async/staleness_mean"] > 0
     assert sum(s["async/rollout_train_overlap_s"] for s in steps.values()) > 0.0
+    # every step reports one whole push: its own (k=2: two controllers wait for it), or with one controller
+    # (k=1) the one that landed during it, the previous step's or at step 0 the run's first
+    pushed = {s["sync/bytes"] for s in steps.values()}
+    assert len(pushed) == 1 and pushed.pop() > 0
 
 
 @pytest.mark.slow

@@ -155,7 +155,8 @@ class _Ctx:
         from types import SimpleNamespace
 
         self.rank, self.policy_version, self.state = 0, 0, {}
-        self.weight_sync = SimpleNamespace(bucket_bytes=4096, push=lambda version: bytes_per_push)
+        push = lambda version: bytes_per_push  # noqa: E731
+        self.weight_sync = SimpleNamespace(bucket_bytes=4096, push=push, pending=False)
         self.learner = SimpleNamespace(broadcast=lambda method, *args: [next(sizes)])
         sizes = iter(buckets)
 

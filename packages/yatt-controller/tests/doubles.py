@@ -264,12 +264,19 @@ class WeightsDouble:
             "b": torch.randn(32, generator=gen),  # 128 bytes
             "h": torch.randn(16, generator=gen).to(torch.float16),  # 32 bytes, a second dtype bucket
         }
-        self.version, self.handed = -1, {}
+        self.version, self.handed, self.refuse = -1, {}, ""
 
     def named_weights(self):
         return list(self.weights.items())
 
+    def refuse_next_load(self, message: str) -> None:
+        """The next `load_weights` raises ValueError(message) (a target that fails while a push lands)."""
+        self.refuse = message
+
     def load_weights(self, named, version: int) -> None:
+        if self.refuse:
+            message, self.refuse = self.refuse, ""
+            raise ValueError(message)
         self.handed = {name: t.data_ptr() for name, t in named}
         for name, tensor in named:
             self.weights[name].copy_(tensor)

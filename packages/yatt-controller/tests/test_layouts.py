@@ -196,6 +196,27 @@ def test_auto_weight_sync_serves_a_mixed_layout_in_one_push(session):
         assert c["pid"] not in (src[0]["pid"], src[1]["pid"])
         assert set(c["handed"].values()).isdisjoint({*src[0]["own"].values(), *src[1]["own"].values()})
 
+        # a push left under way (`start`): `settle` waits and returns its bytes; a second `start` settles the
+        # first one before it begins and carries its bytes into the next `settle`
+        ray.get(source.broadcast("perturb", 0.5))
+        sync.start(10)
+        assert sync.pending
+        sync.start(11)
+        assert sync.settle() == 2 * 3 * WEIGHT_BYTES and not sync.pending and sync.settle() == 0
+        src = ray.get(source.broadcast("state"))
+        a, b, c = ray.get(targets.broadcast("state"))
+        assert [t["version"] for t in (a, b, c)] == [11, 11, 11]
+        assert a["digest"] == b["digest"] == c["digest"] == src[0]["digest"]
+        # a target that fails while the push lands: the failure is raised by the settle, once
+        ray.get(
+            targets.workers[2].host.call.remote(targets.workers[2].key, "refuse_next_load", ("full",), {})
+        )
+        sync.start(12)
+        with pytest.raises(ValueError, match="full"):
+            sync.settle()
+        assert not sync.pending and sync.settle() == 0
+        assert sync.push(12) == 3 * WEIGHT_BYTES  # the group still serves the next push
+
         # a move: the targets are now A and C; a fresh broadcast group, then the next version reaches both
         ray.get(source.broadcast("perturb", 1.0))
         sync.retarget([targets.view([0, 2])])
@@ -203,7 +224,7 @@ def test_auto_weight_sync_serves_a_mixed_layout_in_one_push(session):
         assert sync.push(8) == 2 * WEIGHT_BYTES
         src = ray.get(source.broadcast("state"))
         a, b, c = ray.get(targets.broadcast("state"))
-        assert [t["version"] for t in (a, b, c)] == [8, 7, 8]
+        assert [t["version"] for t in (a, b, c)] == [8, 12, 8]
         assert a["digest"] == c["digest"] == src[0]["digest"] != b["digest"]
         sync.retarget([targets.view([1])])  # in process only: no broadcast group at all
         assert sync.group_name == "" and sync.push(9) == WEIGHT_BYTES and sync.last_broadcast_bytes == 0

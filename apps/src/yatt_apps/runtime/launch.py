@@ -23,7 +23,7 @@ from yatt_apps.io.models import load_tokenizer, prepare_model, tokenizer_corpus
 from yatt_apps.io.row_sources import open_rows, stream_check
 from yatt_apps.io.rundir import RunDir
 from yatt_apps.runtime.job import JobDef
-from yatt_apps.runtime.phases import SyncBytes, initial_push
+from yatt_apps.runtime.phases import SyncBytes, background_push, initial_push
 from yatt_apps.runtime.progress import StepLogger, quiet_transformers
 from yatt_apps.runtime.step_metrics import ValidationSet
 
@@ -366,7 +366,8 @@ def run_job(
         num_steps=cfg.run.num_steps,
         checkpoint_dir=str(run.checkpoints),
         on_step=logger,
-        initial_push=initial_push,  # streamed like every step's push: no rank holds the whole model
+        # streamed like every step's push: no rank holds the whole model
+        initial_push=functools.partial(initial_push, background=background_push(cfg)),
         **({"replan": hook} if (hook := replan_hook(cfg, job, plan, path / "placement.jsonl")) else {}),
     )
     failed = True

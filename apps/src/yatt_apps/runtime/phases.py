@@ -25,9 +25,27 @@ if TYPE_CHECKING:
 
 
 def learner_of(ctx: StepContext) -> WorkerGroup:
-    """This controller's learner group: every job here declares one (`Services.learner`)."""
+    """This controller's learner group: every job here declares one (`Services.learner`). A weight push this
+    controller left under way (`push_weights`) lands first: its sender reads the live weights."""
     assert ctx.learner is not None, "the job's services name no learner group"
+    settle_push(ctx)
     return ctx.learner
+
+
+def rollout_of(ctx: StepContext) -> WorkerGroup:
+    """This controller's rollout service, once a weight push it left under way has landed in every engine:
+    every generation after a push is made by the pushed version."""
+    settle_push(ctx)
+    return ctx.services["rollout"]
+
+
+def settle_push(ctx: StepContext) -> None:
+    """Wait for the weight push this controller left under way, if any; its bytes count in this step's
+    `sync/bytes` (`SyncBytes`)."""
+    if ctx.weight_sync is not None and ctx.weight_sync.pending:
+        landed = ctx.weight_sync.settle()
+        if landed and ctx.rank == 0:
+            ctx.state[SYNC_BYTES] = ctx.state.get(SYNC_BYTES, 0) + landed
 
 
 @functools.cache
@@ -224,7 +242,7 @@ def submit_rollout(ctx: StepContext, requests: list, per_replica: int) -> list:
     rollout replicas now (object refs)."""
     from yatt_controller.dispatch import split_evenly
 
-    rollout = ctx.services["rollout"]
+    rollout = rollout_of(ctx)
     chunks = [c for c in split_evenly(requests, num_chunks(len(requests), rollout.dp_size, per_replica)) if c]
     return [rollout.call_one("generate", chunk) for chunk in chunks]
 
@@ -300,7 +318,7 @@ def generate(
     from yatt_controller.dispatch import split_evenly
     from yatt_controller.stream import Stage, run_stream
 
-    rollout = ctx.services["rollout"]
+    rollout = rollout_of(ctx)
     requests = make_requests(rows, prompt_ids, sampling, tag, seed)
     chunks = [c for c in split_evenly(requests, rollout.dp_size) if c]
     result = run_stream(
@@ -415,7 +433,26 @@ def push_weights(ctx: StepContext, cfg: RunConfig, plan: PlacementPlan) -> None:
         if pairwise_push(ctx, cfg, plan):
             push_pairs(ctx, ctx.policy_version + 1)
         else:
-            sync_weights(ctx, stream=not cfg.algo.max_staleness, gather=learner_gathers_weights(cfg))
+            gather = learner_gathers_weights(cfg)
+            wait = not background_push(cfg)
+            sync_weights(ctx, stream=not cfg.algo.max_staleness, gather=gather, wait=wait)
+
+
+def background_push(cfg: RunConfig) -> bool:
+    """Whether a push is left under way while the controller goes on (the step's metrics, the next step's
+    prompts) and the engine receives and loads it: async training (`algo.max_staleness > 0`: no generation of
+    the step waits on it) with one controller (another controller's generation would not know to wait) and
+    a learner that gathers nothing for a push (DDP: it sends its live weights). The controller's next call to
+    the learner or the rollout engines waits for it to land (`learner_of`, `rollout_of`), as does the end of
+    the run. The attempt's first push is left under way too, so every step's `sync/bytes` is the push that
+    landed during it: the previous step's, or at an attempt's first step the attempt's first push."""
+    from yatt_apps.runtime.workers import learner_gathers_weights
+
+    return (
+        bool(cfg.algo.max_staleness)
+        and cfg.controller.num_controllers == 1
+        and not learner_gathers_weights(cfg)
+    )
 
 
 def pairwise_push(ctx: StepContext, cfg: RunConfig, plan: PlacementPlan) -> bool:
@@ -452,14 +489,20 @@ def push_pairs(ctx: StepContext, version: int) -> None:
         ctx.state[SYNC_BYTES] = ctx.state.get(SYNC_BYTES, 0) + received
 
 
-def sync_weights(ctx: StepContext, *, stream: bool = True, gather: bool = True) -> None:
+def sync_weights(ctx: StepContext, *, stream: bool = True, gather: bool = True, wait: bool = True) -> None:
     """Version v+1 to every rollout replica: the in-process copy where a replica shares a learner rank's
     process, the broadcast group elsewhere (`push_version`)."""
-    push_version(ctx, ctx.policy_version + 1, stream=stream, gather=gather)
+    push_version(ctx, ctx.policy_version + 1, stream=stream, gather=gather, wait=wait)
 
 
 def push_version(
-    ctx: StepContext, version: int, *, stream: bool = True, first: bool = False, gather: bool = True
+    ctx: StepContext,
+    version: int,
+    *,
+    stream: bool = True,
+    first: bool = False,
+    gather: bool = True,
+    wait: bool = True,
 ) -> None:
     """The learner's weights to every rollout replica as `version`; every controller calls it together.
 
@@ -471,7 +514,9 @@ def push_version(
     shards. Else every rank gathers the whole model first and one push reads it. DDP gathers nothing: one
     push reads the live weights. `first`: the push when an attempt starts (`initial_push`: no replica was
     replaced yet, so rank 0 re-forms no sync). `gather=False`: the caller knows the learner ranks hold nothing
-    for a push (`learner_gathers_weights`), so they are not asked (one call less per push)."""
+    for a push (`learner_gathers_weights`), so they are not asked (one call less per push). `wait=False` (one
+    push of live weights only: `background_push`): rank 0 starts the push and returns; it lands when
+    `settle_push` next runs, and its bytes count then."""
     if ctx.weight_sync is None:
         raise ValueError("sync_weights: the job's services define no weight_sync")
     learner, pushed, received = learner_of(ctx), 0, 0
@@ -486,27 +531,32 @@ def push_version(
             pushed += 1
     if not pushed:  # one push: the whole model gathered, or DDP's live weights
         ctx.barrier()  # every learner rank finished its update
-        received += _push(ctx, version, before=not first)
+        received += _push(ctx, version, before=not first, wait=wait)
         ctx.barrier()
     ctx.policy_version = version
     if received and not first:  # the step's `sync/bytes` (`SyncBytes`); an attempt's first push is no step's
         ctx.state[SYNC_BYTES] = ctx.state.get(SYNC_BYTES, 0) + received
 
 
-def initial_push(ctx: StepContext, version: int) -> None:
+def initial_push(ctx: StepContext, version: int, *, background: bool = False) -> None:
     """`yatt_controller.Job.initial_push`: the engines get the (restored) learner's weights when an attempt
-    starts, streamed like every step's push, so no rank ever holds the whole unsharded model."""
-    push_version(ctx, version, first=True)
+    starts, streamed like every step's push, so no rank ever holds the whole unsharded model. `background`
+    (`background_push`): left under way, it lands in the first step (which counts its bytes)."""
+    push_version(ctx, version, first=True, wait=not background)
 
 
-def _push(ctx: StepContext, version: int, *, before: bool) -> int:
+def _push(ctx: StepContext, version: int, *, before: bool, wait: bool = True) -> int:
     """Rank 0 pushes; returns the bytes the engines received (`WeightSync.push` counts them where they
-    land: each in-process copy's tensors, each broadcast receiver's buckets); 0 on the other ranks."""
+    land: each in-process copy's tensors, each broadcast receiver's buckets); 0 on the other ranks, and for
+    a push left under way (`wait=False`: `settle_push` counts it)."""
     if ctx.rank != 0:
         return 0
     assert ctx.weight_sync is not None
     if before:
         ctx.before_push()
+    if not wait:
+        ctx.weight_sync.start(version)
+        return 0
     return int(ctx.weight_sync.push(version) or 0)
 
 

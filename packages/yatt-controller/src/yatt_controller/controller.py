@@ -269,6 +269,8 @@ class ControllerCore:
         if self.checkpoint.pending:  # the run waits for its last write before it ends
             self._progress("checkpoint")
             self.checkpoint.settle()
+        if self.ctx.weight_sync is not None:  # and for a weight push its last step left under way
+            self.ctx.weight_sync.settle()
         return end_step
 
     def _roster_metrics(self) -> dict[str, float]:

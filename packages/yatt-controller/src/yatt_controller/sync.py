@@ -10,7 +10,9 @@ on what they produce; controllers refuse samples of another version (`check_vers
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import ray
@@ -33,6 +35,17 @@ def check_versions(versions: Sequence[int], expected: int, *, max_staleness: int
             f"samples of policy versions {bad} in a step that expects version {expected} "
             f"(max_staleness {max_staleness}); refusing to train on them"
         )
+
+
+@dataclass
+class _Pending:
+    """A push under way (`WeightSync.start`): the in-process copies, the broadcast's send (None without one),
+    the remote hosts' receive-and-load calls, and the bytes of an earlier push it settled first."""
+
+    local: list
+    sent: Any
+    received: list
+    carried: int = 0
 
 
 class WeightSync:
@@ -65,7 +78,19 @@ class WeightSync:
         # the host process of the controller holding this copy (`Controller.hosted_by`): its pushes there run
         # in process (`local_calls`)
         self.here: local_calls.Here | None = None
+        self._pending: _Pending | None = None  # a push started and not yet settled (this process's)
+        self._settling = threading.Lock()
         self._assign(targets)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy for another process (a controller) has no push under way: refs stay where they were made."""
+        state = dict(self.__dict__)
+        state["_pending"], state["_settling"] = None, None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._settling = threading.Lock()
 
     def _assign(self, targets: Sequence[WorkerGroup]) -> None:
         """Split the target workers into in-process pairs and remote host processes."""
@@ -132,6 +157,7 @@ class WeightSync:
     def retarget(self, targets: Sequence[WorkerGroup]) -> None:
         """Serve a new target set (replicas moved): re-split local and remote and form a fresh broadcast group
         (`{group}-{generation}`) from the sender and the new remote hosts. The caller pushes next."""
+        self.settle()  # a push under way finishes on the old group first
         old = self.group_name
         self.generation += 1
         self._assign(targets)
@@ -148,25 +174,58 @@ class WeightSync:
         broadcast: a controller's share of a pairwise push, where each controller loads the targets beside
         its own learner ranks (full colocation whose sources all hold the same weights, DDP). Every pair
         belongs to one controller's sources, so the controllers' shares together are the whole push."""
-        pairs = self.pairs if sources is None else [(s, d) for s, d in self.pairs if s.label in sources]
-        local = [
-            local_calls.call(self.here, dst.host, "sync_local", src.key, dst.key, version)
-            for src, dst in pairs
-        ]
-        received = []
-        if self.remote and sources is None:
-            if not self.group_name:
-                raise ValueError("WeightSync.push: remote targets but no broadcast group; call setup() first")
-            sender = self.source.workers[0]
-            buckets = local_calls.get(
-                local_calls.call(self.here, sender.host, "sync_plan", sender.key, self.bucket_bytes)
-            )
-            sent = local_calls.call(self.here, sender.host, "sync_send", self.group_name, sender.key, buckets)
-            received = [
-                host.sync_recv.remote(self.group_name, keys, buckets, version)
-                for host, keys, _ in self.remote
+        self.start(version, sources=sources)
+        return self.settle()
+
+    def start(self, version: int, *, sources: Collection[str] | None = None) -> None:
+        """`push` without the wait: the in-process copies, the broadcast's send and the targets' loads are
+        under way when it returns, and `settle()` waits for them. Until then the caller neither changes the
+        sources' weights nor uses the targets (the sender reads the live weights while it sends; a target
+        loads when it has received). A push still under way is settled first (its bytes count in the next
+        `settle()`)."""
+        with self._settling:
+            carried = self._settle()
+            pairs = self.pairs if sources is None else [(s, d) for s, d in self.pairs if s.label in sources]
+            local = [
+                local_calls.call(self.here, dst.host, "sync_local", src.key, dst.key, version)
+                for src, dst in pairs
             ]
-            local_calls.get(sent)
-        self.last_local_bytes = sum(local_calls.get(local))
-        self.last_broadcast_bytes = sum(ray.get(received))
-        return self.last_local_bytes + self.last_broadcast_bytes
+            sent, received = None, []
+            if self.remote and sources is None:
+                if not self.group_name:
+                    raise ValueError(
+                        "WeightSync.push: remote targets but no broadcast group; call setup() first"
+                    )
+                sender = self.source.workers[0]
+                buckets = local_calls.get(
+                    local_calls.call(self.here, sender.host, "sync_plan", sender.key, self.bucket_bytes)
+                )
+                sent = local_calls.call(
+                    self.here, sender.host, "sync_send", self.group_name, sender.key, buckets
+                )
+                received = [
+                    host.sync_recv.remote(self.group_name, keys, buckets, version)
+                    for host, keys, _ in self.remote
+                ]
+            self._pending = _Pending(local, sent, received, carried)
+
+    def settle(self) -> int:
+        """Wait for the push `start` began (nothing to wait for: 0); returns its bytes as `push` does. A push
+        that failed raises here, once."""
+        with self._settling:
+            return self._settle()
+
+    @property
+    def pending(self) -> bool:
+        """Whether a push was started and not settled yet."""
+        return self._pending is not None
+
+    def _settle(self) -> int:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return 0
+        if pending.sent is not None:
+            local_calls.get(pending.sent)
+        self.last_local_bytes = sum(local_calls.get(pending.local))
+        self.last_broadcast_bytes = sum(ray.get(pending.received))
+        return pending.carried + self.last_local_bytes + self.last_broadcast_bytes

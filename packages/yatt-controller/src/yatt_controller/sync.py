@@ -157,7 +157,7 @@ class WeightSync:
     def retarget(self, targets: Sequence[WorkerGroup]) -> None:
         """Serve a new target set (replicas moved): re-split local and remote and form a fresh broadcast group
         (`{group}-{generation}`) from the sender and the new remote hosts. The caller pushes next."""
-        self.settle()  # a push under way finishes on the old group first
+        self.settle()  # a push under way finishes on the old group first (its bytes count in no step)
         old = self.group_name
         self.generation += 1
         self._assign(targets)
@@ -190,7 +190,9 @@ class WeightSync:
                 local_calls.call(self.here, dst.host, "sync_local", src.key, dst.key, version)
                 for src, dst in pairs
             ]
-            sent, received = None, []
+            # pending from here on: should the broadcast fail to start, the next settle still waits for the
+            # copies under way and returns the bytes carried
+            self._pending = pending = _Pending(local, None, [], carried)
             if self.remote and sources is None:
                 if not self.group_name:
                     raise ValueError(
@@ -200,14 +202,13 @@ class WeightSync:
                 buckets = local_calls.get(
                     local_calls.call(self.here, sender.host, "sync_plan", sender.key, self.bucket_bytes)
                 )
-                sent = local_calls.call(
+                pending.sent = local_calls.call(
                     self.here, sender.host, "sync_send", self.group_name, sender.key, buckets
                 )
-                received = [
+                pending.received = [
                     host.sync_recv.remote(self.group_name, keys, buckets, version)
                     for host, keys, _ in self.remote
                 ]
-            self._pending = _Pending(local, sent, received, carried)
 
     def settle(self) -> int:
         """Wait for the push `start` began (nothing to wait for: 0); returns its bytes as `push` does. A push

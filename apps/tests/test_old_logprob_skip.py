@@ -97,6 +97,7 @@ class TwoRankCtxDouble:
 
     def __init__(self, workers) -> None:
         self.learner, self.workers = self, workers
+        self.weight_sync = None  # no engines to push to
 
     def shard_rows(self, method: str, batch: dict) -> list:
         half = batch["input_ids"].shape[0] // 2

@@ -61,7 +61,8 @@ class Ctx:
 
     def __init__(self, rank: int, sizes: list[int]) -> None:
         self.rank, self.policy_version, self.log = rank, 3, []
-        self.weight_sync = SimpleNamespace(bucket_bytes=4096, push=lambda v: self.log.append(("push", v)))
+        push = lambda v: self.log.append(("push", v))  # noqa: E731
+        self.weight_sync = SimpleNamespace(bucket_bytes=4096, push=push, pending=False)
         self.learner = SimpleNamespace(broadcast=self._broadcast)
         self._sizes = iter(sizes)
 

@@ -163,8 +163,9 @@ def test_a_host_ping_reads_its_calls_while_they_change():
     assert len(busy) > 2  # the stand-in did change the dict while it was read
     with pytest.raises(RuntimeError, match="changed size during iteration"):  # what ping used to do
         min(busy.values(), key=lambda call: call[1])
+    before = time.time()
     phase, since = longest_call({})
-    assert phase == "" and abs(since - time.time()) < 5
+    assert phase == "" and before <= since <= time.time()  # no call: nothing busy, as of now
 
 
 def test_payload_nbytes_counts_payload_not_structure():

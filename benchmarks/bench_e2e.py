@@ -204,7 +204,7 @@ def stamped(job, path: Path):
     return dataclasses.replace(job, step=step)
 
 
-class LogWatch:
+class StampWatch:
     """Reads the CPU clocks when the lines of `path` (`StampedSteps`: one a step) reach `first` and then
     `last`, from a thread polling the file every 10 ms."""
 
@@ -303,7 +303,7 @@ def run_yatt(policy_dir: str, root: Path, args: argparse.Namespace, layout: str)
     )
     # the timed steps' CPU: from the end of the last warm-up step to the end of the last step
     stamps = root / f"{run_dir.name}.steps"
-    watch = LogWatch(stamps, max(args.warmup, 1), args.warmup + args.steps)
+    watch = StampWatch(stamps, max(args.warmup, 1), args.warmup + args.steps)
     summary = run_job(cfg, run_dir, stamped(JOB, stamps))
     cpu = watch.result()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
